@@ -1,0 +1,108 @@
+"""The "full" cache: a hash index over a growable rows array; it never evicts.
+
+It is the device_mem preset's only level and the host-memory store under cached_host_mem. On CPU
+its rows live in RAM. ``capacity`` is a sizing hint: past it the rows array doubles (with a
+warning) instead of writing out of bounds as OneFlow's full cache does.
+"""
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Iterator
+
+import numpy as np
+
+from ..errors import CapacityError, SnapshotError
+from ..store.base import Tier, empty_lines
+from ..store.durable import read_array, write_array
+from .hash_index import HashIndex
+
+
+class FullCache(Tier):
+    evicts = False
+
+    def __init__(self, line_size: int, capacity: int | None = None, name: str = "device.full",
+                 max_rows: int | None = None):
+        super().__init__()
+        self.line_size = int(line_size)
+        self.name = name
+        self.capacity = int(capacity) if capacity else None
+        self.max_rows = max_rows
+        initial = min(self.capacity or 1024, 1 << 20)
+        self._index = HashIndex(initial)
+        self._rows = np.zeros((initial, self.line_size), np.float32)
+        self._warned = False
+
+    def __len__(self) -> int:
+        return len(self._index)
+
+    @property
+    def memory_bytes(self) -> int:
+        return self._rows.nbytes + self._index.nbytes
+
+    def _ensure_rows(self, n_rows: int) -> None:
+        if n_rows <= self._rows.shape[0]:
+            return
+        if self.max_rows is not None and n_rows > self.max_rows:
+            raise CapacityError(
+                f"{self.name} would need {n_rows} rows but max_rows={self.max_rows}: "
+                "raise the capacity or use a cached store preset"
+            )
+        if self.capacity and n_rows > self.capacity and not self._warned:
+            warnings.warn(
+                f"{self.name}: {n_rows} keys exceed capacity={self.capacity}; growing the table "
+                "(set capacity to the expected number of keys to avoid regrowth)",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+            self._warned = True
+        new = max(n_rows, 2 * self._rows.shape[0])
+        if self.capacity and n_rows <= self.capacity:
+            new = min(new, self.capacity)
+        grown = np.zeros((new, self.line_size), np.float32)
+        grown[: self._rows.shape[0]] = self._rows
+        self._rows = grown
+
+    def find(self, keys):
+        slots = self._index.find(keys)
+        found = slots >= 0
+        hits = int(found.sum())
+        self.counters.hits += hits
+        self.counters.misses += keys.shape[0] - hits
+        return found, self._rows[slots[found]]
+
+    def insert_or_assign(self, keys, lines):
+        slots, _ = self._index.find_or_insert(keys)
+        self._ensure_rows(self._index.slot_limit)
+        self._rows[slots] = lines
+        self.counters.writes += keys.shape[0]
+        return empty_lines(self.line_size)
+
+    def export_batches(self, batch_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        keys, slots = self._index.items()
+        order = np.argsort(keys, kind="stable")  # deterministic export order
+        keys, slots = keys[order], slots[order]
+        for start in range(0, keys.shape[0], batch_rows):
+            stop = start + batch_rows
+            yield keys[start:stop], self._rows[slots[start:stop]]
+
+    def clear(self) -> None:
+        self._index.clear()
+
+    # -- snapshots: keys.npy + lines.npy, sorted by key --------------------------------------
+    def save_snapshot(self, directory: str) -> None:
+        keys, slots = self._index.items()
+        order = np.argsort(keys, kind="stable")
+        write_array(os.path.join(directory, "keys.npy"), keys[order])
+        write_array(os.path.join(directory, "lines.npy"), self._rows[slots[order]])
+
+    def load_snapshot(self, directory: str) -> None:
+        keys = read_array(os.path.join(directory, "keys.npy"))
+        lines = read_array(os.path.join(directory, "lines.npy"))
+        if lines.shape != (keys.shape[0], self.line_size):
+            raise SnapshotError(
+                f"snapshot {directory!r} holds lines of shape {lines.shape}, expected "
+                f"({keys.shape[0]}, {self.line_size})"
+            )
+        self.clear()
+        self.insert_or_assign(keys, lines)

@@ -1,0 +1,242 @@
+"""Key -> slot hash index: open addressing with linear probing, compiled with numba.
+
+The "full" cache, the host-memory store and the slot-file SSD engine all keep their rows in a
+plain array (or file) and find them through this index (DESIGN.md decision 5). numpy cannot
+vectorise probing, so the hot loops are ``@njit(cache=True)`` functions at module level.
+
+Layout: ``table_keys (cap,) uint64`` and ``table_slots (cap,) int64``, ``cap`` a power of two;
+``table_slots == -1`` marks an empty bucket, so every uint64 value is a valid key. Deletion uses
+backward-shift, so there are no tombstones and probe chains stay short.
+"""
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+EMPTY = -1
+MAX_LOAD = 0.7
+
+
+@njit(cache=True, inline="always")
+def _bucket(key, mask):
+    # splitmix64 finalizer: spreads sequential ids (Criteo offsets) over the table
+    z = key
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    z = z ^ (z >> np.uint64(31))
+    return np.int64(z & np.uint64(mask))
+
+
+@njit(cache=True)
+def _find(table_keys, table_slots, keys, out_slots):
+    mask = table_keys.shape[0] - 1
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        b = _bucket(k, mask)
+        while True:
+            s = table_slots[b]
+            if s == EMPTY:
+                out_slots[i] = EMPTY
+                break
+            if table_keys[b] == k:
+                out_slots[i] = s
+                break
+            b = (b + 1) & mask
+
+
+@njit(cache=True)
+def _assign(table_keys, table_slots, keys, slots):
+    """Insert or overwrite key -> slot; returns how many keys were new."""
+    mask = table_keys.shape[0] - 1
+    n_new = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        b = _bucket(k, mask)
+        while True:
+            s = table_slots[b]
+            if s == EMPTY:
+                table_keys[b] = k
+                table_slots[b] = slots[i]
+                n_new += 1
+                break
+            if table_keys[b] == k:
+                table_slots[b] = slots[i]
+                break
+            b = (b + 1) & mask
+    return n_new
+
+
+@njit(cache=True)
+def _find_or_insert(table_keys, table_slots, keys, next_slot, free_slots, n_free, out_slots, out_new):
+    """Slots of ``keys``; a new key takes a free slot (LIFO from ``free_slots[:n_free]``) or
+    ``next_slot``, ``next_slot + 1``, ... Returns (next_slot, n_free)."""
+    mask = table_keys.shape[0] - 1
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        b = _bucket(k, mask)
+        while True:
+            s = table_slots[b]
+            if s == EMPTY:
+                if n_free > 0:
+                    n_free -= 1
+                    s = free_slots[n_free]
+                else:
+                    s = next_slot
+                    next_slot += 1
+                table_keys[b] = k
+                table_slots[b] = s
+                out_slots[i] = s
+                out_new[i] = True
+                break
+            if table_keys[b] == k:
+                out_slots[i] = s
+                out_new[i] = False
+                break
+            b = (b + 1) & mask
+    return next_slot, n_free
+
+
+@njit(cache=True)
+def _erase(table_keys, table_slots, keys, out_slots):
+    """Remove keys (backward-shift deletion); ``out_slots[i]`` is the freed slot or -1."""
+    mask = table_keys.shape[0] - 1
+    n_erased = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        b = _bucket(k, mask)
+        out_slots[i] = EMPTY
+        while True:
+            s = table_slots[b]
+            if s == EMPTY:
+                break
+            if table_keys[b] == k:
+                out_slots[i] = s
+                n_erased += 1
+                # shift later members of the probe chain back into the hole
+                hole = b
+                j = (b + 1) & mask
+                while table_slots[j] != EMPTY:
+                    home = _bucket(table_keys[j], mask)
+                    # move j into the hole unless its home lies cyclically in (hole, j]
+                    if (j > hole and (home <= hole or home > j)) or (j < hole and (home <= hole and home > j)):
+                        table_keys[hole] = table_keys[j]
+                        table_slots[hole] = table_slots[j]
+                        hole = j
+                    j = (j + 1) & mask
+                table_slots[hole] = EMPTY
+                break
+            b = (b + 1) & mask
+    return n_erased
+
+
+@njit(cache=True)
+def _occupied(table_keys, table_slots, out_keys, out_slots):
+    n = 0
+    for b in range(table_keys.shape[0]):
+        if table_slots[b] != EMPTY:
+            out_keys[n] = table_keys[b]
+            out_slots[n] = table_slots[b]
+            n += 1
+    return n
+
+
+def _capacity_for(n_keys: int) -> int:
+    cap = 16
+    while cap * MAX_LOAD < n_keys:
+        cap *= 2
+    return cap
+
+
+class HashIndex:
+    """Maps uint64 keys to int64 row slots; grows (rehashes) before the load passes 0.7.
+
+    Slots are handed out densely from 0 and freed slots are reused, so the rows array (or file)
+    behind the index never holds more rows than the index ever held at once.
+    """
+
+    def __init__(self, expected_keys: int = 0):
+        cap = _capacity_for(max(int(expected_keys), 1))
+        self._keys = np.zeros(cap, np.uint64)
+        self._slots = np.full(cap, EMPTY, np.int64)
+        self._size = 0
+        self._next_slot = 0
+        self._free = np.empty(16, np.int64)
+        self._n_free = 0
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def slot_limit(self) -> int:
+        """One past the highest slot ever handed out: the rows the backing storage must hold."""
+        return self._next_slot
+
+    @property
+    def nbytes(self) -> int:
+        return self._keys.nbytes + self._slots.nbytes + self._free.nbytes
+
+    def _reserve(self, extra: int) -> None:
+        need = self._size + extra
+        if need <= self._keys.shape[0] * MAX_LOAD:
+            return
+        keys, slots = self.items()
+        cap = _capacity_for(need)
+        self._keys = np.zeros(cap, np.uint64)
+        self._slots = np.full(cap, EMPTY, np.int64)
+        _assign(self._keys, self._slots, keys, slots)
+
+    def find(self, keys: np.ndarray) -> np.ndarray:
+        """keys: (n,) uint64 -> slots (n,) int64, -1 where absent."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        out = np.empty(keys.shape[0], np.int64)
+        _find(self._keys, self._slots, keys, out)
+        return out
+
+    def find_or_insert(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """keys: (n,) uint64, unique -> (slots (n,) int64, is_new (n,) bool)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        self._reserve(keys.shape[0])
+        slots = np.empty(keys.shape[0], np.int64)
+        is_new = np.empty(keys.shape[0], np.bool_)
+        self._next_slot, self._n_free = _find_or_insert(
+            self._keys, self._slots, keys, self._next_slot, self._free, self._n_free, slots, is_new
+        )
+        self._size += int(is_new.sum())
+        return slots, is_new
+
+    def assign(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Insert or overwrite key -> slot (for restoring an index exactly as it was saved)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        slots = np.ascontiguousarray(slots, np.int64)
+        self._reserve(keys.shape[0])
+        self._size += int(_assign(self._keys, self._slots, keys, slots))
+        if slots.size:
+            self._next_slot = max(self._next_slot, int(slots.max()) + 1)
+
+    def erase(self, keys: np.ndarray) -> np.ndarray:
+        """Remove keys; returns the slots they held (-1 for absent keys). Slots become reusable."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        out = np.empty(keys.shape[0], np.int64)
+        self._size -= int(_erase(self._keys, self._slots, keys, out))
+        freed = out[out != EMPTY]
+        if freed.size:
+            if self._n_free + freed.size > self._free.shape[0]:
+                grown = np.empty(max(2 * self._free.shape[0], self._n_free + freed.size), np.int64)
+                grown[: self._n_free] = self._free[: self._n_free]
+                self._free = grown
+            self._free[self._n_free : self._n_free + freed.size] = freed
+            self._n_free += freed.size
+        return out
+
+    def items(self) -> tuple[np.ndarray, np.ndarray]:
+        """All (keys (n,) uint64, slots (n,) int64), in bucket order."""
+        keys = np.empty(self._size, np.uint64)
+        slots = np.empty(self._size, np.int64)
+        n = _occupied(self._keys, self._slots, keys, slots)
+        return keys[:n], slots[:n]
+
+    def clear(self) -> None:
+        self._slots.fill(EMPTY)
+        self._size = 0
+        self._next_slot = 0
+        self._n_free = 0

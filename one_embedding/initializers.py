@@ -1,0 +1,83 @@
+"""Deterministic, counter-based initial values: value = f(seed, key, column, initializer).
+
+A new key's row does not depend on rank, tier, batch position or time (REFERENCE.md). Each value
+comes from hashing the counter (seed, key, column, stream) with splitmix64 in uint64 arithmetic,
+which numpy and CuPy evaluate bit-identically; the float math after it is done in float64 and
+rounded to float32 once.
+
+Hash: ``h = mix(mix(mix(seed ^ SEED_SALT) ^ key) + (column << 8 | stream) * GOLDEN)`` with
+``mix`` the splitmix64 finalizer. ``uniform01(h) = (h >> 11) * 2**-53`` in [0, 1).
+Normal values use Box-Muller on streams (2k, 2k+1); truncated normal values use rejection over
+up to ``TRUNC_NORMAL_TRIES`` stream pairs, then clip (the probability of reaching the clip is
+below 1e-12 for bounds at +-2 std).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .options import (
+    ConstantInitializer,
+    Initializer,
+    NormalInitializer,
+    TruncNormalInitializer,
+    UniformInitializer,
+)
+
+GOLDEN = 0x9E3779B97F4A7C15
+SEED_SALT = 0x5851F42D4C957F2D
+MIX1 = 0xBF58476D1CE4E5B9
+MIX2 = 0x94D049BB133111EB
+TRUNC_NORMAL_TRIES = 8
+
+
+def splitmix64(xp, z):
+    """The splitmix64 finalizer on a uint64 array (wrapping arithmetic)."""
+    z = (z ^ (z >> xp.uint64(30))) * xp.uint64(MIX1)
+    z = (z ^ (z >> xp.uint64(27))) * xp.uint64(MIX2)
+    return z ^ (z >> xp.uint64(31))
+
+
+def counter_hash(xp, seed: int, keys, columns, stream: int = 0):
+    """uint64 hash of (seed, key, column, stream).
+
+    keys: (n,) uint64; columns: (E,) uint64 -> (n, E) uint64. ``stream`` < 256 selects independent
+    sequences for the same (key, column).
+    """
+    s = splitmix64(xp, xp.asarray([(int(seed) ^ SEED_SALT) & 0xFFFFFFFFFFFFFFFF], dtype=xp.uint64))
+    k = splitmix64(xp, keys.astype(xp.uint64)[:, None] ^ s)
+    c = ((columns.astype(xp.uint64) << xp.uint64(8)) | xp.uint64(stream)) * xp.uint64(GOLDEN)
+    return splitmix64(xp, k + c[None, :])
+
+
+def uniform01(xp, h):
+    """uint64 hash -> float64 uniform in [0, 1) from its top 53 bits."""
+    return (h >> xp.uint64(11)).astype(xp.float64) * (1.0 / 9007199254740992.0)
+
+
+def _standard_normal(xp, seed, keys, columns, pair: int):
+    u1 = uniform01(xp, counter_hash(xp, seed, keys, columns, 2 * pair))
+    u2 = uniform01(xp, counter_hash(xp, seed, keys, columns, 2 * pair + 1))
+    # 1 - u1 lies in (0, 1], so the log is finite
+    return xp.sqrt(-2.0 * xp.log1p(-u1)) * xp.cos(2.0 * np.pi * u2)
+
+
+def initial_values(xp, init: Initializer, seed: int, keys, columns):
+    """Initial values of ``keys`` (n,) uint64 at ``columns`` (E,) -> (n, E) float32."""
+    n, e = keys.shape[0], columns.shape[0]
+    if isinstance(init, ConstantInitializer):
+        return xp.full((n, e), init.value, dtype=xp.float32)
+    if isinstance(init, UniformInitializer):
+        u = uniform01(xp, counter_hash(xp, seed, keys, columns, 0))
+        return (init.low + (init.high - init.low) * u).astype(xp.float32)
+    if isinstance(init, NormalInitializer):
+        return (init.mean + init.std * _standard_normal(xp, seed, keys, columns, 0)).astype(xp.float32)
+    if isinstance(init, TruncNormalInitializer):
+        out = xp.full((n, e), xp.nan, dtype=xp.float64)
+        for pair in range(TRUNC_NORMAL_TRIES):
+            x = init.mean + init.std * _standard_normal(xp, seed, keys, columns, pair)
+            take = xp.isnan(out) & (x >= init.a) & (x <= init.b)
+            out = xp.where(take, x, out)
+        out = xp.where(xp.isnan(out), xp.clip(init.mean, init.a, init.b), out)
+        # float32 rounding may step just outside [a, b]: clamp in float32
+        return xp.clip(out.astype(xp.float32), xp.float32(init.a), xp.float32(init.b))
+    raise TypeError(f"unknown initializer {init!r}")

@@ -1,0 +1,296 @@
+"""Options: initializers, tables and columns, store presets.
+
+Frozen dataclasses, each validated once in ``__post_init__``; the ``make_*`` builders on top carry
+OneEmbedding's names and defaults (REFERENCE.md, "Public names").
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Sequence, Union
+
+from .errors import ConfigError
+
+# ---------------------------------------------------------------- initializers
+
+
+def _finite(name: str, value) -> float:
+    try:
+        v = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name}={value!r} is not a number") from None
+    if not math.isfinite(v):
+        raise ConfigError(f"{name}={value!r} must be finite")
+    return v
+
+
+@dataclass(frozen=True)
+class UniformInitializer:
+    """Values uniform in [low, high)."""
+
+    low: float = 0.0
+    high: float = 1.0
+
+    def __post_init__(self):
+        low, high = _finite("low", self.low), _finite("high", self.high)
+        if not low < high:
+            raise ConfigError(f"uniform initializer needs low < high, got low={low}, high={high}")
+        object.__setattr__(self, "low", low)
+        object.__setattr__(self, "high", high)
+
+
+@dataclass(frozen=True)
+class NormalInitializer:
+    """Values from N(mean, std**2)."""
+
+    mean: float = 0.0
+    std: float = 1.0
+
+    def __post_init__(self):
+        mean, std = _finite("mean", self.mean), _finite("std", self.std)
+        if std < 0:
+            raise ConfigError(f"normal initializer needs std >= 0, got std={std}")
+        object.__setattr__(self, "mean", mean)
+        object.__setattr__(self, "std", std)
+
+
+@dataclass(frozen=True)
+class ConstantInitializer:
+    """Every value equal to ``value``."""
+
+    value: float = 0.0
+
+    def __post_init__(self):
+        object.__setattr__(self, "value", _finite("value", self.value))
+
+
+@dataclass(frozen=True)
+class TruncNormalInitializer:
+    """N(mean, std**2) restricted to [a, b] (absolute bounds, as in PyTorch's trunc_normal_)."""
+
+    mean: float = 0.0
+    std: float = 1.0
+    a: float = -2.0
+    b: float = 2.0
+
+    def __post_init__(self):
+        vals = {k: _finite(k, getattr(self, k)) for k in ("mean", "std", "a", "b")}
+        if vals["std"] <= 0:
+            raise ConfigError(f"trunc_normal initializer needs std > 0, got std={vals['std']}")
+        if not vals["a"] < vals["b"]:
+            raise ConfigError(f"trunc_normal initializer needs a < b, got a={vals['a']}, b={vals['b']}")
+        for k, v in vals.items():
+            object.__setattr__(self, k, v)
+
+
+Initializer = Union[UniformInitializer, NormalInitializer, ConstantInitializer, TruncNormalInitializer]
+_INITIALIZER_TYPES = (UniformInitializer, NormalInitializer, ConstantInitializer, TruncNormalInitializer)
+
+#: REFERENCE.md: the default when ``tables=None`` and no ``default_initializer`` is given.
+DEFAULT_INITIALIZER = NormalInitializer(0.0, 0.05)
+
+
+def make_uniform_initializer(low: float = 0.0, high: float = 1.0) -> UniformInitializer:
+    return UniformInitializer(low, high)
+
+
+def make_normal_initializer(mean: float = 0.0, std: float = 1.0) -> NormalInitializer:
+    return NormalInitializer(mean, std)
+
+
+def make_constant_initializer(value: float) -> ConstantInitializer:
+    return ConstantInitializer(value)
+
+
+def make_trunc_normal_initializer(
+    mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0
+) -> TruncNormalInitializer:
+    return TruncNormalInitializer(mean, std, a, b)
+
+
+def check_initializer(obj, where: str) -> Initializer:
+    if not isinstance(obj, _INITIALIZER_TYPES):
+        raise ConfigError(
+            f"{where} is {obj!r}, not an initializer: build one with make_uniform_initializer, "
+            "make_normal_initializer, make_constant_initializer or make_trunc_normal_initializer"
+        )
+    return obj
+
+
+# ---------------------------------------------------------------- tables and columns
+
+
+@dataclass(frozen=True)
+class ColumnOptions:
+    initializer: Initializer
+
+    def __post_init__(self):
+        check_initializer(self.initializer, "column initializer")
+
+
+@dataclass(frozen=True)
+class TableOptions:
+    """A table carries only initializers, one per column; it has no size (one key space)."""
+
+    columns: tuple[ColumnOptions, ...]
+
+    def __post_init__(self):
+        if not self.columns:
+            raise ConfigError("a table needs at least one column")
+        object.__setattr__(self, "columns", tuple(self.columns))
+
+
+def make_column_options(initializer: Initializer) -> ColumnOptions:
+    return ColumnOptions(check_initializer(initializer, "make_column_options(initializer)"))
+
+
+def make_table_options(param: Union[Initializer, Sequence[ColumnOptions]]) -> TableOptions:
+    """A table from one initializer (one column) or a list of ``make_column_options`` results."""
+    if isinstance(param, _INITIALIZER_TYPES):
+        return TableOptions((ColumnOptions(param),))
+    if isinstance(param, (list, tuple)):
+        cols = []
+        for i, c in enumerate(param):
+            if isinstance(c, _INITIALIZER_TYPES):
+                c = ColumnOptions(c)
+            if not isinstance(c, ColumnOptions):
+                raise ConfigError(f"column {i} of the table is {c!r}: use make_column_options(initializer)")
+            cols.append(c)
+        return TableOptions(tuple(cols))
+    raise ConfigError(
+        f"make_table_options got {param!r}: pass an initializer or a list of make_column_options(...)"
+    )
+
+
+make_table = make_table_options
+
+# ---------------------------------------------------------------- store options
+
+STORE_KINDS = ("device_mem", "cached_host_mem", "cached_ssd")
+CACHE_POLICIES = ("full", "lru", "lfu")
+SSD_ENGINES = ("slots", "rocksdb")
+
+
+@dataclass(frozen=True)
+class CacheOptions:
+    """One cache level. ``budget_mb`` sizes an evicting cache; a "full" cache holds every key."""
+
+    policy: str
+    location: str  # "device" (GPU memory, RAM on CPU) or "host"
+    budget_mb: float | None = None
+    ways: int = 32
+
+    def __post_init__(self):
+        if self.policy not in CACHE_POLICIES:
+            raise ConfigError(f"cache policy {self.policy!r} is not one of {CACHE_POLICIES}")
+        if self.location not in ("device", "host"):
+            raise ConfigError(f"cache location {self.location!r} must be 'device' or 'host'")
+        if self.policy != "full":
+            if self.budget_mb is None or not float(self.budget_mb) > 0:
+                raise ConfigError(
+                    f"an {self.policy!r} cache needs cache_budget_mb > 0, got {self.budget_mb!r}"
+                )
+        if self.ways < 1:
+            raise ConfigError(f"ways={self.ways} must be >= 1")
+
+    def rows(self, line_size: int) -> int:
+        """Rows that fit the budget: budget_mb * 2**20 / (4 * line_size) (REFERENCE.md)."""
+        if self.budget_mb is None:
+            raise ConfigError("a 'full' cache has no row budget")
+        return int(self.budget_mb * 2**20 // (4 * line_size))
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """What ``make_*_store_options`` return; ``MultiTableEmbedding`` builds its tier chain from it."""
+
+    kind: str
+    persistent_path: str | None
+    capacity: int | None
+    size_factor: int = 1
+    storage_dim: int = -1
+    physical_block_size: int = 4096
+    caches: tuple[CacheOptions, ...] = field(default_factory=tuple)
+    engine: str | None = None  # bottom SSD engine for cached_ssd: "slots" or "rocksdb"
+
+    def __post_init__(self):
+        if self.kind not in STORE_KINDS:
+            raise ConfigError(f"store kind {self.kind!r} is not one of {STORE_KINDS}")
+        if self.capacity is not None and (int(self.capacity) != self.capacity or self.capacity <= 0):
+            raise ConfigError(f"capacity={self.capacity!r} must be a positive integer (or None)")
+        if int(self.size_factor) != self.size_factor or not 1 <= self.size_factor <= 8:
+            raise ConfigError(f"size_factor={self.size_factor!r} must be an integer in 1..8")
+        if self.storage_dim != -1 and (int(self.storage_dim) != self.storage_dim or self.storage_dim <= 0):
+            raise ConfigError(f"storage_dim={self.storage_dim!r} must be a positive integer or -1")
+        pbs = self.physical_block_size
+        if pbs not in (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
+            raise ConfigError(f"physical_block_size={pbs!r} must be a power of two in 512..65536")
+        if self.kind == "cached_ssd":
+            if self.engine not in SSD_ENGINES:
+                raise ConfigError(f"engine={self.engine!r} must be one of {SSD_ENGINES}")
+            if not self.persistent_path:
+                raise ConfigError("cached_ssd needs a persistent_path: the directory of the SSD table")
+        elif self.engine is not None:
+            raise ConfigError(f"engine={self.engine!r} applies to cached_ssd stores only")
+        if len(self.caches) > 2:
+            raise ConfigError(f"at most two cache levels, got {len(self.caches)}")
+        object.__setattr__(self, "caches", tuple(self.caches))
+
+    def line_size(self, embedding_dim: int) -> int:
+        """Floats per stored row: embedding + optimizer state."""
+        return int(self.storage_dim) if self.storage_dim != -1 else int(self.size_factor) * embedding_dim
+
+
+def make_device_mem_store_options(
+    persistent_path: str | None,
+    capacity: int | None,
+    size_factor: int = 1,
+    storage_dim: int = -1,
+    physical_block_size: int = 4096,
+) -> StoreOptions:
+    """One "full" (never evicting) cache in device memory (RAM on CPU) holding every key."""
+    return StoreOptions(
+        "device_mem", persistent_path, capacity, size_factor, storage_dim, physical_block_size,
+        caches=(CacheOptions("full", "device"),),
+    )
+
+
+def make_cached_host_mem_store_options(
+    cache_budget_mb: float,
+    persistent_path: str | None,
+    capacity: int | None,
+    size_factor: int = 1,
+    storage_dim: int = -1,
+    physical_block_size: int = 4096,
+    cache_policy: str = "lru",
+) -> StoreOptions:
+    """An LRU cache in device memory over a full store in host memory."""
+    return StoreOptions(
+        "cached_host_mem", persistent_path, capacity, size_factor, storage_dim, physical_block_size,
+        caches=(CacheOptions(cache_policy, "device", cache_budget_mb), CacheOptions("full", "host")),
+    )
+
+
+def make_cached_ssd_store_options(
+    cache_budget_mb: float,
+    persistent_path: str,
+    capacity: int | None = None,
+    size_factor: int = 1,
+    storage_dim: int = -1,
+    physical_block_size: int = 4096,
+    host_cache_budget_mb: float = 0,
+    engine: str = "slots",
+    cache_policy: str = "lru",
+) -> StoreOptions:
+    """An LRU cache in device memory [over an LRU host cache] over an SSD table.
+
+    ``engine`` picks the SSD table: "slots" (fixed-size rows in a file, our fast engine) or
+    "rocksdb" (RocksDB through rocksdict).
+    """
+    caches = [CacheOptions(cache_policy, "device", cache_budget_mb)]
+    if host_cache_budget_mb and host_cache_budget_mb > 0:
+        caches.append(CacheOptions(cache_policy, "host", host_cache_budget_mb))
+    return StoreOptions(
+        "cached_ssd", persistent_path, capacity, size_factor, storage_dim, physical_block_size,
+        caches=tuple(caches), engine=engine,
+    )

@@ -1,0 +1,141 @@
+"""Snapshots on disk: ``<persistent_path>/snapshots/<name>/`` with a manifest written last.
+
+A snapshot is complete or absent, never half (DESIGN.md decision 6):
+
+1. the bottom tier writes its files into ``snapshots/.tmp-<name>-<token>/`` (each file fsync'd);
+2. ``manifest.json`` (format version, dims, key dtype, line size, engine, row count, per-file size
+   and CRC32) is written and fsync'd inside it, then the folder is fsync'd;
+3. an older snapshot of the same name is renamed to ``.old-<name>-<token>``, the new folder is
+   renamed to ``<name>`` and ``snapshots/`` is fsync'd; then the old one is deleted.
+
+``recover()`` runs when a path is opened: it deletes unfinished ``.tmp-*`` folders and, where a
+crash fell between the two renames of step 3, puts the ``.old-*`` snapshot back.
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import time
+import uuid
+from typing import Callable
+
+from ..errors import SnapshotError
+from .durable import file_crc32, fsync_dir, write_bytes_atomic
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.\-]{0,127}$")
+
+
+def check_snapshot_name(name) -> str:
+    if not isinstance(name, str) or not _NAME_RE.match(name) or name.startswith("."):
+        raise SnapshotError(
+            f"snapshot name {name!r} is not allowed: use 1-128 letters, digits, '_', '-' or '.', "
+            "starting with a letter or digit"
+        )
+    return name
+
+
+class SnapshotDirectory:
+    """The ``snapshots/`` folder of one persistent path."""
+
+    def __init__(self, persistent_path: str):
+        self.root = os.path.join(persistent_path, "snapshots")
+        os.makedirs(self.root, exist_ok=True)
+
+    def path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def recover(self) -> None:
+        entries = os.listdir(self.root)
+        for entry in entries:
+            if entry.startswith(".tmp-"):
+                shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
+        for entry in entries:
+            m = re.match(r"^\.old-(.+)-[0-9a-f]{32}$", entry)
+            if not m:
+                continue
+            old = os.path.join(self.root, entry)
+            final = self.path(m.group(1))
+            if os.path.isfile(os.path.join(final, MANIFEST)):
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(old, final)
+        fsync_dir(self.root)
+
+    def names(self) -> list[str]:
+        return sorted(
+            e for e in os.listdir(self.root)
+            if not e.startswith(".") and os.path.isfile(os.path.join(self.root, e, MANIFEST))
+        )
+
+    def save(self, name: str, write_files: Callable[[str], None], manifest: dict) -> dict:
+        """Run ``write_files(tmp_dir)``, add the manifest, publish atomically. Returns the manifest."""
+        check_snapshot_name(name)
+        token = uuid.uuid4().hex
+        tmp = os.path.join(self.root, f".tmp-{name}-{token}")
+        os.mkdir(tmp)
+        try:
+            write_files(tmp)
+            files = {}
+            for fname in sorted(os.listdir(tmp)):
+                fpath = os.path.join(tmp, fname)
+                if os.path.isfile(fpath):
+                    files[fname] = {"bytes": os.path.getsize(fpath), "crc32": file_crc32(fpath)}
+            full = {
+                "format_version": FORMAT_VERSION,
+                "name": name,
+                "created_unix": time.time(),
+                **manifest,
+                "files": files,
+            }
+            write_bytes_atomic(os.path.join(tmp, MANIFEST), json.dumps(full, indent=1).encode())
+            fsync_dir(tmp)
+            final = self.path(name)
+            old = None
+            if os.path.exists(final):
+                old = os.path.join(self.root, f".old-{name}-{token}")
+                os.rename(final, old)
+            os.rename(tmp, final)
+            fsync_dir(self.root)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        if old is not None:
+            shutil.rmtree(old, ignore_errors=True)
+        return full
+
+    def open(self, name: str, expected: dict, verify: bool = True) -> tuple[str, dict]:
+        """The folder and manifest of snapshot ``name``, checked against ``expected`` fields."""
+        check_snapshot_name(name)
+        folder = self.path(name)
+        mpath = os.path.join(folder, MANIFEST)
+        if not os.path.isfile(mpath):
+            have = self.names()
+            raise SnapshotError(
+                f"no snapshot named {name!r} under {self.root!r}; available: {have or 'none'}"
+            )
+        with open(mpath, "rb") as f:
+            manifest = json.loads(f.read())
+        if manifest.get("format_version") != FORMAT_VERSION:
+            raise SnapshotError(
+                f"snapshot {name!r} has format_version {manifest.get('format_version')!r}; "
+                f"this library reads {FORMAT_VERSION}"
+            )
+        for key, want in expected.items():
+            got = manifest.get(key)
+            if got != want:
+                raise SnapshotError(
+                    f"snapshot {name!r} was saved with {key}={got!r} but this embedding has "
+                    f"{key}={want!r}: open it with the same {key}, or save a new snapshot"
+                )
+        if verify:
+            for fname, info in manifest["files"].items():
+                fpath = os.path.join(folder, fname)
+                if not os.path.isfile(fpath) or os.path.getsize(fpath) != info["bytes"]:
+                    raise SnapshotError(f"snapshot {name!r}: file {fname!r} is missing or truncated")
+                if file_crc32(fpath) != info["crc32"]:
+                    raise SnapshotError(f"snapshot {name!r}: file {fname!r} fails its checksum")
+        return folder, manifest
