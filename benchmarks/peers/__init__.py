@@ -1,0 +1,179 @@
+"""Peer DLRM trainers for the throughput benchmark: plain PyTorch and TorchRec, on CPU.
+
+Each peer module exposes ``run(batches, steps, warmup, config=DLRMConfig()) -> dict`` and trains
+the same DLRM on the same numpy batches, so the benchmark can put their samples/s next to
+one_embedding's. This file holds what both share: the config, a Zipf batch generator, the
+input check, the timing loop and the self-test command line.
+
+A batch is a dict of numpy arrays (B = batch size, T = number of tables):
+
+- ``dense``: (B, 13) float32, raw non-negative counts; the models apply ``log(x + 1)``.
+- ``ids``: (B, T) int64, column t holds local row ids of table t, in ``[0, rows_per_table)``.
+- ``labels``: (B,) float32 in {0, 1}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import platform
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from one_embedding.errors import ConfigError, InputError
+
+
+@dataclasses.dataclass(frozen=True)
+class DLRMConfig:
+    """The benchmark's DLRM. Bottom MLP has ReLU on every layer, the top MLP on all but the last.
+
+    The interaction takes F = 1 + num_tables vectors (bottom output first), forms Z = X Xᵀ and
+    keeps the F(F-1)/2 entries below the diagonal, concatenated after the bottom output:
+    width = embedding_dim + F(F-1)/2 = 64 + 351 = 415 for the defaults.
+    """
+
+    batch_size: int = 4096
+    num_tables: int = 26
+    rows_per_table: int = 100_000
+    embedding_dim: int = 64
+    num_dense: int = 13
+    bottom_mlp: tuple[int, ...] = (512, 256, 64)
+    top_mlp: tuple[int, ...] = (512, 256, 1)
+    lr: float = 0.1
+    zipf_alpha: float = 1.05
+
+    def __post_init__(self) -> None:
+        for name in ("batch_size", "num_tables", "rows_per_table", "embedding_dim", "num_dense"):
+            value = getattr(self, name)
+            if value < 1:
+                raise ConfigError(f"{name}={value} must be a positive integer")
+        if not self.bottom_mlp or self.bottom_mlp[-1] != self.embedding_dim:
+            raise ConfigError(
+                f"bottom_mlp={self.bottom_mlp} must end in embedding_dim={self.embedding_dim}: "
+                "the dot interaction multiplies the bottom output with the embeddings"
+            )
+        if len(self.top_mlp) < 2 or self.top_mlp[-1] != 1:
+            raise ConfigError(f"top_mlp={self.top_mlp} needs at least 2 layers and must end in 1")
+        if not self.lr > 0:
+            raise ConfigError(f"lr={self.lr} must be positive")
+
+    @property
+    def interaction_width(self) -> int:
+        features = 1 + self.num_tables
+        return self.embedding_dim + features * (features - 1) // 2
+
+
+def zipf_ids(rng: np.random.Generator, count: int, rows: int, alpha: float) -> np.ndarray:
+    """Draw ``count`` ranks in [0, rows) with P(rank k) ∝ (k + 1)^-alpha. Returns (count,) int64."""
+    weights = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
+    cdf = np.cumsum(weights)
+    cdf /= cdf[-1]
+    ranks = np.searchsorted(cdf, rng.random(count), side="right")
+    return np.minimum(ranks, rows - 1).astype(np.int64)
+
+
+def synthetic_batches(config: DLRMConfig, num_batches: int, seed: int = 0) -> list[dict]:
+    """Random Criteo-like batches: Zipf ids per table (hot rows scattered by a fixed permutation
+    per table), exponential dense counts, 25% positive labels.
+
+    Returns ``num_batches`` dicts {dense (B, 13) float32, ids (B, T) int64, labels (B,) float32}.
+    """
+    if num_batches < 1:
+        raise ConfigError(f"num_batches={num_batches} must be at least 1")
+    rng = np.random.default_rng(seed)
+    B, T, rows = config.batch_size, config.num_tables, config.rows_per_table
+    # The hottest rank lands on a different row in every table, as hashed Criteo ids do.
+    permutations = np.stack([rng.permutation(rows) for _ in range(T)])  # (T, rows)
+    batches = []
+    for _ in range(num_batches):
+        ranks = zipf_ids(rng, B * T, rows, config.zipf_alpha).reshape(B, T)
+        ids = permutations[np.arange(T), ranks]  # (B, T)
+        dense = np.floor(rng.exponential(20.0, size=(B, config.num_dense))).astype(np.float32)
+        labels = (rng.random(B) < 0.25).astype(np.float32)
+        batches.append({"dense": dense, "ids": ids.astype(np.int64), "labels": labels})
+    return batches
+
+
+def check_batches(batches: Sequence[dict], config: DLRMConfig) -> None:
+    """Raise InputError unless every batch has the shapes, dtypes and id range of ``config``."""
+    if len(batches) == 0:
+        raise InputError("batches is empty: pass at least one batch dict")
+    B, T = config.batch_size, config.num_tables
+    expected = {
+        "dense": ((B, config.num_dense), np.float32),
+        "ids": ((B, T), np.int64),
+        "labels": ((B,), np.float32),
+    }
+    for index, batch in enumerate(batches):
+        for key, (shape, dtype) in expected.items():
+            if key not in batch:
+                raise InputError(f"batch {index} has no {key!r}: keys are {sorted(batch)}")
+            array = batch[key]
+            if not isinstance(array, np.ndarray) or array.shape != shape or array.dtype != dtype:
+                got = (getattr(array, "shape", None), getattr(array, "dtype", type(array)))
+                raise InputError(
+                    f"batch {index} {key!r} is {got}; expected a numpy array of shape {shape} "
+                    f"and dtype {np.dtype(dtype).name} (config.batch_size={B})"
+                )
+        ids = batch["ids"]
+        low, high = int(ids.min()), int(ids.max())
+        if low < 0 or high >= config.rows_per_table:
+            raise InputError(
+                f"batch {index} ids span [{low}, {high}] but tables have "
+                f"rows_per_table={config.rows_per_table}: ids must be local row ids per table"
+            )
+        if (batch["dense"] < 0).any():
+            raise InputError(f"batch {index} dense has negative values; log(x + 1) needs x >= 0")
+
+
+def time_steps(
+    step: Callable[[Any], Any], inputs: Sequence[Any], steps: int, warmup: int, batch_size: int
+) -> dict:
+    """Run ``warmup`` untimed steps, then time ``steps`` steps, cycling through ``inputs``.
+
+    ``step(input)`` trains on one prepared batch and returns its loss as a 0-d tensor or float.
+    Returns {samples_per_s, seconds, final_loss, steps, warmup}.
+    """
+    if steps < 1 or warmup < 0:
+        raise ConfigError(f"steps={steps}, warmup={warmup}: need steps >= 1 and warmup >= 0")
+    for i in range(warmup):
+        step(inputs[i % len(inputs)])
+    start = time.perf_counter()
+    for i in range(steps):
+        loss = step(inputs[(warmup + i) % len(inputs)])
+    # CPU autograd is synchronous, so the clock already covers every update of the last step.
+    seconds = time.perf_counter() - start
+    return {
+        "samples_per_s": steps * batch_size / seconds,
+        "seconds": seconds,
+        "final_loss": float(loss),
+        "steps": steps,
+        "warmup": warmup,
+    }
+
+
+def self_test(name: str, run: Callable[..., dict], argv: Sequence[str] | None = None) -> dict:
+    """Command line of ``python -m benchmarks.peers.<peer>``: train on Zipf data, print samples/s."""
+    parser = argparse.ArgumentParser(prog=f"python -m benchmarks.peers.{name}")
+    parser.add_argument("--steps", type=int, default=8, help="timed steps")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    parser.add_argument("--batches", type=int, default=4, help="distinct batches, cycled")
+    parser.add_argument("--batch-size", type=int, default=DLRMConfig.batch_size)
+    parser.add_argument("--rows", type=int, default=DLRMConfig.rows_per_table)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    config = DLRMConfig(batch_size=args.batch_size, rows_per_table=args.rows)
+    batches = synthetic_batches(config, args.batches, seed=args.seed)
+    result = run(batches, steps=args.steps, warmup=args.warmup, config=config)
+    print(f"# {name}: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
+          f"{platform.python_version()}")
+    print(f"# {config}")
+    print("| peer | samples/s | seconds | steps | warmup | final loss |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| {name} | {result['samples_per_s']:.0f} | {result['seconds']:.2f} | "
+          f"{result['steps']} | {result['warmup']} | {result['final_loss']:.4f} |")
+    return result
