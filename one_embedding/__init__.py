@@ -1,0 +1,41 @@
+"""one_embedding: OneEmbedding-compatible multi-table embeddings over tiered caches and SSD stores.
+
+Numpy is the CPU backend and the reference; CuPy the GPU backend. ``import one_embedding`` never
+imports cupy.
+"""
+from . import optim
+from .embedding import MultiTableEmbedding, MultiTableMultiColumnEmbedding
+from .errors import (
+    CapacityError,
+    ConfigError,
+    InputError,
+    LockedError,
+    OneEmbeddingError,
+    SnapshotError,
+    StoreError,
+)
+from .optimizer import Optimizer
+from .options import (
+    make_cached_host_mem_store_options,
+    make_cached_ssd_store_options,
+    make_column_options,
+    make_constant_initializer,
+    make_device_mem_store_options,
+    make_normal_initializer,
+    make_table,
+    make_table_options,
+    make_trunc_normal_initializer,
+    make_uniform_initializer,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "MultiTableEmbedding", "MultiTableMultiColumnEmbedding", "Optimizer", "optim",
+    "make_uniform_initializer", "make_normal_initializer", "make_constant_initializer",
+    "make_trunc_normal_initializer", "make_table_options", "make_table", "make_column_options",
+    "make_device_mem_store_options", "make_cached_host_mem_store_options",
+    "make_cached_ssd_store_options",
+    "OneEmbeddingError", "ConfigError", "InputError", "StoreError", "CapacityError",
+    "SnapshotError", "LockedError",
+]

@@ -32,8 +32,9 @@ class PathLock:
             os.close(self._fd)
             self._fd = None
             if e.errno in (errno.EWOULDBLOCK, errno.EACCES):
+                who = "this process" if holder == str(os.getpid()) else "another process"
                 raise LockedError(
-                    f"persistent_path {directory!r} is in use by another process (pid {holder}): "
+                    f"persistent_path {directory!r} is in use by {who} (pid {holder}): "
                     "close that embedding first, or give this one another persistent_path"
                 ) from None
             raise
