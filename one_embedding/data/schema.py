@@ -1,0 +1,189 @@
+"""Criteo's column layout, the categorical key scheme, the dense transform and the ``Batch`` type.
+
+Key scheme (how a raw hex categorical becomes a globally unique int64 key):
+
+* ``mode="mod"`` (OneFlow's Parquet scheme): ``key = (value % mod) + mod * column`` for column
+  ``0..25`` (C1..C26), where ``value`` is the hex field read as an unsigned integer. The default
+  ``mod = 2**32`` is lossless for Criteo's 8-character hex; ``mod = 40_000_000`` reproduces OneFlow's
+  DLRM files (``--mod_idx 40000000``). A missing field gets the reserved key ``mod * 26 + column``,
+  one per column, beyond every column's range, so it never collides with a real value.
+* ``mode="hash"``: ``key = XXH64(value as 8 little-endian bytes, seed=column) & (2**63 - 1)``; a
+  missing field gets ``XXH64(b"", seed=column) & (2**63 - 1)``. Collisions across columns are
+  possible only with probability ~2**-63 per pair.
+
+Dense transform: ``dense = log(max(x, 0) + 1)`` as float32, missing -> 0. Negative integers (I2 goes
+down to -3) are clamped to 0 first because ``log(x + 1)`` is undefined at -1 and below; this matches
+OneFlow's Parquet (``raw + 1`` with missing -> 1) after its training-time ``log``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import numpy as np
+
+from ..errors import ConfigError, InputError
+
+NUM_DENSE = 13
+NUM_SPARSE = 26
+DENSE_COLUMNS = tuple(f"I{i}" for i in range(1, NUM_DENSE + 1))
+SPARSE_COLUMNS = tuple(f"C{i}" for i in range(1, NUM_SPARSE + 1))
+LABEL_COLUMN = "label"
+
+# Per-column cardinalities of C1..C26 (REFERENCE.md "Criteo").
+CRITEO_CARDINALITIES: dict[str, tuple[int, ...]] = {
+    # MLPerf DLRMv2 on Criteo 1TB, every column capped at 40M (204,184,588 rows in all).
+    "mlperf40m": (40000000, 39060, 17295, 7424, 20265, 3, 7122, 1543, 63, 40000000, 3067956,
+                  405282, 10, 2209, 11938, 155, 4, 976, 14, 40000000, 40000000, 40000000, 590152,
+                  12973, 108, 36),
+    # MLPerf v1 / OneFlow DLRM defaults on Criteo 1TB.
+    "mlperf_v1": (39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546,
+                  403346, 10, 2208, 11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935,
+                  12972, 108, 36),
+    # Criteo Kaggle (Display Advertising Challenge) train.txt.
+    "kaggle": (1460, 583, 10131227, 2202608, 305, 24, 12517, 633, 3, 93145, 5683, 8351593, 3194,
+               27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572),
+}
+
+_U64 = np.uint64
+_MASK63 = np.uint64((1 << 63) - 1)
+_P1, _P2, _P3 = _U64(0x9E3779B185EBCA87), _U64(0xC2B2AE3D27D4EB4F), _U64(0x165667B19E3779F9)
+_P4, _P5 = _U64(0x85EBCA77C2B2AE63), _U64(0x27D4EB2F165667C5)
+
+
+def _rotl(x: np.ndarray, r: int) -> np.ndarray:
+    return (x << _U64(r)) | (x >> _U64(64 - r))
+
+
+def _xxh64_avalanche(h: np.ndarray) -> np.ndarray:
+    h = h ^ (h >> _U64(33))
+    h = h * _P2
+    h = h ^ (h >> _U64(29))
+    h = h * _P3
+    return h ^ (h >> _U64(32))
+
+
+def xxh64_u64(values: np.ndarray, seed: np.ndarray | int) -> np.ndarray:
+    """XXH64 of each value's 8 little-endian bytes, vectorized; equals ``xxhash.xxh64_intdigest``.
+
+    values: (...) uint64; seed: int or array broadcastable to values. Returns (...) uint64.
+    """
+    v = np.asarray(values, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        h = np.asarray(seed, dtype=np.uint64) + _P5 + _U64(8)
+        k = _rotl(v * _P2, 31) * _P1
+        h = _rotl(h ^ k, 27) * _P1 + _P4
+        return _xxh64_avalanche(h)
+
+
+def xxh64_empty(seed: int) -> int:
+    """XXH64 of the empty input with ``seed`` (the reserved 'missing' hash)."""
+    with np.errstate(over="ignore"):
+        h = _U64(seed) + _P5
+        return int(_xxh64_avalanche(np.asarray(h, dtype=np.uint64)))
+
+
+def splitmix64(x: np.ndarray) -> np.ndarray:
+    """The splitmix64 finalizer on uint64 (wrapping): the row hash behind splits and shuffles."""
+    z = np.asarray(x, dtype=np.uint64)
+    with np.errstate(over="ignore"):
+        z = z + _U64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
+        return z ^ (z >> _U64(31))
+
+
+@dataclasses.dataclass(frozen=True)
+class KeyScheme:
+    """How raw hex categoricals map to global int64 keys (see the module docstring).
+
+    mode: "mod" or "hash"; mod: range size per column in "mod" mode (ignored by "hash").
+    """
+
+    mode: str = "mod"
+    mod: int = 1 << 32
+
+    def __post_init__(self):
+        if self.mode not in ("mod", "hash"):
+            raise ConfigError(f"KeyScheme mode={self.mode!r}: use 'mod' or 'hash'")
+        if self.mode == "mod":
+            if not isinstance(self.mod, (int, np.integer)) or self.mod < 1:
+                raise ConfigError(f"KeyScheme mod={self.mod!r}: use a positive integer, e.g. 2**32")
+            if (self.mod * (NUM_SPARSE + 1)) >= (1 << 63):
+                raise ConfigError(f"KeyScheme mod={self.mod} overflows int64 over 26 columns: "
+                                  f"use mod <= {((1 << 63) - 1) // (NUM_SPARSE + 1)}")
+
+    def missing_keys(self) -> np.ndarray:
+        """The reserved key of each column for a missing field: (26,) int64."""
+        cols = np.arange(NUM_SPARSE, dtype=np.int64)
+        if self.mode == "mod":
+            return np.int64(self.mod) * NUM_SPARSE + cols
+        return np.array([xxh64_empty(c) & ((1 << 63) - 1) for c in range(NUM_SPARSE)], np.int64)
+
+    def keys(self, values: np.ndarray, present: np.ndarray) -> np.ndarray:
+        """Global keys from parsed hex values.
+
+        values: (N, 26) uint64 raw hex values; present: (N, 26) bool (False = missing field).
+        Returns (N, 26) int64.
+        """
+        cols = np.arange(NUM_SPARSE, dtype=np.uint64)
+        if self.mode == "mod":
+            mod = np.uint64(self.mod)
+            out = (values % mod + mod * cols).astype(np.int64)
+        else:
+            out = (xxh64_u64(values, cols) & _MASK63).astype(np.int64)
+        return np.where(present, out, self.missing_keys()[None, :])
+
+
+def dense_log(raw: np.ndarray, present: np.ndarray | None = None) -> np.ndarray:
+    """``log(max(x, 0) + 1)`` as float32, missing -> 0.
+
+    raw: (N, 13) int64 or float; present: optional (N, 13) bool. Returns (N, 13) float32.
+    """
+    x = np.maximum(np.asarray(raw, dtype=np.float64), 0.0)
+    if present is not None:
+        x = np.where(present, x, 0.0)
+    return np.log1p(x).astype(np.float32)
+
+
+@dataclasses.dataclass
+class Batch:
+    """One training batch.
+
+    dense: (B, 13) float32, already ``log(x + 1)``-transformed;
+    ids: (B, 26) int64 global keys (column c of ids feeds table c);
+    labels: (B,) float32 in {0, 1}, NaN for an unlabelled source (Kaggle test.txt).
+    """
+
+    dense: np.ndarray
+    ids: np.ndarray
+    labels: np.ndarray
+
+    def __len__(self) -> int:
+        return int(self.labels.shape[0])
+
+    def __post_init__(self):
+        b = self.labels.shape[0]
+        if self.dense.shape != (b, NUM_DENSE) or self.ids.shape[0] != b or self.ids.ndim != 2:
+            raise InputError(f"Batch shapes dense={self.dense.shape} ids={self.ids.shape} "
+                             f"labels={self.labels.shape}: want (B, 13), (B, F), (B,)")
+
+
+def resolve_cardinalities(cardinalities, scale: float = 1.0) -> tuple[int, ...]:
+    """A named list ("mlperf40m", "mlperf_v1", "kaggle") or a custom sequence, scaled.
+
+    Each scaled cardinality is ``max(1, round(c * scale))``. Returns a tuple of 26 (or len(custom)) ints.
+    """
+    if isinstance(cardinalities, str):
+        if cardinalities not in CRITEO_CARDINALITIES:
+            raise ConfigError(f"cardinalities={cardinalities!r}: use one of "
+                              f"{sorted(CRITEO_CARDINALITIES)} or a list of ints")
+        base = CRITEO_CARDINALITIES[cardinalities]
+    else:
+        base = tuple(int(c) for c in cardinalities)
+        if not base or any(c < 1 for c in base):
+            raise ConfigError(f"cardinalities={list(base)}: every cardinality must be >= 1")
+    if not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        raise ConfigError(f"scale={scale!r}: use a positive finite number, e.g. 0.01")
+    return tuple(max(1, int(round(c * scale))) for c in base)
