@@ -1,0 +1,221 @@
+"""Fused operators in numpy: the specification the CUDA kernels (``cuda_ops``) are checked against.
+
+Every function here has a twin of the same name and signature in ``cuda_ops`` (the contract in
+KERNEL_API). Arrays are C-contiguous; float32 is the working dtype, and float64 is accepted
+everywhere so that gradients can be checked by finite differences. Outputs keep the input dtype.
+
+``bias_act_forward`` consumes its ``h`` (the caller's fresh matmul output): the result may share
+its memory. That saves one (B, N) temporary per layer, which is most of the elementwise cost of
+an MLP on CPU. No other function writes into its arguments.
+
+"mask" objects are opaque: produced by a forward here and consumed only by the backward here
+(numpy: a bool array of the output's shape).
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from ..initializers import counter_hash, uniform01
+
+# ---------------------------------------------------------------- bias + activation
+
+
+def bias_act_forward(h, b, relu):
+    """``y = relu(h + b)`` (or ``h + b``), computed in place in ``h``.
+
+    h: (B, N) float matmul output (overwritten); b: (N,) same dtype; relu: bool
+    -> (y (B, N), mask (B, N) bool with mask = y > 0, or None when not relu)
+    """
+    np.add(h, b, out=h)
+    if not relu:
+        return h, None
+    np.maximum(h, 0, out=h)
+    return h, h > 0
+
+
+def bias_act_backward(dy, mask):
+    """dy: (B, N); mask from ``bias_act_forward`` -> (dh (B, N), db (N,)); dh = dy * mask."""
+    dh = dy if mask is None else np.multiply(dy, mask, dtype=dy.dtype)
+    return dh, dh.sum(axis=0)
+
+
+# ---------------------------------------------------------------- dropout
+
+
+def dropout_uniform(shape, seed, step):
+    """The counter-based uniforms of a dropout call: (B, N) float64 in [0, 1).
+
+    u[i] = uniform01(counter_hash(seed, key=step, column=i, stream=0)) with i the flat element
+    index, so numpy and CUDA draw the same numbers.
+    """
+    n = int(np.prod(shape))
+    h = counter_hash(np, seed, np.asarray([step], dtype=np.uint64), np.arange(n, dtype=np.uint64), 0)
+    return uniform01(np, h).reshape(shape)
+
+
+def dropout_forward(x, rate, seed, step):
+    """x: (B, N) -> (y (B, N), keep_mask (B, N) bool); keep where u > rate, y = x * keep / (1 - rate)."""
+    keep = dropout_uniform(x.shape, seed, step) > rate
+    scale = x.dtype.type(1.0 / (1.0 - rate))
+    y = np.multiply(x, keep, dtype=x.dtype)
+    y *= scale
+    return y, keep
+
+
+def dropout_backward(dy, keep_mask, rate):
+    """dy: (B, N), keep_mask from ``dropout_forward`` -> dx (B, N) = dy * keep / (1 - rate)."""
+    dx = np.multiply(dy, keep_mask, dtype=dy.dtype)
+    dx *= dy.dtype.type(1.0 / (1.0 - rate))
+    return dx
+
+
+# ---------------------------------------------------------------- dot interaction
+
+
+@lru_cache(maxsize=64)
+def interaction_pairs(num_features, self_interaction):
+    """Row and column indices of the kept entries of Z = X Xᵀ, in output order.
+
+    Pairs (r, c) with c < r (c <= r with self_interaction), row-major:
+    (1,0), (2,0), (2,1), (3,0), ... -> (rows (P,) intp, cols (P,) intp)
+    """
+    rows, cols = [], []
+    for r in range(num_features):
+        for c in range(r + 1 if self_interaction else r):
+            rows.append(r)
+            cols.append(c)
+    rows, cols = np.asarray(rows, dtype=np.intp), np.asarray(cols, dtype=np.intp)
+    rows.flags.writeable = False
+    cols.flags.writeable = False
+    return rows, cols
+
+
+def _gram(x):
+    # (B, F, D) @ (B, D, F): numpy's stacked matmul calls BLAS per sample
+    return np.matmul(x, x.transpose(0, 2, 1))
+
+
+def dot_interaction_forward(x, concat, self_interaction, pad):
+    """Pairwise dot products of the features of each sample.
+
+    x: (B, F, D); concat: (B, C) or None; self_interaction: bool; pad: int >= 0
+    -> out (B, C + P + pad) with P = F(F-1)/2 (F(F+1)/2 with self_interaction):
+       ``[concat | Z[r, c] for the pairs of interaction_pairs | pad zeros]``, Z = x xᵀ per sample.
+    """
+    b, f, _ = x.shape
+    rows, cols = interaction_pairs(f, bool(self_interaction))
+    c = 0 if concat is None else concat.shape[1]
+    p = rows.shape[0]
+    out = np.empty((b, c + p + pad), dtype=x.dtype)
+    if c:
+        out[:, :c] = concat
+    z = _gram(x).reshape(b, f * f)
+    out[:, c:c + p] = z[:, rows * f + cols]
+    if pad:
+        out[:, c + p:] = 0
+    return out
+
+
+def dot_interaction_backward(dout, x, n_concat, self_interaction):
+    """dout: (B, C + P + pad); x: (B, F, D); n_concat: C
+    -> (dx (B, F, D), dconcat (B, C) or None); dx = (dZ + dZᵀ) x, padding gets no gradient.
+    """
+    b, f, _ = x.shape
+    rows, cols = interaction_pairs(f, bool(self_interaction))
+    p = rows.shape[0]
+    dpairs = dout[:, n_concat:n_concat + p]
+    # dZ + dZᵀ scattered directly; a diagonal pair (self_interaction) appears in both terms
+    dsym = np.zeros((b, f * f), dtype=dout.dtype)
+    dsym[:, rows * f + cols] = dpairs
+    dsym[:, cols * f + rows] += dpairs
+    dx = np.matmul(dsym.reshape(b, f, f), x)
+    dconcat = np.ascontiguousarray(dout[:, :n_concat]) if n_concat else None
+    return dx, dconcat
+
+
+# ---------------------------------------------------------------- DCN cross layers
+
+
+def cross_vector_forward(x0, xl, w, b):
+    """DCN v1 layer. x0, xl: (B, D); w, b: (D,) -> x_next (B, D) = x0 * (xl · w)[:, None] + b + xl."""
+    s = xl @ w
+    out = x0 * s[:, None]
+    out += b
+    out += xl
+    return out
+
+
+def cross_vector_backward(dnext, x0, xl, w):
+    """dnext: (B, D) -> (dx0 (B, D), dxl (B, D), dw (D,), db (D,))."""
+    s = xl @ w                                   # (B,)
+    ds = np.einsum("bd,bd->b", dnext, x0)        # (B,)
+    dx0 = dnext * s[:, None]
+    dxl = np.multiply.outer(ds, w)
+    dxl += dnext
+    return dx0, dxl, ds @ xl, dnext.sum(axis=0)
+
+
+def cross_matrix_forward(x0, xl, W, b):
+    """DCN v2 layer. x0, xl: (B, D); W: (D, D); b: (D,) -> x_next (B, D) = (xl Wᵀ + b) * x0 + xl."""
+    h = xl @ W.T
+    h += b
+    h *= x0
+    h += xl
+    return h
+
+
+def cross_matrix_backward(dnext, x0, xl, W, b):
+    """dnext: (B, D) -> (dx0 (B, D), dxl (B, D), dW (D, D), db (D,)); h = xl Wᵀ + b is recomputed."""
+    h = xl @ W.T
+    h += b
+    dx0 = h
+    dx0 *= dnext                                 # dx0 = dnext * h
+    dh = dnext * x0
+    dxl = dh @ W
+    dxl += dnext
+    return dx0, dxl, dh.T @ xl, dh.sum(axis=0)
+
+
+# ---------------------------------------------------------------- factorization machine
+
+
+def fm_forward(x):
+    """Second-order FM term summed over the dimension: x (B, F, D) -> (B,).
+
+    out[b] = sum_d 0.5 * ((sum_f x[b, f, d])^2 - sum_f x[b, f, d]^2)
+    """
+    s = x.sum(axis=1)                            # (B, D)
+    sq = np.einsum("bfd,bfd->b", x, x)
+    return 0.5 * (np.einsum("bd,bd->b", s, s) - sq)
+
+
+def fm_backward(dout, x):
+    """dout: (B,); x: (B, F, D) -> dx (B, F, D) = dout * (sum_f x - x)."""
+    s = x.sum(axis=1, keepdims=True)             # (B, 1, D)
+    dx = s - x
+    dx *= dout[:, None, None]
+    return dx
+
+
+# ---------------------------------------------------------------- loss
+
+
+def bce_with_logits_forward(logits, labels):
+    """Mean binary cross-entropy of ``logits`` (B,) against ``labels`` (B,) in [0, 1] -> float.
+
+    Stable form: max(z, 0) - z * y + log1p(exp(-|z|)).
+    """
+    z = logits
+    per = np.maximum(z, 0) - z * labels + np.log1p(np.exp(-np.abs(z)))
+    return float(per.mean(dtype=np.float64))
+
+
+def bce_with_logits_backward(logits, labels):
+    """-> dlogits (B,) = (sigmoid(logits) - labels) / B, in the logits' dtype."""
+    z = logits
+    # sigmoid without overflow for large |z|
+    e = np.exp(-np.abs(z))
+    sig = np.where(z >= 0, 1.0 / (1.0 + e), e / (1.0 + e)).astype(z.dtype, copy=False)
+    return ((sig - labels) / z.shape[0]).astype(z.dtype, copy=False)
