@@ -1,0 +1,27 @@
+"""Layers with explicit forward and backward (no autograd engine; DESIGN.md decision 3).
+
+``forward`` keeps what ``backward`` needs; ``backward`` returns input gradients and accumulates
+parameter gradients into ``Parameter.grad``. Layers take the array namespace from their inputs
+and run ``kernels.ops_for(xp)``: the numpy reference on numpy arrays, CUDA kernels on cupy arrays.
+
+    >>> import numpy as np
+    >>> from one_embedding import nn
+    >>> mlp = nn.MLP(13, [8, 1], last_relu=False, seed=0)
+    >>> y = mlp(np.ones((4, 13), np.float32)); y.shape
+    (4, 1)
+    >>> dx = mlp.backward(np.ones_like(y)); dx.shape, mlp.layers[0].weight.grad.shape
+    ((4, 13), (8, 13))
+"""
+from .cross import CrossNet
+from .fm import FactorizationMachine
+from .interaction import DotInteraction, num_pairs, padding_to_multiple
+from .linear import MLP, Dropout, Linear
+from .loss import BCEWithLogits
+from .module import Module, Parameter
+
+FM = FactorizationMachine
+
+__all__ = [
+    "Parameter", "Module", "Linear", "MLP", "Dropout", "DotInteraction", "CrossNet",
+    "FactorizationMachine", "FM", "BCEWithLogits", "num_pairs", "padding_to_multiple",
+]

@@ -1,0 +1,127 @@
+"""Dot feature interaction (DLRM), with OneFlow's options: self_interaction, output_concat,
+output_padding, and the ``pooling="sum"`` variant.
+
+Math (REFERENCE.md, "Fused operators"): with X (B, F, D) the stacked features and Z = X Xᵀ per
+sample, an output row is ::
+
+    [ output_concat (C) | Z[r, c] for (r, c) in (1,0), (2,0), (2,1), (3,0), ... | zeros (pad) ]
+
+with c < r (c <= r when self_interaction). Width C + F(F-1)/2 + pad; DLRM pads 479 to 480.
+``pooling="sum"`` instead returns 0.5 * ((Σ_f x_f)² - Σ_f x_f²): (B, D), the FM term per dimension.
+"""
+from __future__ import annotations
+
+from ..backend import array_namespace
+from ..errors import ConfigError, InputError
+from ..kernels import ops_for
+from .module import Module, check_features
+
+POOLINGS = ("none", "sum")
+
+
+def num_pairs(num_features: int, self_interaction: bool = False) -> int:
+    """Entries of Z kept per sample: F(F-1)/2, or F(F+1)/2 with self_interaction."""
+    f = int(num_features)
+    return f * (f + 1) // 2 if self_interaction else f * (f - 1) // 2
+
+
+def padding_to_multiple(width: int, multiple: int) -> int:
+    """Zero columns that round ``width`` up to a multiple of ``multiple`` (479, 8 -> 1)."""
+    if multiple <= 0:
+        raise ConfigError(f"multiple={multiple} must be positive")
+    return (-int(width)) % int(multiple)
+
+
+class DotInteraction(Module):
+    """features: (B, F, D) (or a list of (B, F_i, D) / (B, D) arrays, stacked along F),
+    output_concat: (B, C) or None -> (B, C + P + output_padding); with pooling="sum": (B, D).
+
+    No parameters; keeps the input dtype.
+    """
+
+    def __init__(self, self_interaction: bool = False, output_padding: int = 0, pooling: str = "none"):
+        if pooling not in POOLINGS:
+            raise ConfigError(f"pooling={pooling!r} is not one of {POOLINGS}")
+        if int(output_padding) != output_padding or output_padding < 0:
+            raise ConfigError(f"output_padding={output_padding!r} must be an integer >= 0")
+        if pooling == "sum" and output_padding:
+            raise ConfigError("pooling='sum' returns (B, D): it takes no output_padding; use 0")
+        self.self_interaction = bool(self_interaction)
+        self.output_padding = int(output_padding)
+        self.pooling = pooling
+        self._x = None
+        self._n_concat = 0
+        self._split = None
+
+    def output_width(self, num_features: int, concat_width: int = 0, dim: int | None = None) -> int:
+        """Columns of the output for F features and a C-wide output_concat (D for pooling="sum")."""
+        if self.pooling == "sum":
+            return dim
+        return concat_width + num_pairs(num_features, self.self_interaction) + self.output_padding
+
+    def _stack(self, features):
+        if not isinstance(features, (list, tuple)):
+            check_features(features, "interaction features", 3)
+            self._split = None
+            return features
+        if not features:
+            raise InputError("interaction features: an empty list; pass at least one (B, F, D) array")
+        parts = [f[:, None, :] if getattr(f, "ndim", 0) == 2 else f for f in features]
+        for i, p in enumerate(parts):
+            check_features(p, f"interaction features[{i}]", 3)
+            if p.shape[0] != parts[0].shape[0] or p.shape[2] != parts[0].shape[2]:
+                raise InputError(
+                    f"interaction features[{i}] has shape {tuple(features[i].shape)}, which does not "
+                    f"match batch {parts[0].shape[0]} and dim {parts[0].shape[2]} of features[0]"
+                )
+        self._split = [(p.shape[1], getattr(f, "ndim", 0) == 2) for f, p in zip(features, parts)]
+        return array_namespace(*parts).concatenate(parts, axis=1)
+
+    def forward(self, features, output_concat=None):
+        x = self._stack(features)
+        xp = array_namespace(x, output_concat)
+        if self.pooling == "sum":
+            if output_concat is not None:
+                raise ConfigError("pooling='sum' takes no output_concat")
+            self._x = x
+            s = x.sum(axis=1)
+            return 0.5 * (s * s - (x * x).sum(axis=1))
+        if output_concat is not None:
+            check_features(output_concat, "output_concat", 2, dtype=x.dtype)
+            if output_concat.shape[0] != x.shape[0]:
+                raise InputError(
+                    f"output_concat has batch {output_concat.shape[0]} but the features have {x.shape[0]}"
+                )
+        self._x = x
+        self._n_concat = 0 if output_concat is None else output_concat.shape[1]
+        return ops_for(xp).dot_interaction_forward(
+            xp.ascontiguousarray(x), output_concat, self.self_interaction, self.output_padding
+        )
+
+    def backward(self, dout):
+        """dout: the output's gradient -> (dfeatures, doutput_concat or None); dfeatures has the
+        structure of the forward's ``features`` (an array, or a list with the same shapes)."""
+        x = self._x
+        if x is None:
+            raise InputError("DotInteraction.backward() without a forward(): run forward first")
+        xp = array_namespace(dout, x)
+        if self.pooling == "sum":
+            # d/dx_f of 0.5((Σx)² - Σx²) = Σx - x_f
+            dx = (x.sum(axis=1, keepdims=True) - x) * dout[:, None, :]
+            dconcat = None
+        else:
+            want = x.shape[0], self._n_concat + num_pairs(x.shape[1], self.self_interaction) + self.output_padding
+            if tuple(dout.shape) != want:
+                raise InputError(f"interaction output gradient has shape {tuple(dout.shape)}, expected {want}")
+            dx, dconcat = ops_for(xp).dot_interaction_backward(
+                xp.ascontiguousarray(dout), x, self._n_concat, self.self_interaction
+            )
+        self._x = None
+        if self._split is None:
+            return dx, dconcat
+        grads, start = [], 0
+        for width, was_2d in self._split:
+            g = dx[:, start:start + width]
+            grads.append(g[:, 0] if was_2d else g)
+            start += width
+        return grads, dconcat

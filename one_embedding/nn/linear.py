@@ -1,0 +1,157 @@
+"""Linear layers with fused bias + ReLU, dropout, and the MLP built from them.
+
+Each Linear computes ``y = act(x Wᵀ + b)``: a float BLAS matmul, then one fused kernel adds the
+bias and applies the ReLU in place and keeps the ReLU mask for backward.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import array_namespace
+from ..errors import ConfigError, InputError
+from ..kernels import ops_for
+from .init import linear_weights, make_rng
+from .module import Module, Parameter, check_features
+
+
+def _positive_int(name, value) -> int:
+    if isinstance(value, bool) or int(value) != value or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
+class Linear(Module):
+    """``y = relu(x Wᵀ + b)`` (``relu=True``) or ``x Wᵀ + b``.
+
+    x: (B, in_features) -> y: (B, out_features), both in ``dtype`` (float32 or float64).
+    W: (out_features, in_features), b: (out_features,), initialized by ``init`` (see ``nn.init``).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, relu: bool = False, init: str = "dlrm",
+                 seed=0, dtype=np.float32, name: str = "linear"):
+        self.in_features = _positive_int("in_features", in_features)
+        self.out_features = _positive_int("out_features", out_features)
+        self.relu = bool(relu)
+        self.dtype = _check_dtype(dtype)
+        w, b = linear_weights(make_rng(seed), self.in_features, self.out_features, init, self.dtype)
+        self.weight = Parameter(w, f"{name}.weight")
+        self.bias = Parameter(b, f"{name}.bias")
+        self._x = self._mask = None
+
+    def forward(self, x):
+        """x: (B, in_features) -> (B, out_features)."""
+        check_features(x, "Linear input", 2, self.in_features, self.weight.data.dtype)
+        ops = ops_for(array_namespace(x, self.weight.data))
+        y, self._mask = ops.bias_act_forward(x @ self.weight.data.T, self.bias.data, self.relu)
+        self._x = x
+        return y
+
+    def backward(self, dy):
+        """dy: (B, out_features) -> dx (B, in_features); adds to weight.grad and bias.grad."""
+        if self._x is None:
+            raise InputError("Linear.backward() without a forward(): run forward first")
+        check_features(dy, "Linear output gradient", 2, self.out_features, self.weight.data.dtype)
+        ops = ops_for(array_namespace(dy, self.weight.data))
+        dh, db = ops.bias_act_backward(dy, self._mask)
+        self.weight.grad += dh.T @ self._x
+        self.bias.grad += db
+        dx = dh @ self.weight.data
+        self._x = self._mask = None
+        return dx
+
+
+class Dropout(Module):
+    """Inverted dropout with counter-based randomness: identical masks on numpy and CUDA.
+
+    Keeps an element where u > rate (u from ``kernels.reference.dropout_uniform(seed, step)``) and
+    scales it by 1 / (1 - rate). ``step`` counts this layer's training forwards, so a run replays
+    bit-identically from the seed. Identity in eval mode or with rate 0.
+    """
+
+    def __init__(self, rate: float, seed: int = 0):
+        rate = float(rate)
+        if not 0.0 <= rate < 1.0:
+            raise ConfigError(f"dropout rate={rate} must be in [0, 1)")
+        self.rate, self.seed, self.step = rate, int(seed), 0
+        self._keep = None
+
+    def forward(self, x):
+        """x: (B, N) -> (B, N)."""
+        if not self.training or self.rate == 0.0:
+            self._keep = None
+            return x
+        ops = ops_for(array_namespace(x))
+        y, self._keep = ops.dropout_forward(x, self.rate, self.seed, self.step)
+        self.step += 1
+        return y
+
+    def backward(self, dy):
+        if self._keep is None:
+            return dy
+        dx = ops_for(array_namespace(dy)).dropout_backward(dy, self._keep, self.rate)
+        self._keep = None
+        return dx
+
+
+class MLP(Module):
+    """A stack of Linear layers with fused bias + ReLU, optional dropout after each hidden layer.
+
+    ``sizes`` are the output widths: ``MLP(13, [512, 256, 128])`` maps (B, 13) -> (B, 128).
+    Every layer has a ReLU except the last one when ``last_relu=False`` (a logit layer). Dropout
+    (``dropout > 0``) follows every ReLU layer except the last layer of the stack.
+    """
+
+    def __init__(self, in_features: int, sizes, *, last_relu: bool = True, dropout: float = 0.0,
+                 init: str = "dlrm", seed=0, dtype=np.float32, name: str = "mlp"):
+        sizes = [int(s) for s in sizes]
+        if not sizes:
+            raise ConfigError(f"{name}: an MLP needs at least one layer size, got {sizes}")
+        self.in_features = _positive_int("in_features", in_features)
+        self.sizes = tuple(_positive_int(f"{name} layer size", s) for s in sizes)
+        self.out_features = self.sizes[-1]
+        seq = seed if isinstance(seed, np.random.SeedSequence) else np.random.SeedSequence(seed)
+        child_seeds = seq.spawn(len(sizes))
+        widths = (self.in_features,) + self.sizes
+        self.layers = [
+            Linear(widths[i], widths[i + 1], relu=(i < len(sizes) - 1 or last_relu), init=init,
+                   seed=child_seeds[i], dtype=dtype, name=f"{name}.{i}")
+            for i in range(len(sizes))
+        ]
+        # a distinct dropout stream per layer, derived from the model's seed
+        base = int(seq.generate_state(1, np.uint32)[0])
+        self.dropouts = [Dropout(dropout, seed=(base << 8) + i) if dropout > 0 else None
+                         for i in range(len(sizes) - 1)]
+        self.dropout = float(dropout)
+        if not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"{name}: dropout={dropout} must be in [0, 1)")
+
+    @property
+    def dtype(self):
+        return self.layers[0].dtype
+
+    def _children(self):
+        yield from self.layers
+        yield from (d for d in self.dropouts if d is not None)
+
+    def forward(self, x):
+        """x: (B, in_features) -> (B, sizes[-1])."""
+        for i, layer in enumerate(self.layers):
+            x = layer.forward(x)
+            if i < len(self.dropouts) and self.dropouts[i] is not None:
+                x = self.dropouts[i].forward(x)
+        return x
+
+    def backward(self, dy):
+        """dy: (B, sizes[-1]) -> dx (B, in_features)."""
+        for i in reversed(range(len(self.layers))):
+            if i < len(self.dropouts) and self.dropouts[i] is not None:
+                dy = self.dropouts[i].backward(dy)
+            dy = self.layers[i].backward(dy)
+        return dy
+
+
+def _check_dtype(dtype):
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float64):
+        raise ConfigError(f"dtype={dt} is not supported: use np.float32 (or np.float64 for gradient checks)")
+    return dt

@@ -1,0 +1,40 @@
+"""Binary cross-entropy with logits, mean over the batch."""
+from __future__ import annotations
+
+from ..backend import array_namespace
+from ..errors import InputError
+from ..kernels import ops_for
+from .module import Module
+
+
+class BCEWithLogits(Module):
+    """loss = mean_b [max(z,0) - z*y + log(1 + exp(-|z|))]; ``backward()`` -> dlogits (B,).
+
+    logits: (B,) float; labels: (B,) with values in [0, 1] (cast to the logits' dtype).
+    """
+
+    def __init__(self):
+        self._saved = None
+
+    def forward(self, logits, labels):
+        xp = array_namespace(logits, labels)
+        if logits.ndim != 1:
+            raise InputError(f"logits must have shape (B,), got {tuple(logits.shape)}")
+        if tuple(labels.shape) != tuple(logits.shape):
+            raise InputError(
+                f"labels have shape {tuple(labels.shape)} but logits have {tuple(logits.shape)}: "
+                "pass one label per sample"
+            )
+        labels = labels.astype(logits.dtype, copy=False)
+        if bool(((labels < 0) | (labels > 1) | xp.isnan(labels)).any()):
+            raise InputError("labels must lie in [0, 1] (click = 1, no click = 0)")
+        self._saved = (logits, labels)
+        return ops_for(xp).bce_with_logits_forward(logits, labels)
+
+    def backward(self):
+        """-> dlogits (B,) = (sigmoid(logits) - labels) / B."""
+        if self._saved is None:
+            raise InputError("BCEWithLogits.backward() without a forward(): compute the loss first")
+        logits, labels = self._saved
+        self._saved = None
+        return ops_for(array_namespace(logits)).bce_with_logits_backward(logits, labels)
