@@ -325,3 +325,54 @@ def read_criteo_tsv(path, **options) -> Batch:
                      np.zeros(0, np.float32))
     return Batch(np.concatenate([c.dense for c in chunks]), np.concatenate([c.ids for c in chunks]),
                  np.concatenate([c.labels for c in chunks]))
+
+
+FILE_SHIFT = 44  # positions = file index << 44 | byte offset: files up to 16 TiB stay distinct
+
+
+class TSVSource:
+    """TSV files as a loader source: units are byte ranges, read by ``CriteoTSVReader``.
+
+    paths: file(s); unit_bytes: target size of one unit; reader options (has_label, key_scheme,
+    on_bad_line, ...) pass through. Chunk positions are ``file_index << 44 | line byte offset``.
+    ``skipped`` sums bad lines skipped over every unit read so far.
+    """
+
+    def __init__(self, paths, *, unit_bytes: int = 256 << 20, **reader_options):
+        if isinstance(paths, (str, os.PathLike)):
+            paths = [paths]
+        self.paths = [os.fspath(p) for p in paths]
+        if not self.paths:
+            raise ConfigError("no TSV files given: pass a path or a non-empty list of paths")
+        for p in self.paths:
+            if not os.path.isfile(p):
+                raise InputError(f"{p}: no such TSV file")
+        if unit_bytes < 1:
+            raise ConfigError(f"unit_bytes={unit_bytes}: use a positive size such as 256 << 20")
+        self.unit_bytes = int(unit_bytes)
+        CriteoTSVReader(self.paths[0], **reader_options)  # validates the options once, up front
+        self.reader_options = reader_options
+        self.skipped = 0
+
+    def units(self, min_units: int = 1) -> list[tuple[int, int, int]]:
+        """(file index, start byte, end byte) ranges covering every file; at least ``min_units``
+        ranges per file when the file is that large, so every rank gets work."""
+        out = []
+        for f, path in enumerate(self.paths):
+            size = os.path.getsize(path)
+            if size == 0:
+                continue
+            parts = max(-(-size // self.unit_bytes), min(min_units, size))
+            bounds = [size * i // parts for i in range(parts + 1)]
+            out += [(f, bounds[i], bounds[i + 1]) for i in range(parts)]
+        return out
+
+    def read_unit(self, unit) -> Iterator[Chunk]:
+        f, start, end = unit
+        reader = CriteoTSVReader(self.paths[f], start=start, end=end, **self.reader_options)
+        try:
+            for chunk in reader:
+                chunk.positions = chunk.positions | np.int64(f << FILE_SHIFT)
+                yield chunk
+        finally:
+            self.skipped += reader.skipped
