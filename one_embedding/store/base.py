@@ -22,7 +22,7 @@ import numpy as np
 class TierCounters:
     hits: int = 0
     misses: int = 0
-    evictions: int = 0  # lines pushed out to the next tier
+    evictions: int = 0  # lines pushed out to the next tier (counted by the evicting tier)
     writes: int = 0  # lines written by insert_or_assign
 
     def as_dict(self) -> dict:

@@ -65,7 +65,6 @@ class TierChain:
             keys, lines = tier.insert_or_assign(keys, lines)
             if keys.shape[0] == 0:
                 return
-            tier.counters.evictions += keys.shape[0]
         raise AssertionError("unreachable: the bottom tier never evicts")  # checked in __init__
 
     def flush(self) -> None:

@@ -1,0 +1,229 @@
+"""Set-associative caches with "lru" and "lfu" replacement, as the GPU cache runs them.
+
+Layout (``n_sets`` sets of ``ways`` ways; way ``w`` of set ``s`` owns row ``s * ways + w``)::
+
+    way_keys   (n_sets, ways) uint64   key held by the way
+    way_used   (n_sets, ways) bool     the way holds a line
+    way_stamp  (n_sets, ways) int64    clock of the last touch (LRU order, LFU tie-break)
+    way_freq   (n_sets, ways) int64    touches since the line came in (LFU only)
+    rows       (n_sets * ways, line_size) float32
+
+A key lives only in set ``mix64(key) % n_sets``; its ways are scanned linearly. A touch (a ``find``
+hit or an ``insert_or_assign``) sets the way's stamp to a clock that advances by one per touch, so
+stamps are unique and the order is deterministic. The victim of a full set is the way with the
+smallest stamp (LRU) or the smallest (freq, stamp) (LFU: least frequent, least recent among equals).
+
+``find`` never fills. ``insert_or_assign`` writes every key into the cache, in batch order; the
+line a new key displaces is copied out before it is overwritten and returned for the next tier.
+A batch bigger than a set's ways (or than the whole cache) therefore *spills*: keys of the same
+batch evict each other and the evicted ones, carrying their new lines, go down a level. Nothing is
+lost, so no batch is too big; only a budget below one row raises ``CapacityError``.
+
+The probing and bookkeeping are numba kernels at module level; the CUDA cache runs the same logic
+with one warp per set.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import numpy as np
+from numba import njit
+
+from ..errors import CapacityError, ConfigError
+from ..store.base import Tier, empty_lines
+
+POLICIES = ("lru", "lfu")
+_LRU, _LFU = 0, 1
+
+
+@njit(cache=True, inline="always")
+def mix64(key):
+    """splitmix64 finalizer of a uint64 key; ``set = mix64(key) % n_sets``."""
+    z = key
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))
+
+
+@njit(cache=True)
+def _find(way_keys, way_used, way_stamp, way_freq, keys, clock, out_rows):
+    """out_rows[i] = row of keys[i] or -1; hits are touched. Returns the advanced clock."""
+    n_sets, ways = way_keys.shape
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        s = np.int64(mix64(k) % np.uint64(n_sets))
+        out_rows[i] = -1
+        for w in range(ways):
+            if way_used[s, w] and way_keys[s, w] == k:
+                way_stamp[s, w] = clock
+                way_freq[s, w] += 1
+                clock += 1
+                out_rows[i] = s * ways + w
+                break
+    return clock
+
+
+@njit(cache=True)
+def _insert(way_keys, way_used, way_stamp, way_freq, rows, policy, keys, lines, clock,
+            ev_keys, ev_lines):
+    """Write lines (n, line_size) of keys (n,) in order; evicted lines are copied to ev_*.
+
+    Returns (clock, n_evicted, n_new).
+    """
+    n_sets, ways = way_keys.shape
+    n_ev = 0
+    n_new = 0
+    for i in range(keys.shape[0]):
+        k = keys[i]
+        s = np.int64(mix64(k) % np.uint64(n_sets))
+        target = -1
+        free = -1
+        for w in range(ways):
+            if way_used[s, w]:
+                if way_keys[s, w] == k:
+                    target = w
+                    break
+            elif free < 0:
+                free = w
+        if target >= 0:
+            way_freq[s, target] += 1
+        else:
+            n_new += 1
+            if free >= 0:
+                target = free
+            else:
+                target = 0
+                for w in range(1, ways):
+                    if policy == 1:
+                        fw = way_freq[s, w]
+                        ft = way_freq[s, target]
+                        if fw < ft or (fw == ft and way_stamp[s, w] < way_stamp[s, target]):
+                            target = w
+                    elif way_stamp[s, w] < way_stamp[s, target]:
+                        target = w
+                ev_keys[n_ev] = way_keys[s, target]
+                ev_lines[n_ev, :] = rows[s * ways + target, :]
+                n_ev += 1
+            way_keys[s, target] = k
+            way_used[s, target] = True
+            way_freq[s, target] = 1
+        way_stamp[s, target] = clock
+        clock += 1
+        rows[s * ways + target, :] = lines[i, :]
+    return clock, n_ev, n_new
+
+
+@njit(cache=True)
+def _gather(rows, row_ids, out):
+    for i in range(row_ids.shape[0]):
+        out[i, :] = rows[row_ids[i], :]
+
+
+class SetAssociativeCache(Tier):
+    """An evicting cache level of ``rows`` lines of ``line_size`` float32.
+
+    ``rows`` is rounded down to whole sets; with fewer rows than ``ways`` the cache is one set of
+    ``rows`` ways. Raises ``CapacityError`` when ``rows < 1``.
+    """
+
+    evicts = True
+
+    def __init__(self, line_size: int, rows: int, ways: int = 32, policy: str = "lru",
+                 name: str = "device.lru"):
+        super().__init__()
+        if policy not in POLICIES:
+            raise ConfigError(f"cache policy {policy!r} is not one of {POLICIES}")
+        if int(ways) < 1:
+            raise ConfigError(f"ways={ways!r} must be >= 1")
+        rows = int(rows)
+        if rows < 1:
+            raise CapacityError(
+                f"{name}: a budget of {rows} rows cannot hold one line of {line_size} floats "
+                f"({4 * line_size} bytes): raise cache_budget_mb"
+            )
+        self.line_size = int(line_size)
+        self.name = name
+        self.policy = policy
+        self._policy_code = _LRU if policy == "lru" else _LFU
+        self.ways = min(int(ways), rows)
+        self.n_sets = rows // self.ways
+        self._way_keys = np.zeros((self.n_sets, self.ways), np.uint64)
+        self._way_used = np.zeros((self.n_sets, self.ways), np.bool_)
+        self._way_stamp = np.zeros((self.n_sets, self.ways), np.int64)
+        self._way_freq = np.zeros((self.n_sets, self.ways), np.int64)
+        self._rows = np.zeros((self.n_sets * self.ways, self.line_size), np.float32)
+        self._clock = 0
+        self._size = 0
+
+    @classmethod
+    def from_options(cls, cache_options, line_size: int, name: str) -> "SetAssociativeCache":
+        return cls(line_size, cache_options.rows(line_size), cache_options.ways,
+                   cache_options.policy, name)
+
+    @property
+    def capacity(self) -> int:
+        """Lines the cache can hold: n_sets * ways."""
+        return self._rows.shape[0]
+
+    def __len__(self) -> int:
+        return self._size
+
+    @property
+    def memory_bytes(self) -> int:
+        return (self._rows.nbytes + self._way_keys.nbytes + self._way_used.nbytes
+                + self._way_stamp.nbytes + self._way_freq.nbytes)
+
+    def find(self, keys):
+        """keys: (n,) uint64 -> (found (n,) bool, lines (n_found, line_size) float32)."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        row_ids = np.empty(keys.shape[0], np.int64)
+        self._clock = _find(self._way_keys, self._way_used, self._way_stamp, self._way_freq,
+                            keys, self._clock, row_ids)
+        found = row_ids >= 0
+        hit_rows = row_ids[found]
+        lines = np.empty((hit_rows.shape[0], self.line_size), np.float32)
+        _gather(self._rows, hit_rows, lines)
+        self.counters.hits += hit_rows.shape[0]
+        self.counters.misses += keys.shape[0] - hit_rows.shape[0]
+        return found, lines
+
+    def insert_or_assign(self, keys, lines):
+        """keys: (n,) uint64 unique, lines: (n, line_size) float32.
+
+        Returns the evicted (keys (m,) uint64, lines (m, line_size) float32), m <= n, in the
+        order they were evicted.
+        """
+        keys = np.ascontiguousarray(keys, np.uint64)
+        lines = np.ascontiguousarray(lines, np.float32)
+        n = keys.shape[0]
+        if n == 0:
+            return empty_lines(self.line_size)
+        ev_keys = np.empty(n, np.uint64)
+        ev_lines = np.empty((n, self.line_size), np.float32)
+        self._clock, n_ev, n_new = _insert(
+            self._way_keys, self._way_used, self._way_stamp, self._way_freq, self._rows,
+            self._policy_code, keys, lines, self._clock, ev_keys, ev_lines,
+        )
+        self._size += n_new - n_ev
+        self.counters.writes += n
+        self.counters.evictions += n_ev
+        return ev_keys[:n_ev], ev_lines[:n_ev]
+
+    def keys(self) -> np.ndarray:
+        """Held keys (k,) uint64, sorted."""
+        return np.sort(self._way_keys[self._way_used])
+
+    def export_batches(self, batch_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        used = self._way_used.reshape(-1)
+        row_ids = np.flatnonzero(used)
+        keys = self._way_keys.reshape(-1)[row_ids]
+        order = np.argsort(keys, kind="stable")  # deterministic export order
+        keys, row_ids = keys[order], row_ids[order]
+        for start in range(0, keys.shape[0], batch_rows):
+            stop = start + batch_rows
+            yield keys[start:stop], self._rows[row_ids[start:stop]]
+
+    def clear(self) -> None:
+        self._way_used.fill(False)
+        self._way_freq.fill(0)
+        self._size = 0
