@@ -110,8 +110,9 @@ def _parse_hex(buf, starts, ends):
 def _explain(line: bytes, has_label: bool, min_fields: int, max_fields: int) -> str:
     """Why one line is bad, in words (the slow path, only for error messages)."""
     fields = line.rstrip(b"\r").split(b"\t")
-    if not (min_fields <= len(fields) <= max_fields):
-        return f"{len(fields)} tab-separated fields, expected {min_fields}..{max_fields}"
+    count = len(fields)
+    if not (min_fields <= count <= max_fields):
+        return f"{count} tab-separated fields, expected {min_fields}..{max_fields}"
     fields += [b""] * (max_fields - len(fields))
     names = (["label"] if has_label else []) + [f"I{i}" for i in range(1, 14)] + \
         [f"C{i}" for i in range(1, 27)]
@@ -119,7 +120,9 @@ def _explain(line: bytes, has_label: bool, min_fields: int, max_fields: int) -> 
         text = field.decode("utf-8", "backslashreplace")
         if name == "label":
             if field not in (b"0", b"1"):
-                return f"label {text!r} is not 0 or 1"
+                hint = " (an unlabelled test.txt line? pass has_label=False)" \
+                    if count == max_fields - 1 else ""
+                return f"label {text!r} is not 0 or 1{hint}"
         elif name.startswith("I") and field:
             body = field[1:] if field[:1] == b"-" else field
             if not body.isdigit() or not body.isascii() or len(body) > 18:
