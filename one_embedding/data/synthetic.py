@@ -13,8 +13,11 @@ Per row:
   cardinalities).
 * dense: latent ``z ~ N(0, 1)`` per column, ``x = floor(exp(mu_j + sigma_j z))``, missing with
   probability ``missing_j``, stored as ``log(x + 1)`` (missing -> 0), as ``schema.dense_log`` does.
-* label: ``Bernoulli(sigmoid(bias + w · z[:4] + sum_c e(key_c)))`` where ``e(key)`` is a hashed
-  per-key effect in ``[-amp_c, amp_c]``; ``bias`` is calibrated so the click rate is ``click_rate``.
+* label: ``Bernoulli(sigmoid(bias + w · z[:4] + sum_c g(k_c) e(key_c)))`` where ``e(key)`` is a
+  hashed per-key effect, uniform in ``[-a, a]`` with ``a = effect_amplitude * sqrt(3 / F)``, and
+  ``g(k) = head_rank / (head_rank + k - 1)`` fades it along the Zipf rank ``k``: frequent ids, which
+  a model sees often enough to learn, carry the signal (hidden-logit AUC ~0.87-0.90; a per-id
+  click-rate encoding fitted on 40k rows already reaches ~0.77-0.80). ``bias`` is calibrated so the click rate is ``click_rate``.
   ``hidden_logits`` exposes the true logit, whose AUC bounds what a model can reach.
 """
 
@@ -110,7 +113,7 @@ class SyntheticCriteo:
 
     def __init__(self, cardinalities="kaggle", *, scale: float = 1.0, alpha: float = 1.05,
                  seed: int = 0, num_rows: int | None = None, block_rows: int = 4096,
-                 click_rate: float = 0.25, effect_amplitude: float = 1.5):
+                 click_rate: float = 0.25, effect_amplitude: float = 3.0, head_rank: float = 50.0):
         self.cardinalities = resolve_cardinalities(cardinalities, scale)
         self.num_features = len(self.cardinalities)
         if not 0.0 < click_rate < 1.0:
@@ -118,7 +121,7 @@ class SyntheticCriteo:
         if block_rows < 1 or (num_rows is not None and num_rows < 0):
             raise ConfigError(f"block_rows={block_rows}, num_rows={num_rows}: use block_rows >= 1 "
                               f"and num_rows >= 0 or None")
-        self.alpha, self.seed = float(alpha), int(seed)
+        self.alpha, self.seed, self.head_rank = float(alpha), int(seed), float(head_rank)
         self.num_rows, self.block_rows = num_rows, int(block_rows)
         card = np.array(self.cardinalities, np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(card)[:-1]]).astype(np.int64)
@@ -126,8 +129,9 @@ class SyntheticCriteo:
         self._mult = np.array([_KNUTH_PRIME % n for n in card], np.int64)
         shifts = splitmix64(np.arange(len(card), dtype=np.uint64) + np.uint64(self.seed) * np.uint64(977))
         self._shift = (shifts % card.astype(np.uint64)).astype(np.int64)
-        # columns whose ids carry signal: a key's effect decays with column order so a few matter most
-        self._amp = effect_amplitude * 0.7 ** np.arange(len(card), dtype=np.float64)
+        # every column carries signal; uniform(-a, a) has sd a/sqrt(3), so the summed id effect
+        # has sd effect_amplitude whatever the number of columns
+        self._amp = np.full(len(card), effect_amplitude * np.sqrt(3.0 / len(card)))
         self._salt = splitmix64(np.array([self.seed ^ 0x5EED], np.uint64))[0]
         self.bias = 0.0
         self.bias = self._calibrate(click_rate)
@@ -151,8 +155,10 @@ class SyntheticCriteo:
         rng = np.random.default_rng([self.seed, block])
         n = self.block_rows
         ids = np.empty((n, self.num_features), np.int64)
+        weight = np.empty((n, self.num_features))
         for c, sampler in enumerate(self.samplers):
             rank = sampler.sample(rng, n)
+            weight[:, c] = self.head_rank / (self.head_rank + rank - 1.0)
             n_c = self.cardinalities[c]
             ids[:, c] = self.offsets[c] + ((rank - 1) * self._mult[c] + self._shift[c]) % n_c
         z = rng.standard_normal((n, NUM_DENSE))
@@ -160,7 +166,7 @@ class SyntheticCriteo:
         missing = rng.random((n, NUM_DENSE)) < self.DENSE_MISSING
         dense = np.where(missing, 0.0, np.log1p(x)).astype(np.float32)
         unit = (splitmix64(ids.astype(np.uint64) ^ self._salt) >> np.uint64(11)) * 2.0 ** -53
-        effects = ((2.0 * unit - 1.0) * self._amp).sum(1)
+        effects = ((2.0 * unit - 1.0) * weight * self._amp).sum(1)
         logits = self.bias + z[:, :len(self.DENSE_WEIGHTS)] @ self.DENSE_WEIGHTS + effects
         u = rng.random(n)
         labels = (u < 1.0 / (1.0 + np.exp(-logits))).astype(np.float32) if with_labels else None
