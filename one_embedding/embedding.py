@@ -22,7 +22,7 @@ import numpy as np
 from . import store as _store  # noqa: F401  (registers the store presets)
 from .backend import is_cupy_array, to_numpy
 from .errors import ConfigError, InputError, SnapshotError
-from .initializers import initial_values
+from .initializers import fill_initial_values
 from .options import (
     DEFAULT_INITIALIZER,
     StoreOptions,
@@ -273,9 +273,8 @@ class MultiTableMultiColumnEmbedding:
         for t in np.unique(miss_tables):
             rows = idx[miss_tables == t]
             for (offset, cols), col_opt in zip(self._columns, self.tables[t].columns):
-                lines[rows, offset : offset + cols.shape[0]] = initial_values(
-                    np, col_opt.initializer, self.seed, keys[rows], cols
-                )
+                fill_initial_values(lines, rows, keys[rows], col_opt.initializer, self.seed,
+                                    offset, cols.shape[0], offset)
 
     def backward(self, grad_out) -> None:
         """grad_out: (..., embedding_dim) float32, the gradient of the last forward's output.

@@ -18,6 +18,14 @@ from ..store.durable import read_array, write_array
 from .hash_index import HashIndex
 
 
+def _reservable_rows(line_size: int) -> int:
+    try:
+        ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        ram = 8 << 30
+    return max(1024, ram // 4 // (4 * line_size))
+
+
 class FullCache(Tier):
     evicts = False
 
@@ -28,7 +36,9 @@ class FullCache(Tier):
         self.name = name
         self.capacity = int(capacity) if capacity else None
         self.max_rows = max_rows
-        initial = min(self.capacity or 1024, 1 << 20)
+        # np.zeros pages are mapped lazily, so reserving `capacity` rows costs nothing until rows
+        # are written; a quarter of RAM bounds the reservation for optimistic capacities
+        initial = min(self.capacity or 1024, _reservable_rows(self.line_size))
         self._index = HashIndex(initial)
         self._rows = np.zeros((initial, self.line_size), np.float32)
         self._warned = False
