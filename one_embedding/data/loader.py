@@ -2,12 +2,14 @@
 
 Data flow, all inside one producer thread::
 
-    source.units() --(shuffle unit order by (seed, epoch))--> units[rank::world]      sharding
+    source.units() -> units[rank::world] --(shuffle their order by (seed, epoch, rank))-->
       -> read_unit(unit) -> Chunk --(row hash vs eval_fraction)--> train | eval rows    split
       -> shuffle buffer (seeded) -> fixed-size Batch -> bounded queue -> consumer
 
-* Sharding is by unit (TSV byte range, Parquet row group, synthetic block): the ranks' rows are
-  disjoint and together cover the source. Ranks may get a few rows more or fewer than each other.
+* Sharding is by unit (TSV byte range, Parquet row group, synthetic block), before any shuffle:
+  the ranks' rows are disjoint and together cover the source whatever seeds the ranks use. Ranks
+  may get a unit's worth of rows more or fewer than each other (see ``drop_last`` and count
+  batches per rank when a collective needs equal steps).
 * The split hashes each row's position (``splitmix64(position ^ h(split_seed))``), so a row's side
   never depends on batch size, sharding, shuffling or read order.
 * Shuffling permutes the unit order per epoch and mixes rows through a buffer of
@@ -131,11 +133,13 @@ class BatchLoader:
 
     def my_units(self) -> list:
         """This rank's units, in reading order."""
-        units = list(self.source.units(min_units=self.world))
+        # shard before shuffling: a rank's units never depend on a seed, so ranks that were given
+        # different seeds still read disjoint rows
+        units = list(self.source.units(min_units=self.world))[self.rank::self.world]
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch]).permutation(len(units))
+            order = np.random.default_rng([self.seed, self.epoch, self.rank]).permutation(len(units))
             units = [units[i] for i in order]
-        return units[self.rank::self.world]
+        return units
 
     def _rows(self) -> Iterator[Chunk]:
         """This rank's rows of the chosen split, shuffled if asked, as chunks."""
