@@ -1,0 +1,106 @@
+// Shared device helpers for every kernel family (mlp, interaction, cross, fm, loss).
+//
+// Compiled by NVRTC at run time (cupy.RawModule) and by nvcc in CI, so it includes no host header:
+// only built-in types and CUDA's own math functions. Kernels are templates on the float type T
+// (float or double) and are named "<family>_<what>" so profiles read well.
+#pragma once
+
+namespace oe {
+
+typedef unsigned long long u64;
+typedef long long i64;
+
+// The counter hash of one_embedding/initializers.py, bit for bit:
+//   h = mix(mix(mix(seed ^ SEED_SALT) ^ key) + (column << 8 | stream) * GOLDEN)
+// with mix the splitmix64 finalizer, all in wrapping uint64 arithmetic.
+constexpr u64 GOLDEN = 0x9E3779B97F4A7C15ull;
+constexpr u64 SEED_SALT = 0x5851F42D4C957F2Dull;
+constexpr u64 MIX1 = 0xBF58476D1CE4E5B9ull;
+constexpr u64 MIX2 = 0x94D049BB133111EBull;
+
+__device__ __forceinline__ u64 splitmix64(u64 z) {
+  z = (z ^ (z >> 30)) * MIX1;
+  z = (z ^ (z >> 27)) * MIX2;
+  return z ^ (z >> 31);
+}
+
+// mix(mix(seed ^ SEED_SALT) ^ key): the part of the hash shared by every column of one key.
+__device__ __forceinline__ u64 counter_key_state(u64 seed, u64 key) {
+  return splitmix64(key ^ splitmix64(seed ^ SEED_SALT));
+}
+
+__device__ __forceinline__ u64 counter_hash(u64 key_state, u64 column, unsigned stream) {
+  return splitmix64(key_state + ((column << 8) | (u64)stream) * GOLDEN);
+}
+
+// Top 53 bits -> [0, 1). Exact in double (the integer is below 2**53), as in numpy.
+__device__ __forceinline__ double uniform01(u64 h) {
+  return (double)(h >> 11) * (1.0 / 9007199254740992.0);
+}
+
+// Overloads, so templates on T call the float or double CUDA math function without host headers.
+__device__ __forceinline__ float exp_t(float x) { return expf(x); }
+__device__ __forceinline__ double exp_t(double x) { return exp(x); }
+__device__ __forceinline__ float log1p_t(float x) { return log1pf(x); }
+__device__ __forceinline__ double log1p_t(double x) { return log1p(x); }
+
+constexpr unsigned FULL_WARP = 0xffffffffu;
+
+// Sum over the 32 lanes of a warp; every lane gets the total. All lanes must call it.
+template <typename T>
+__device__ __forceinline__ T warp_sum(T v) {
+  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(FULL_WARP, v, offset);
+  return v;
+}
+
+// Sum over a 1-D block whose size is a multiple of 32 (at most 1024). Every thread must call it;
+// the total is valid in thread 0. Safe to call more than once per kernel.
+template <typename T>
+__device__ T block_sum(T v) {
+  __shared__ T warp_totals[32];
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  v = warp_sum(v);
+  if (lane == 0) warp_totals[warp] = v;
+  __syncthreads();
+  T total = T(0);
+  if (warp == 0) {
+    total = lane < (int)(blockDim.x >> 5) ? warp_totals[lane] : T(0);
+    total = warp_sum(total);
+  }
+  __syncthreads();
+  return total;
+}
+
+// Column reductions use blocks of (32, COLUMN_BLOCK_ROWS) threads: threadIdx.x picks a column
+// among 32 neighbours (coalesced row reads), threadIdx.y strides over the rows of a chunk.
+constexpr int COLUMN_BLOCK_ROWS = 8;
+
+// Sum of acc over threadIdx.y for each threadIdx.x; valid in the threads with threadIdx.y == 0.
+// Every thread of the block must call it. The fixed order keeps results deterministic.
+template <typename T>
+__device__ T column_block_sum(T acc) {
+  __shared__ T partial[COLUMN_BLOCK_ROWS][32];
+  partial[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  T total = T(0);
+  if (threadIdx.y == 0) {
+    for (int k = 0; k < COLUMN_BLOCK_ROWS; ++k) total += partial[k][threadIdx.x];
+  }
+  __syncthreads();
+  return total;
+}
+
+// Bit i of a bit-packed mask: word i / 32, bit i % 32 (little-endian within the word), the
+// layout of numpy.packbits(bitorder="little") viewed as little-endian uint32.
+__device__ __forceinline__ unsigned mask_bit(const unsigned* mask, i64 i) {
+  return (mask[i >> 5] >> (unsigned)(i & 31)) & 1u;
+}
+
+}  // namespace oe
+
+// Explicit instantiation for nvcc (scripts/compile_cuda.sh defines ONE_EMBEDDING_INSTANTIATE):
+// taking the address of both float types makes nvcc compile each template body. NVRTC gets the
+// same list through name_expressions (cuda_module.py reads these lines from the source).
+#define ONE_EMBEDDING_KERNEL(name) \
+  void* name##_instances[] = {(void*)&name<float>, (void*)&name<double>};

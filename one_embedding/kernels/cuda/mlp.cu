@@ -1,0 +1,103 @@
+// MLP elementwise kernels: bias + activation (with a bit-packed ReLU mask) and counter-hash dropout.
+//
+// Mask layout (ReLU and dropout alike): element i of the flat (rows, cols) array is bit i % 32 of
+// word i / 32 (see oe::mask_bit). A warp owns whole words: lane k handles element 32 * word + k,
+// and __ballot_sync assembles the word, so no atomics and no read-modify-write are needed.
+#include "common.cuh"
+
+// y = relu(h + b) or h + b, elementwise over (rows, cols); y may alias h.
+// Grid-stride over mask words; blockDim.x must be a multiple of 32.
+// h, y: (rows, cols); b: (cols,); relu_mask: (ceil(rows * cols / 32),), written when relu != 0.
+template <typename T>
+__global__ void mlp_bias_act_forward(const T* h, const T* b, oe::i64 rows, int cols, int relu,
+                                     T* y, unsigned* relu_mask) {
+  const oe::i64 n = rows * (oe::i64)cols;
+  const oe::i64 n_words = (n + 31) >> 5;
+  const int lane = threadIdx.x & 31;
+  const oe::i64 first_warp = ((oe::i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const oe::i64 n_warps = ((oe::i64)gridDim.x * blockDim.x) >> 5;
+  for (oe::i64 word = first_warp; word < n_words; word += n_warps) {
+    const oe::i64 i = (word << 5) + lane;
+    bool positive = false;
+    if (i < n) {
+      T v = h[i] + b[i % cols];
+      if (relu) {
+        // like numpy.maximum(v, 0): NaN and -0.0 pass through unchanged
+        v = v < T(0) ? T(0) : v;
+        positive = v > T(0);
+      }
+      y[i] = v;
+    }
+    if (relu) {
+      // the loop bound is the same for the whole warp, so every lane reaches the ballot
+      const unsigned bits = __ballot_sync(oe::FULL_WARP, positive);
+      if (lane == 0) relu_mask[word] = bits;
+    }
+  }
+}
+
+// dh = dy * mask (dy when has_mask == 0) and per-chunk column sums of dh.
+// Grid (ceil(cols / 32), n_chunks), block (32, COLUMN_BLOCK_ROWS); chunk g covers rows
+// [g * rows_per_chunk, min((g + 1) * rows_per_chunk, rows)).
+// dy, dh: (rows, cols); relu_mask: bit-packed; db_partial: (n_chunks, cols), summed on the host side.
+template <typename T>
+__global__ void mlp_bias_act_backward(const T* dy, const unsigned* relu_mask, int has_mask,
+                                      oe::i64 rows, int cols, oe::i64 rows_per_chunk, T* dh,
+                                      T* db_partial) {
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  const oe::i64 row_begin = (oe::i64)blockIdx.y * rows_per_chunk;
+  const oe::i64 row_end = min(row_begin + rows_per_chunk, rows);
+  T acc = T(0);
+  if (col < cols) {
+    for (oe::i64 r = row_begin + threadIdx.y; r < row_end; r += blockDim.y) {
+      const oe::i64 i = r * cols + col;
+      T g = dy[i];
+      // a multiply, not a select, so that NaN/inf behave as numpy's dy * mask
+      if (has_mask) g = g * T(oe::mask_bit(relu_mask, i));
+      dh[i] = g;
+      acc += g;
+    }
+  }
+  const T total = oe::column_block_sum(acc);
+  if (threadIdx.y == 0 && col < cols) db_partial[(oe::i64)blockIdx.y * cols + col] = total;
+}
+
+// keep[i] = uniform01(counter_hash(seed, step, i, 0)) > rate; y = (x * keep) * scale with
+// scale = T(1 / (1 - rate)), the reference's exact operation order.
+// x, y: (n,) flat; keep_mask: (ceil(n / 32),). Grid-stride over mask words as above.
+template <typename T>
+__global__ void mlp_dropout_forward(const T* x, oe::i64 n, double rate, T scale, oe::u64 seed,
+                                    oe::u64 step, T* y, unsigned* keep_mask) {
+  const oe::i64 n_words = (n + 31) >> 5;
+  const int lane = threadIdx.x & 31;
+  const oe::i64 first_warp = ((oe::i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
+  const oe::i64 n_warps = ((oe::i64)gridDim.x * blockDim.x) >> 5;
+  const oe::u64 key_state = oe::counter_key_state(seed, step);
+  for (oe::i64 word = first_warp; word < n_words; word += n_warps) {
+    const oe::i64 i = (word << 5) + lane;
+    bool keep = false;
+    if (i < n) {
+      keep = oe::uniform01(oe::counter_hash(key_state, (oe::u64)i, 0u)) > rate;
+      y[i] = (x[i] * T(keep ? 1 : 0)) * scale;
+    }
+    const unsigned bits = __ballot_sync(oe::FULL_WARP, keep);
+    if (lane == 0) keep_mask[word] = bits;
+  }
+}
+
+// dx = (dy * keep) * scale. dy, dx: (n,) flat; keep_mask from mlp_dropout_forward.
+template <typename T>
+__global__ void mlp_dropout_backward(const T* dy, const unsigned* keep_mask, oe::i64 n, T scale,
+                                     T* dx) {
+  const oe::i64 stride = (oe::i64)gridDim.x * blockDim.x;
+  for (oe::i64 i = (oe::i64)blockIdx.x * blockDim.x + threadIdx.x; i < n; i += stride) {
+    dx[i] = (dy[i] * T(oe::mask_bit(keep_mask, i))) * scale;
+  }
+}
+
+#ifdef ONE_EMBEDDING_INSTANTIATE
+ONE_EMBEDDING_KERNEL(mlp_bias_act_forward)
+ONE_EMBEDDING_KERNEL(mlp_bias_act_backward)
+ONE_EMBEDDING_KERNEL(mlp_dropout_forward)
+ONE_EMBEDDING_KERNEL(mlp_dropout_backward)
+#endif
