@@ -84,15 +84,16 @@ def test_mlp(rng):
 
 def test_mlp_with_dropout(rng):
     mlp = nn.MLP(3, [6, 2], last_relu=True, dropout=0.4, seed=2, dtype=np.float64)
-    # each forward advances the dropout step; pin it so every evaluation sees the same mask
-    d = mlp.dropouts[0]
+    # each forward advances the dropout steps; pin them so every evaluation sees the same masks
+    assert all(d is not None for d in mlp.dropouts)
 
     class Pinned(nn.Module):
         def __init__(self):
             self.mlp = mlp
 
         def forward(self, x):
-            d.step = 0
+            for d in mlp.dropouts:
+                d.step = 0
             return mlp.forward(x)
 
         def backward(self, g):

@@ -72,7 +72,8 @@ def test_mlp_with_dropout_uses_its_mask():
     x = rng.standard_normal((20, 10)).astype(np.float32)
     g = rng.standard_normal((20, 4)).astype(np.float32)
     y = mlp(x)
-    keeps = [d._keep for d in mlp.dropouts]
+    assert mlp.dropouts[2] is None  # no dropout after the logit layer
+    keeps = [d._keep for d in mlp.dropouts[:2]]
     assert all(k is not None and 0.5 < k.mean() < 0.9 for k in keeps)
     tx = leaf(x)
     tparams = [(leaf(l.weight.data), leaf(l.bias.data)) for l in mlp.layers]

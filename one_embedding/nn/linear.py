@@ -98,7 +98,7 @@ class MLP(Module):
 
     ``sizes`` are the output widths: ``MLP(13, [512, 256, 128])`` maps (B, 13) -> (B, 128).
     Every layer has a ReLU except the last one when ``last_relu=False`` (a logit layer). Dropout
-    (``dropout > 0``) follows every ReLU layer except the last layer of the stack.
+    (``dropout > 0``) follows every ReLU layer, so a logit layer's output is never dropped.
     """
 
     def __init__(self, in_features: int, sizes, *, last_relu: bool = True, dropout: float = 0.0,
@@ -119,8 +119,8 @@ class MLP(Module):
         ]
         # a distinct dropout stream per layer, derived from the model's seed
         base = int(seq.generate_state(1, np.uint32)[0])
-        self.dropouts = [Dropout(dropout, seed=(base << 8) + i) if dropout > 0 else None
-                         for i in range(len(sizes) - 1)]
+        self.dropouts = [Dropout(dropout, seed=(base << 8) + i) if dropout > 0 and layer.relu else None
+                         for i, layer in enumerate(self.layers)]
         self.dropout = float(dropout)
         if not 0.0 <= self.dropout < 1.0:
             raise ConfigError(f"{name}: dropout={dropout} must be in [0, 1)")
@@ -137,14 +137,14 @@ class MLP(Module):
         """x: (B, in_features) -> (B, sizes[-1])."""
         for i, layer in enumerate(self.layers):
             x = layer.forward(x)
-            if i < len(self.dropouts) and self.dropouts[i] is not None:
+            if self.dropouts[i] is not None:
                 x = self.dropouts[i].forward(x)
         return x
 
     def backward(self, dy):
         """dy: (B, sizes[-1]) -> dx (B, in_features)."""
         for i in reversed(range(len(self.layers))):
-            if i < len(self.dropouts) and self.dropouts[i] is not None:
+            if self.dropouts[i] is not None:
                 dy = self.dropouts[i].backward(dy)
             dy = self.layers[i].backward(dy)
         return dy

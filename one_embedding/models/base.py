@@ -1,0 +1,171 @@
+"""What DLRM, DCN and DeepFM share: input checks, the embedding they own, the two-stage step.
+
+Contract: ``logits = model(dense, ids)`` -> (B,); ``model.backward(dlogits)`` accumulates every
+dense parameter's grad and passes d(embeddings) (B, F, E) to ``model.embedding.backward``.
+The dense part alone is ``forward_from_embeddings(dense, embedded)`` /
+``backward_to_embeddings(dlogits) -> (ddense, dembedded)``, for benchmarks and parity tests.
+
+Ids must already be unique across tables (one key space, REFERENCE.md): the data layer offsets
+or hashes each column; column j of ``ids`` is looked up with table j's initializer.
+"""
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from ..backend import array_namespace, to_numpy
+from ..errors import ConfigError, InputError
+from ..nn.module import Module
+from ..options import (
+    make_column_options,
+    make_constant_initializer,
+    make_device_mem_store_options,
+    make_normal_initializer,
+    make_table_options,
+    make_uniform_initializer,
+)
+
+#: Embedding initializer of DCN / DeepFM tables when no table_sizes are given (OneEmbedding's
+#: own default for tables=None).
+DEFAULT_STD = 0.05
+
+
+def table_initializer(table_size):
+    """DLRM's per-table scheme: uniform(+-sqrt(1 / table_size)); normal(0, 0.05) without a size."""
+    if table_size is None:
+        return make_normal_initializer(0.0, DEFAULT_STD)
+    if int(table_size) != table_size or table_size <= 0:
+        raise ConfigError(f"table size {table_size!r} must be a positive integer (rows of that table)")
+    bound = math.sqrt(1.0 / float(table_size))
+    return make_uniform_initializer(-bound, bound)
+
+
+def check_table_sizes(table_sizes, num_tables):
+    if table_sizes is None:
+        return None
+    sizes = list(table_sizes)
+    if len(sizes) != num_tables:
+        raise ConfigError(f"table_sizes has {len(sizes)} entries but the model has num_tables={num_tables}")
+    for s in sizes:
+        table_initializer(s)
+    return tuple(int(s) for s in sizes)
+
+
+def build_embedding(name, column_dims, num_tables, table_sizes, store_options, seed, first_order=False):
+    """A default embedding: MultiTableEmbedding (one column) or, with ``first_order``, a
+    MultiTableMultiColumnEmbedding with columns [E, 1] whose 1-wide column starts at 0.
+
+    store_options None: device memory, no persistence, size_factor 1 (plain SGD). Pass
+    ``make_*_store_options(..., size_factor=3)`` for Adam, 2 for Adagrad or momentum.
+    """
+    from ..embedding import MultiTableEmbedding, MultiTableMultiColumnEmbedding
+
+    if store_options is None:
+        store_options = make_device_mem_store_options(persistent_path=None, capacity=None)
+    sizes = table_sizes if table_sizes is not None else (None,) * num_tables
+    if first_order:
+        tables = [make_table_options([make_column_options(table_initializer(s)),
+                                      make_column_options(make_constant_initializer(0.0))])
+                  for s in sizes]
+        return MultiTableMultiColumnEmbedding(name, list(column_dims), np.float32, np.int64, tables,
+                                              store_options, seed=seed)
+    tables = [make_table_options(table_initializer(s)) for s in sizes]
+    return MultiTableEmbedding(name, int(column_dims[0]), np.float32, np.int64, tables, store_options,
+                               seed=seed)
+
+
+def positive(name, value) -> int:
+    if isinstance(value, bool) or int(value) != value or value <= 0:
+        raise ConfigError(f"{name}={value!r} must be a positive integer")
+    return int(value)
+
+
+class CTRModel(Module):
+    """Base of the click-through-rate models. Sub-classes set ``num_tables``,
+    ``dense_features``, ``embedding_width`` (E, or E + 1 for DeepFM), ``embedding``, ``dtype``."""
+
+    num_tables: int
+    dense_features: int
+    embedding_width: int
+
+    def _check_embedding(self, embedding, column_dims):
+        dims = tuple(getattr(embedding, "column_dims", (getattr(embedding, "embedding_dim", None),)))
+        if dims != tuple(column_dims):
+            raise ConfigError(
+                f"the embedding has columns {dims} but {type(self).__name__} needs {tuple(column_dims)}"
+                f" (embedding_dim must equal the model's embedding_dim"
+                f"{' and the bottom MLP output' if type(self).__name__ == 'DLRM' else ''}): "
+                "build both with the same size"
+            )
+        n = len(getattr(embedding, "tables", ()))
+        if n not in (1, self.num_tables):
+            raise ConfigError(
+                f"the embedding declares {n} tables but the model reads num_tables={self.num_tables} "
+                "columns of ids: declare one table per column"
+            )
+
+    def check_inputs(self, dense, ids):
+        """dense: (B, dense_features) float or None when dense_features == 0; ids: (B, num_tables).
+        -> dense in the model's dtype (or None). Raises InputError on shape, dtype or NaN."""
+        if getattr(ids, "ndim", None) != 2 or ids.shape[1] != self.num_tables:
+            raise InputError(
+                f"ids have shape {tuple(getattr(ids, 'shape', ()))}; {type(self).__name__} expects "
+                f"(B, {self.num_tables}): one column per categorical feature"
+            )
+        if getattr(ids.dtype, "kind", "") not in "iu":
+            raise InputError(f"ids have dtype {ids.dtype}; pass integer ids (int64)")
+        return self.check_dense(dense, ids.shape[0])
+
+    def check_dense(self, dense, batch):
+        if self.dense_features == 0:
+            if dense is not None and getattr(dense, "size", 0) != 0:
+                raise InputError(
+                    f"dense has shape {tuple(dense.shape)} but the model was built with "
+                    "dense_features=0: pass dense=None or build it with dense_features=N"
+                )
+            return None
+        if dense is None or getattr(dense, "ndim", None) != 2 or dense.shape != (batch, self.dense_features):
+            got = None if dense is None else tuple(getattr(dense, "shape", ()))
+            raise InputError(
+                f"dense has shape {got}; {type(self).__name__} expects ({batch}, {self.dense_features}) "
+                "(batch from ids, dense_features from the constructor)"
+            )
+        if dense.dtype.kind != "f":
+            raise InputError(f"dense has dtype {dense.dtype}; pass floating-point features")
+        xp = array_namespace(dense)
+        bad = ~xp.isfinite(dense)
+        if bool(bad.any()):
+            where = np.argwhere(to_numpy(bad))[0]
+            raise InputError(
+                f"dense[{where[0]}, {where[1]}] is {float(dense[tuple(where)])}: the dense input must be "
+                "finite (fill missing values in the data layer, e.g. log(x + 1) with missing -> 0)"
+            )
+        return dense.astype(self.dtype, copy=False)
+
+    def _embedded(self, embedded, batch):
+        want = (batch, self.num_tables, self.embedding_width)
+        if tuple(getattr(embedded, "shape", ())) != want:
+            raise InputError(
+                f"embeddings have shape {tuple(getattr(embedded, 'shape', ()))}, expected {want}"
+            )
+        return embedded.astype(self.dtype, copy=False)
+
+    def forward(self, dense, ids):
+        """dense: (B, dense_features) float (None with dense_features=0); ids: (B, num_tables) int
+        -> logits (B,)."""
+        dense = self.check_inputs(dense, ids)
+        embedded = self.embedding(ids)
+        return self.forward_from_embeddings(dense, embedded)
+
+    def backward(self, dlogits):
+        """dlogits: (B,) -> the embedding gradient (B, F, width), also handed to
+        ``embedding.backward``; dense parameter grads accumulate."""
+        _, dembedded = self.backward_to_embeddings(dlogits)
+        self.embedding.backward(dembedded.astype(np.float32, copy=False))
+        return dembedded
+
+    def _dlogits(self, dlogits, batch):
+        if tuple(getattr(dlogits, "shape", ())) != (batch,):
+            raise InputError(f"dlogits have shape {tuple(getattr(dlogits, 'shape', ()))}, expected ({batch},)")
+        return dlogits.astype(self.dtype, copy=False)

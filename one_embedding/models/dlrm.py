@@ -1,0 +1,95 @@
+"""DLRM (Naumov et al. 2019), as trained on Criteo 1TB by OneFlow's model zoo.
+
+    z      = bottom_mlp(dense)                                  (B, E)   ReLU on every layer
+    X      = [z, emb_1, ..., emb_F]                             (B, F+1, E)
+    inter  = [z | <X_r, X_c> for c < r | 0-padding to a multiple of 8]   (B, 480) in the reference
+    logits = top_mlp(inter)                                     (B,)     last layer linear
+
+Reference configuration (the defaults): dense 13, E = 128, 26 tables, bottom 512-256-128,
+top 1024-1024-512-256-1; 128 + 27*26/2 = 479 columns padded to 480. The data layer applies
+log(x + 1) to the dense features; the model takes them as given.
+
+Initialization as facebookresearch/dlrm: MLP weights N(0, sqrt(2 / (fan_in + fan_out))), biases
+N(0, sqrt(1 / fan_out)); embedding table t uniform(+-sqrt(1 / table_sizes[t])).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import ConfigError
+from ..nn import MLP, DotInteraction, padding_to_multiple
+from ..nn.interaction import num_pairs
+from ..nn.linear import _check_dtype
+from .base import CTRModel, build_embedding, check_table_sizes, positive
+
+#: Criteo 1TB cardinalities C1..C26 of MLPerf v1 / OneFlow's defaults (REFERENCE.md).
+CRITEO_1TB_TABLE_SIZES = (
+    39884406, 39043, 17289, 7420, 20263, 3, 7120, 1543, 63, 38532951, 2953546, 403346, 10, 2208,
+    11938, 155, 4, 976, 14, 39979771, 25641295, 39664984, 585935, 12972, 108, 36,
+)
+
+
+class DLRM(CTRModel):
+    """``logits = model(dense (B, 13) float32, ids (B, 26) int64)`` -> (B,) float32.
+
+    embedding: a ``MultiTableEmbedding`` with ``embedding_dim`` = bottom_mlp[-1], built by the
+    caller with their store options; None builds one (``table_sizes`` picks each table's
+    initializer; default: the Criteo 1TB sizes when num_tables == 26; ``store_options`` None:
+    device memory, size_factor 1).
+    """
+
+    def __init__(self, dense_features: int = 13, embedding_dim: int = 128, num_tables: int = 26,
+                 bottom_mlp=(512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1), *, table_sizes=None,
+                 embedding=None, store_options=None, self_interaction: bool = False,
+                 pad_to_multiple: int = 8, seed: int = 0, dtype=np.float32):
+        self.dense_features = positive("dense_features", dense_features)
+        self.embedding_dim = positive("embedding_dim", embedding_dim)
+        self.embedding_width = self.embedding_dim
+        self.num_tables = positive("num_tables", num_tables)
+        self.dtype = _check_dtype(dtype)
+        bottom_mlp, top_mlp = tuple(bottom_mlp), tuple(top_mlp)
+        if not bottom_mlp or bottom_mlp[-1] != self.embedding_dim:
+            raise ConfigError(
+                f"bottom_mlp={bottom_mlp} ends in {bottom_mlp[-1] if bottom_mlp else None} but "
+                f"embedding_dim={self.embedding_dim}: the bottom output interacts with the embeddings, "
+                "so its last size must equal embedding_dim"
+            )
+        if not top_mlp or top_mlp[-1] != 1:
+            raise ConfigError(f"top_mlp={top_mlp} must end in 1 (one logit per sample)")
+        if table_sizes is None and embedding is None and self.num_tables == len(CRITEO_1TB_TABLE_SIZES):
+            table_sizes = CRITEO_1TB_TABLE_SIZES
+        self.table_sizes = check_table_sizes(table_sizes, self.num_tables)
+        seeds = np.random.SeedSequence(seed).spawn(2)
+        self.bottom_mlp = MLP(self.dense_features, bottom_mlp, last_relu=True, init="dlrm",
+                              seed=seeds[0], dtype=self.dtype, name="bottom_mlp")
+        width = self.embedding_dim + num_pairs(self.num_tables + 1, self_interaction)
+        self.interaction = DotInteraction(self_interaction=self_interaction,
+                                          output_padding=padding_to_multiple(width, pad_to_multiple))
+        self.interaction_width = width + self.interaction.output_padding
+        self.top_mlp = MLP(self.interaction_width, top_mlp, last_relu=False, init="dlrm",
+                           seed=seeds[1], dtype=self.dtype, name="top_mlp")
+        if embedding is None:
+            embedding = build_embedding("dlrm_embedding", [self.embedding_dim], self.num_tables,
+                                        self.table_sizes, store_options, seed)
+        self._check_embedding(embedding, (self.embedding_dim,))
+        self.embedding = embedding
+        self._batch = None
+
+    def forward_from_embeddings(self, dense, embedded):
+        """dense: (B, dense_features); embedded: (B, num_tables, E) -> logits (B,)."""
+        dense = self.check_dense(dense, embedded.shape[0])
+        embedded = self._embedded(embedded, dense.shape[0])
+        z = self.bottom_mlp.forward(dense)                           # (B, E)
+        inter = self.interaction.forward([z, embedded], z)          # (B, 480)
+        logits = self.top_mlp.forward(inter)                         # (B, 1)
+        self._batch = dense.shape[0]
+        return logits.reshape(-1)
+
+    def backward_to_embeddings(self, dlogits):
+        """dlogits: (B,) -> (ddense (B, dense_features), dembedded (B, num_tables, E))."""
+        d = self._dlogits(dlogits, self._batch).reshape(-1, 1)
+        dinter = self.top_mlp.backward(d)                            # (B, 480)
+        (dz, dembedded), dconcat = self.interaction.backward(dinter)
+        dz = dz + dconcat                                            # z is a feature and the concat
+        ddense = self.bottom_mlp.backward(dz)
+        return ddense, dembedded
