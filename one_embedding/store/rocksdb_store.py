@@ -57,6 +57,8 @@ def _db_options(rd, write_buffer_mb: int, block_cache_mb: int):
     opts.set_target_file_size_base(64 << 20)
     opts.set_max_background_jobs(2)
     opts.set_level_compaction_dynamic_level_bytes(True)
+    # every line is overwritten again and again: merge L0 early so old versions do not pile up
+    opts.set_level_zero_file_num_compaction_trigger(2)
     table = rd.BlockBasedOptions()
     table.set_bloom_filter(10, False)
     table.set_block_cache(rd.Cache(block_cache_mb << 20))
@@ -84,6 +86,9 @@ class RocksDBStore(Tier):
         self._options = _db_options(self._rd, write_buffer_mb, block_cache_mb)
         self._write_options = self._rd.WriteOptions()
         self._write_options.disable_wal = True
+        self._compact_options = self._rd.CompactOptions()
+        self._compact_options.set_bottommost_level_compaction(
+            self._rd.BottommostLevelCompaction.force())
         self._index = HashIndex()
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self._db = None
@@ -193,6 +198,9 @@ class RocksDBStore(Tier):
         target = os.path.join(directory, "db")
         try:
             self._db.flush()  # the WAL is off: the memtable must reach an SST first
+            # drop every overwritten version first, so the hard-linked snapshot holds only live
+            # rows and does not pin garbage SSTs until the next snapshot (bounds disk use)
+            self._db.compact_range(None, None, self._compact_options)
             self._rd.Checkpoint(self._db).create_checkpoint(target)
             for entry in os.listdir(target):
                 _fsync_file(os.path.join(target, entry))

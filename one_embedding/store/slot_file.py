@@ -187,8 +187,8 @@ class SlotFileStore(Tier):
         keys = np.ascontiguousarray(keys, np.uint64)
         lines = np.ascontiguousarray(lines, np.float32)
         if keys.shape[0]:
-            # room first, so a failed grow leaves the index untouched
-            self._reserve(keys.shape[0])
+            # room first, so a failed grow leaves the index untouched; only new keys need room
+            self._reserve(int(np.count_nonzero(self._index.find(keys) < 0)))
             slots, _ = self._index.find_or_insert(keys)
             self._run(_scatter, slots, lines)
             self.counters.writes += keys.shape[0]
