@@ -378,7 +378,8 @@ class MultiTableMultiColumnEmbedding:
         snaps = self._require_path("save_snapshot")
         self._chain.flush()
         fields = {**self._manifest_fields(), "embedding_name": self.name,
-                  "row_count": len(self._chain.bottom)}
+                  "row_count": len(self._chain.bottom), "store_kind": self.store_options.kind,
+                  "store_stats": self._chain.stats()}
         snaps.save(name, self._chain.bottom.save_snapshot, fields)
 
     def load_snapshot(self, name: str) -> None:
