@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 import xxhash
 
-from one_embedding.data import (CriteoTSVReader, KeyScheme, TSVSource, read_criteo_tsv,
-                                xxh64_u64)
+from one_embedding.data import (CriteoTSVReader, KeyScheme, TSVSource, parse_lines,
+                                read_criteo_tsv, xxh64_u64)
 from one_embedding.errors import ConfigError, InputError
 
 CRITEO_DIR = Path(__file__).parents[1].parent / "shared" / "data" / "criteo"
@@ -55,8 +55,9 @@ def check(path, lines, has_label=True, **options):
     return batch
 
 
+@pytest.mark.parametrize("engine", ["numba", "numpy"])
 @pytest.mark.parametrize("block_bytes", [64, 1 << 20])
-def test_quirks_match_reference(tmp_path, block_bytes):
+def test_quirks_match_reference(tmp_path, block_bytes, engine):
     cats_missing = [f"{c:08x}" if c % 3 else "" for c in range(26)]
     ints_missing = ["" if i % 4 == 0 else str(i) for i in range(13)]
     lines = [
@@ -72,7 +73,7 @@ def test_quirks_match_reference(tmp_path, block_bytes):
         make_line("1", cats=["1"] + ["ffffffffffffffff"] * 25),  # short and 64-bit hex
     ]
     path = write(tmp_path, lines)
-    batch = check(path, lines, block_bytes=block_bytes)
+    batch = check(path, lines, block_bytes=block_bytes, engine=engine)
     assert batch.dense[1, 0] == 0.0 and batch.dense[1, 1] == 0.0
     assert batch.ids[2, 0] == 0xFFFFFFFF and batch.ids[2, 1] == 0x80000000 + MOD
 
@@ -160,13 +161,14 @@ BAD_LINES = [
 ]
 
 
+@pytest.mark.parametrize("engine", ["numba", "numpy"])
 @pytest.mark.parametrize("bad, reason", BAD_LINES)
-def test_bad_line_names_file_and_line(tmp_path, bad, reason):
+def test_bad_line_names_file_and_line(tmp_path, bad, reason, engine):
     lines = [make_line(), make_line("0"), bad, make_line()]
     path = write(tmp_path, lines)
     with pytest.raises(InputError, match=rf"part\.tsv:3: bad Criteo line \(.*{reason}"):
-        read_criteo_tsv(path, block_bytes=50)
-    reader = CriteoTSVReader(path, on_bad_line="skip")
+        read_criteo_tsv(path, block_bytes=50, engine=engine)
+    reader = CriteoTSVReader(path, on_bad_line="skip", engine=engine)
     chunks = list(reader)
     assert reader.skipped == 1 and reader.rows == 3
     np.testing.assert_array_equal(np.concatenate([c.ids for c in chunks]),
@@ -244,3 +246,27 @@ def test_real_criteo_rows(name, rows, field_counts):
     assert set(np.unique(batch.labels)) <= {0.0, 1.0}
     real = batch.ids[batch.ids < MOD * 26]
     assert ((real % MOD) > 0x7FFFFFFF).mean() > 0.3  # about 44% of Criteo's hex exceed int32
+
+
+@pytest.mark.parametrize("has_label", [True, False])
+def test_compiled_parser_matches_numpy_reference(has_label):
+    """The numba kernel against the numpy specification on quirks, bad lines and random bytes."""
+    rng = np.random.default_rng(8)
+    label = "1" if has_label else None
+    lines = [make_line(label, strip=int(k)) for k in rng.integers(0, 5, 40)]
+    lines += [bad for bad, _ in BAD_LINES] + ["", "\t", "1\r", make_line(label) + "\r"]
+    lines += [make_line(label, ints=[str(int(v)) for v in rng.integers(-10**18, 10**18, 13)])]
+    text = "\n".join(lines).encode()
+    noise = rng.integers(0, 256, 3000, dtype=np.uint8)
+    noise[rng.random(3000) < 0.05] = 9
+    noise[rng.random(3000) < 0.01] = 10
+    for data in (text, text + b"\n", text + noise.tobytes(), b"", b"\n\n"):
+        buf = np.frombuffer(data, np.uint8)
+        fast = parse_lines(buf, has_label=has_label, engine="numba")
+        spec = parse_lines(buf, has_label=has_label, engine="numpy")
+        np.testing.assert_array_equal(fast[3], spec[3])  # line starts
+        np.testing.assert_array_equal(fast[4], spec[4])  # bad mask
+        good = ~spec[4]
+        assert good.sum() >= (20 if data.startswith(text) else 0)
+        for f, r in zip(fast[:3], spec[:3]):
+            np.testing.assert_array_equal(f[good], r[good])

@@ -133,22 +133,38 @@ def _explain(line: bytes, has_label: bool, min_fields: int, max_fields: int) -> 
     return "unparseable line"
 
 
+ENGINES = ("numba", "numpy")
+
+
 def parse_lines(buf: np.ndarray, *, has_label: bool = True, key_scheme: KeyScheme = KeyScheme(),
-                min_fields: int | None = None):
+                min_fields: int | None = None, engine: str = "numba"):
     """Parse a block of whole lines.
 
     buf: (nbytes,) uint8 holding complete lines, each ending in ``\\n`` except possibly the last.
+    engine: "numba" (compiled single pass, ``tsv_kernel``) or "numpy" (the vectorized reference);
+    both give the same rows and the same bad-line mask.
     Returns ``(dense (N, 13) float32, ids (N, 26) int64, labels (N,) float32, line_starts (N,) int64,
-    bad (N,) bool)`` over all N lines; rows of bad lines hold zeros.
+    bad (N,) bool)`` over all N lines; the contents of bad lines' rows are unspecified.
     """
     max_fields = 1 + NUM_DENSE + NUM_SPARSE if has_label else NUM_DENSE + NUM_SPARSE
     min_fields = max_fields - 3 if min_fields is None else min_fields
+    if engine == "numba":
+        from .tsv_kernel import scan_lines
+
+        labels, dense_raw, dense_present, hex_vals, hex_present, line_starts, bad = scan_lines(
+            buf, has_label, min_fields, max_fields)
+        if not has_label:
+            labels[:] = np.nan
+        return (dense_log(dense_raw, dense_present), key_scheme.keys(hex_vals, hex_present),
+                labels, line_starts, bad)
+    if engine != "numpy":
+        raise ConfigError(f"engine={engine!r}: use one of {ENGINES}")
     n_bytes = buf.size
     newlines = np.flatnonzero(buf == 10)
     if n_bytes and (newlines.size == 0 or newlines[-1] != n_bytes - 1):
         newlines = np.append(newlines, n_bytes)  # last line without a final newline
     line_ends = newlines.astype(np.int64)
-    line_starts = np.concatenate([[0], line_ends[:-1] + 1]).astype(np.int64)
+    line_starts = np.concatenate([[0], line_ends[:-1] + 1]).astype(np.int64)[:line_ends.size]
     n = line_ends.size
     nonempty = line_ends > line_starts
     cr = np.zeros(n, bool)
@@ -201,6 +217,7 @@ class CriteoTSVReader:
     key_scheme: see ``schema.KeyScheme``; on_bad_line: "error" raises ``InputError`` naming the file
     and 1-based line number, "skip" drops the line and counts it in ``self.skipped``;
     min_fields: fewest fields accepted (default: 3 fewer than a full line);
+    engine: "numba" (compiled, default) or "numpy" (vectorized reference), see ``parse_lines``;
     start, end: byte range; the reader yields the lines whose first byte lies in [start, end), so
     consecutive ranges cover a file exactly once.
 
@@ -209,9 +226,13 @@ class CriteoTSVReader:
 
     def __init__(self, path, *, has_label: bool = True, key_scheme: KeyScheme = KeyScheme(),
                  on_bad_line: str = "error", min_fields: int | None = None,
-                 block_bytes: int = 1 << 20, start: int = 0, end: int | None = None):
+                 block_bytes: int = 1 << 20, start: int = 0, end: int | None = None,
+                 engine: str = "numba"):
         if on_bad_line not in ("error", "skip"):
             raise ConfigError(f"on_bad_line={on_bad_line!r}: use 'error' or 'skip'")
+        if engine not in ENGINES:
+            raise ConfigError(f"engine={engine!r}: use one of {ENGINES}")
+        self.engine = engine
         if block_bytes < 1:
             raise ConfigError(f"block_bytes={block_bytes}: use a positive size such as 4 << 20")
         self.path = os.fspath(path)
@@ -250,7 +271,8 @@ class CriteoTSVReader:
     def _parse(self, data: bytes, file_offset: int, stop: int | None):
         buf = np.frombuffer(data, dtype=np.uint8)
         dense, ids, labels, starts, bad = parse_lines(
-            buf, has_label=self.has_label, key_scheme=self.key_scheme, min_fields=self.min_fields)
+            buf, has_label=self.has_label, key_scheme=self.key_scheme, min_fields=self.min_fields,
+            engine=self.engine)
         if stop is not None:
             inside = starts + file_offset < stop
             dense, ids, labels, starts, bad = (a[inside] for a in (dense, ids, labels, starts, bad))
