@@ -1,4 +1,5 @@
 """Embedding/dense optimizers and LR schedules against float64 references, PyTorch and known values."""
+import importlib.util
 import subprocess
 import sys
 import zlib
@@ -166,6 +167,14 @@ def test_dense_parameters_of_any_shape_and_layout(case, shape):
         np.testing.assert_array_equal(flatten(s), fs)
 
 
+def test_new_states_for_a_dense_parameter():
+    w = np.ones((3, 2), np.float32)
+    n, z = Ftrl(0.1, initial_accumulator_value=0.25).new_states(w)
+    assert n.dtype == z.dtype == np.float32 and n.shape == z.shape == (3, 2)
+    assert np.all(n == 0.25) and np.all(z == 0.0)
+    assert SGD(0.1).new_states(w) == []
+
+
 def test_empty_update_is_a_no_op():
     opt = Adam(0.1)
     lines = np.zeros((0, 3 * DIM), np.float32)
@@ -317,12 +326,16 @@ def test_bad_update_inputs():
     v.flags.writeable = False
     with pytest.raises(InputError, match=r"states\[1\] is read-only"):
         opt.update(w, [m, v], np.zeros_like(w), 1)
+    with pytest.raises(InputError, match=r"g has dtype int32"):
+        opt.update(w, [m, np.zeros_like(w)], np.zeros(w.shape, np.int32), 1)
     opt.lr = -1.0
     with pytest.raises(ConfigError, match=r"lr=-1\.0"):
         opt.update(w, [m, np.zeros_like(w)], np.zeros_like(w), 1)
 
 
 def test_import_does_not_pull_cupy():
+    if importlib.util.find_spec("cupy") is None:
+        pytest.skip("cupy is not installed, so nothing could import it")
     code = "import sys, one_embedding.optim; print('cupy' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
