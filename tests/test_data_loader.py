@@ -178,6 +178,8 @@ def test_bad_options(tmp_path):
         BatchLoader(data, 0)
     with pytest.raises(ConfigError, match="rank=2, world=2"):
         BatchLoader(data, 4, rank=2, world=2)
+    with pytest.raises(ConfigError, match=r"num_rows=None\) is unbounded"):
+        BatchLoader(SyntheticCriteo(), 4)
     with pytest.raises(ConfigError, match="split='test'"):
         BatchLoader(data, 4, split="test")
     with pytest.raises(ConfigError, match="apply to file paths only"):

@@ -115,6 +115,7 @@ class BatchLoader:
             raise ConfigError(f"shuffle_buffer={shuffle_buffer}, read_ahead={read_ahead}: use "
                               f"shuffle_buffer >= 1 and read_ahead >= 0")
         self.source = open_source(source, **reader_options)
+        self.source.units(min_units=world)  # an unbounded or empty source fails here, not later
         self.batch_size = int(batch_size)
         self.shuffle, self.shuffle_buffer, self.seed = shuffle, int(shuffle_buffer), int(seed)
         self.split, self.eval_fraction, self.split_seed = split, float(eval_fraction), int(split_seed)

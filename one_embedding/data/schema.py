@@ -152,7 +152,7 @@ class Batch:
     """One training batch.
 
     dense: (B, 13) float32, already ``log(x + 1)``-transformed;
-    ids: (B, 26) int64 global keys (column c of ids feeds table c);
+    ids: (B, F) int64 global keys, F = 26 for Criteo (column c of ids feeds table c);
     labels: (B,) float32 in {0, 1}, NaN for an unlabelled source (Kaggle test.txt).
     """
 

@@ -297,7 +297,11 @@ class CriteoTSVReader:
             if pos > 0:
                 f.seek(pos - 1)
                 if f.read(1) != b"\n":
-                    pos += len(f.readline())  # the line under way belongs to the previous range
+                    while True:  # the line under way belongs to the previous range
+                        rest = f.readline(MAX_LINE_BYTES)
+                        pos += len(rest)
+                        if not rest or rest.endswith(b"\n"):
+                            break
             f.seek(pos)
             carry = b""
             carry_offset = pos
