@@ -156,8 +156,16 @@ def time_steps(
     }
 
 
-def self_test(name: str, run: Callable[..., dict], argv: Sequence[str] | None = None) -> dict:
-    """Command line of ``python -m benchmarks.peers.<peer>``: train on Zipf data, print samples/s."""
+def self_test(
+    name: str,
+    run: Callable[..., dict],
+    argv: Sequence[str] | None = None,
+    modes: Sequence[str] = (),
+) -> dict:
+    """Command line of ``python -m benchmarks.peers.<peer>``: train on Zipf data, print samples/s.
+
+    ``modes``: the values ``run(mode=...)`` accepts, first is the default; empty when it has none.
+    """
     parser = argparse.ArgumentParser(prog=f"python -m benchmarks.peers.{name}")
     parser.add_argument("--steps", type=int, default=8, help="timed steps")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first")
@@ -165,15 +173,19 @@ def self_test(name: str, run: Callable[..., dict], argv: Sequence[str] | None = 
     parser.add_argument("--batch-size", type=int, default=DLRMConfig.batch_size)
     parser.add_argument("--rows", type=int, default=DLRMConfig.rows_per_table)
     parser.add_argument("--seed", type=int, default=0)
+    if modes:
+        parser.add_argument("--mode", choices=list(modes), default=modes[0])
     args = parser.parse_args(argv)
     config = DLRMConfig(batch_size=args.batch_size, rows_per_table=args.rows)
     batches = synthetic_batches(config, args.batches, seed=args.seed)
-    result = run(batches, steps=args.steps, warmup=args.warmup, config=config)
+    options = {"mode": args.mode} if modes else {}
+    result = run(batches, steps=args.steps, warmup=args.warmup, config=config, **options)
+    label = f"{name} ({args.mode})" if modes else name
     print(f"# {name}: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, "
           f"{platform.python_version()}")
     print(f"# {config}")
     print("| peer | samples/s | seconds | steps | warmup | final loss |")
     print("|---|---:|---:|---:|---:|---:|")
-    print(f"| {name} | {result['samples_per_s']:.0f} | {result['seconds']:.2f} | "
+    print(f"| {label} | {result['samples_per_s']:.0f} | {result['seconds']:.2f} | "
           f"{result['steps']} | {result['warmup']} | {result['final_loss']:.4f} |")
     return result
