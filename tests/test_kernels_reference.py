@@ -193,3 +193,14 @@ def test_bias_act_forward_overwrites_only_h():
     b0 = b.copy()
     y, _ = ref.bias_act_forward(h, b, True)
     assert np.shares_memory(y, h) and np.array_equal(b, b0)
+
+
+def test_cuda_ops_share_every_signature():
+    """KERNEL_API: reference and cuda_ops have identical names and signatures. Importing
+    cuda_ops must not need cupy (it imports cupy inside its functions)."""
+    import inspect
+
+    from one_embedding.kernels import cuda_ops
+
+    for name in OPS:
+        assert inspect.signature(getattr(cuda_ops, name)) == inspect.signature(getattr(ref, name)), name
