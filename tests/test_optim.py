@@ -1,4 +1,4 @@
-"""Embedding/dense optimizers and LR schedules against float64 references, PyTorch and known values."""
+"""Embedding/dense optimizers and LR schedules: float64 references, PyTorch, known values."""
 import importlib.util
 import subprocess
 import sys

@@ -1,9 +1,10 @@
 """Element-wise optimizers for embedding rows and dense parameters.
 
-An embedding line is ``[w (E) | state1 (E) | state2 (E)]`` in float32; the front end hands ``update``
-the column views ``w = lines[:, :E]``, ``states = [lines[:, E:2E], ...]`` of the unique rows of a
-step, and the optimizer rewrites them in place. Dense parameters use the same objects with arrays
-of any shape. The math (g is the gradient after any scaling, ``t`` the global step, from 1):
+An embedding line is ``[w (E) | state1 (E) | state2 (E)]`` in float32; the front end hands
+``update`` the column views ``w = lines[:, :E]``, ``states = [lines[:, E:2E], ...]`` of the
+unique rows of a step, and the optimizer rewrites them in place. Dense parameters use the same
+objects with arrays of any shape. The math (g is the gradient after any scaling, ``t`` the
+global step, counted from 1):
 
     SGD        w -= lr * (g + wd*w)
     momentum   m = beta*m + g;                 w -= lr*m + lr*wd*w
@@ -11,7 +12,7 @@ of any shape. The math (g is the gradient after any scaling, ``t`` the global st
                clr = lr / (1 + (t-1)*lr_decay)
     Adam       m = b1*m + (1-b1)*g;  v = b2*v + (1-b2)*g^2;  bc_i = 1 - b_i^t
                w -= (lr/bc1) * m/(sqrt(v)/sqrt(bc2) + eps) + lr*wd*w
-    Ftrl       n' = n + g^2;  sigma = (n'^-p - n^-p)/lr;  z += g - sigma*w;  n = n'     (p = lr_power)
+    Ftrl       n' = n + g^2;  sigma = (n'^-p - n^-p)/lr;  z += g - sigma*w;  n = n'   (p = lr_power)
                w = (sign(z)*l1 - z) / ((beta + n^-p)/lr + 2*l2)  where |z| > l1, else 0
 
 Weight-decay terms use the weight before the update. Every update reads float32 storage, computes
@@ -451,8 +452,8 @@ class Ftrl(RowOptimizer):
         return (self.initial_accumulator_value, 0.0)
 
     def _kernel(self, w, states, g, lr, t):
-        _ftrl_kernel(w, states[0], states[1], g, 1.0 / lr, -self.lr_power, self.lambda1, self.lambda2,
-                     self.beta)
+        _ftrl_kernel(w, states[0], states[1], g, 1.0 / lr, -self.lr_power, self.lambda1,
+                     self.lambda2, self.beta)
 
     def _vectorized(self, xp, w, states, g, lr, t):
         acc, z = states
