@@ -15,8 +15,9 @@ cuda_dir="$root/one_embedding/kernels/cuda"
 nvcc="${NVCC:-nvcc}"
 archs=("$@")
 [ "${#archs[@]}" -eq 0 ] && archs=(sm_80 sm_90)
-# the options cupy.RawModule uses (cuda_module.COMPILE_OPTIONS), plus warnings as errors
-options=(-std=c++17 --fmad=false -Werror all-warnings -DONE_EMBEDDING_INSTANTIATE -I "$cuda_dir")
+# the options cupy.RawModule compiles with (cuda_module.COMPILE_OPTIONS, and CuPy adds -ftz=true),
+# plus warnings as errors
+options=(-std=c++17 --fmad=false -ftz=true -Werror all-warnings -DONE_EMBEDDING_INSTANTIATE -I "$cuda_dir")
 
 if ! command -v "$nvcc" >/dev/null 2>&1; then
     echo "compile_cuda.sh: $nvcc not found (set NVCC or put nvcc on PATH)" >&2

@@ -26,6 +26,8 @@ CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 FAMILIES = ("mlp", "interaction", "cross", "fm", "loss")
 #: NVRTC options. --fmad=false keeps a*b+c two roundings, as in numpy, so elementwise results
 #: match the reference bit for bit; these kernels are memory-bound, so FMA contraction buys nothing.
+#: (CuPy appends -ftz=true: float32 subnormal results flush to zero, the one place where an
+#: elementwise float32 result can differ from numpy.)
 COMPILE_OPTIONS = ("-std=c++17", "--fmad=false")
 #: C++ spelling of each supported dtype, in the order the templates are instantiated.
 CTYPES = {np.dtype(np.float32): "float", np.dtype(np.float64): "double"}
@@ -156,6 +158,25 @@ def mask_words(n: int) -> int:
     return _ceil_div(n, 32)
 
 
+def pack_mask(mask) -> np.ndarray:
+    """The CUDA mask layout in numpy: bool array (any shape) -> (ceil(n / 32),) uint32.
+
+    Element i of the flat array is bit i % 32 of word i // 32; unused high bits of the last word
+    are 0. This is the layout the mlp.cu kernels write with __ballot_sync.
+    """
+    flat = np.asarray(mask, dtype=bool).reshape(-1)
+    padded = np.zeros(mask_words(flat.size) * 32, dtype=bool)
+    padded[:flat.size] = flat
+    return np.packbits(padded, bitorder="little").view("<u4").astype(np.uint32)
+
+
+def unpack_mask(words, shape) -> np.ndarray:
+    """Inverse of ``pack_mask``: (ceil(n / 32),) uint32 -> bool array of ``shape``."""
+    n = int(np.prod(shape))
+    bytes_le = np.asarray(words, dtype="<u4").view(np.uint8)
+    return np.unpackbits(bytes_le, bitorder="little")[:n].astype(bool).reshape(shape)
+
+
 def column_chunks(rows: int, cols: int, n_sms: int) -> tuple[int, int]:
     """Row chunking of a column reduction -> (n_chunks, rows_per_chunk).
 
@@ -168,7 +189,7 @@ def column_chunks(rows: int, cols: int, n_sms: int) -> tuple[int, int]:
         return 1, 1
     column_blocks = _ceil_div(cols, 32)
     wanted = _ceil_div(n_sms * REDUCTION_BLOCKS_PER_SM, max(column_blocks, 1))
-    n_chunks = max(1, min(wanted, _ceil_div(rows, MIN_ROWS_PER_CHUNK), MAX_GRID_Y))
+    n_chunks = max(1, min(wanted, rows // MIN_ROWS_PER_CHUNK, MAX_GRID_Y))
     rows_per_chunk = _ceil_div(rows, n_chunks)
     return _ceil_div(rows, rows_per_chunk), rows_per_chunk
 

@@ -1,0 +1,252 @@
+"""The CUDA sources without a GPU: they compile (nvcc for sm_80/sm_90, NVRTC as CuPy runs it),
+every kernel is instantiated and named by its family, the device hash is the initializers' hash,
+and the pure-Python launch helpers (pair tables, row chunks, mask layout) are right.
+"""
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from one_embedding.initializers import counter_hash, uniform01
+from one_embedding.kernels import cuda_module as cm
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "scripts" / "compile_cuda.sh"
+_TEMPLATE_KERNEL = re.compile(r"template\s*<\s*typename\s+T\s*>\s*__global__\s+void\s+(\w+)\s*\(")
+
+
+# ---------------------------------------------------------------- compilers
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc not on PATH")
+def test_compile_script_builds_every_source_for_sm80_and_sm90():
+    run = subprocess.run(["bash", str(SCRIPT)], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = [line for line in run.stdout.splitlines() if line.startswith(("ok", "FAIL"))]
+    sources = sorted(p.name for p in cm.CUDA_DIR.glob("*.cu"))
+    assert len(lines) == 2 * len(sources)
+    for name in sources:
+        family = name[:-3]
+        for arch in ("sm_80", "sm_90"):
+            expected = f"ok   {name} {arch}: {2 * len(cm.kernel_names(family))} kernels"
+            assert any(line.startswith(expected) for line in lines), (expected, run.stdout)
+
+
+def _find_nvrtc():
+    """libnvrtc from $ONE_EMBEDDING_NVRTC, the nvidia-cuda-nvrtc wheel, or the system; else None."""
+    candidates = [os.environ.get("ONE_EMBEDDING_NVRTC")]
+    try:
+        import nvidia.cuda_nvrtc as wheel  # pip install nvidia-cuda-nvrtc-cu12 (or -cu13)
+
+        lib_dir = Path(list(wheel.__path__)[0]) / "lib"
+        candidates += sorted(str(p) for p in lib_dir.glob("libnvrtc.so*") if ".alt." not in p.name)
+    except ImportError:
+        pass
+    candidates.append(ctypes.util.find_library("nvrtc"))
+    for path in candidates:
+        if path:
+            try:
+                return ctypes.CDLL(path)
+            except OSError:
+                continue
+    return None
+
+
+def _nvrtc_compile(lib, family, arch):
+    """Compile like cupy.RawModule -> ({name expression: lowered name}, log); raises on error."""
+    prog = ctypes.c_void_p()
+    src = cm.source_code(family).encode()
+    assert lib.nvrtcCreateProgram(ctypes.byref(prog), src, f"{family}.cu".encode(), 0, None, None) == 0
+    try:
+        for expr in cm.name_expressions(family):
+            assert lib.nvrtcAddNameExpression(prog, expr.encode()) == 0
+        # CuPy adds -arch=compute_XX and -ftz=true to the options the module asks for
+        opts = [o.encode() for o in cm.COMPILE_OPTIONS + (f"-I{cm.CUDA_DIR}", f"-arch={arch}", "-ftz=true")]
+        status = lib.nvrtcCompileProgram(prog, len(opts), (ctypes.c_char_p * len(opts))(*opts))
+        size = ctypes.c_size_t()
+        lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+        log = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetProgramLog(prog, log)
+        log = log.value.decode(errors="replace")
+        assert status == 0, f"NVRTC failed on {family}.cu for {arch}:\n{log}"
+        lowered = {}
+        for expr in cm.name_expressions(family):
+            name = ctypes.c_char_p()
+            assert lib.nvrtcGetLoweredName(prog, expr.encode(), ctypes.byref(name)) == 0
+            lowered[expr] = name.value.decode()
+        return lowered, log
+    finally:
+        lib.nvrtcDestroyProgram(ctypes.byref(prog))
+
+
+@pytest.mark.parametrize("arch", ["compute_80", "compute_90"])
+@pytest.mark.parametrize("family", cm.FAMILIES)
+def test_nvrtc_compiles_every_family_as_cupy_does(family, arch):
+    lib = _find_nvrtc()
+    if lib is None:
+        pytest.skip("libnvrtc not found (pip install nvidia-cuda-nvrtc-cu12, or set ONE_EMBEDDING_NVRTC)")
+    lowered, log = _nvrtc_compile(lib, family, arch)
+    assert "warning" not in log.lower(), log
+    for expr, mangled in lowered.items():
+        name, ctype = re.fullmatch(r"(\w+)<(\w+)>", expr).groups()
+        # Itanium mangling: _Z <len><name> I <f|d> E ...
+        assert mangled.startswith(f"_Z{len(name)}{name}I{'f' if ctype == 'float' else 'd'}E"), (expr, mangled)
+
+
+# ---------------------------------------------------------------- source conventions
+
+
+def test_every_source_is_a_family_and_lists_all_its_kernels():
+    sources = {p.name[:-3] for p in cm.CUDA_DIR.glob("*.cu")}
+    assert sources == set(cm.FAMILIES)
+    for family in cm.FAMILIES:
+        text = cm.source_path(family).read_text()
+        defined = _TEMPLATE_KERNEL.findall(text)
+        listed = cm.kernel_names(family)
+        assert sorted(defined) == sorted(listed), family          # nothing left uninstantiated
+        assert len(set(listed)) == len(listed)
+        assert all(name.startswith(family + "_") for name in listed)
+        assert "__global__" not in _TEMPLATE_KERNEL.sub("", text), f"non-template kernel in {family}.cu"
+
+
+def test_sources_include_no_host_headers():
+    # NVRTC has no host standard library: <cstdint>, <cmath>, ... would fail at run time
+    for path in list(cm.CUDA_DIR.glob("*.cu")) + list(cm.CUDA_DIR.glob("*.cuh")):
+        assert not re.search(r"^\s*#\s*include\s*<", path.read_text(), re.MULTILINE), path.name
+
+
+def test_source_code_carries_a_digest_of_its_headers():
+    # CuPy's disk cache keys on the code string: an edit of common.cuh must change it
+    import hashlib
+
+    header = (cm.CUDA_DIR / "common.cuh").read_bytes()
+    digest = hashlib.sha256(b"common.cuh\0" + header).hexdigest()
+    for family in cm.FAMILIES:
+        code = cm.source_code(family)
+        assert code.splitlines()[0] == f"// headers sha256 {digest}"
+        assert code.endswith(cm.source_path(family).read_text())
+
+
+# ---------------------------------------------------------------- the device hash, run on the host
+
+_HOST_SHIM = r"""
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#define __device__
+#define __forceinline__ inline
+#define __shared__ static
+struct HostDim { unsigned x, y, z; };
+static HostDim threadIdx, blockDim;
+static void __syncthreads() {}
+template <typename T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
+#include "common.cuh"
+int main(int argc, char** argv) {
+  const unsigned long long seed = strtoull(argv[1], 0, 10), key = strtoull(argv[2], 0, 10);
+  const unsigned long long first = strtoull(argv[3], 0, 10), count = strtoull(argv[4], 0, 10);
+  const unsigned stream = (unsigned)strtoul(argv[5], 0, 10);
+  const unsigned long long state = oe::counter_key_state(seed, key);
+  for (unsigned long long c = first; c < first + count; ++c) {
+    const unsigned long long h = oe::counter_hash(state, c, stream);
+    printf("%llu %a\n", h, oe::uniform01(h));
+  }
+  return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="g++ not on PATH")
+def test_common_cuh_hash_is_bit_identical_to_initializers(tmp_path):
+    # the C++ of common.cuh, compiled for the host (uint64 arithmetic is the same on the device),
+    # against the numpy counter_hash / uniform01 that dropout's reference uses
+    src = tmp_path / "hash.cpp"
+    src.write_text(_HOST_SHIM)
+    exe = tmp_path / "hash"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-I", str(cm.CUDA_DIR), str(src), "-o", str(exe)],
+                   check=True, capture_output=True, timeout=120)
+    for seed, key, first, stream in [(0, 0, 0, 0), (12345, 17, 0, 0), (2**63 + 5, 2**40, 0, 0),
+                                     (2**64 - 1, 3, 2**40, 0), (7, 1, 1000, 3)]:
+        count = 257
+        out = subprocess.run([str(exe), str(seed), str(key), str(first), str(count), str(stream)],
+                             check=True, capture_output=True, text=True, timeout=60).stdout.split()
+        hashes = np.array([int(v) for v in out[0::2]], dtype=np.uint64)
+        uniforms = np.array([float.fromhex(v) for v in out[1::2]])
+        columns = np.arange(first, first + count, dtype=np.uint64)
+        expected = counter_hash(np, seed, np.asarray([key], dtype=np.uint64), columns, stream)[0]
+        np.testing.assert_array_equal(hashes, expected)
+        np.testing.assert_array_equal(uniforms, uniform01(np, expected))
+
+
+# ---------------------------------------------------------------- pure launch helpers
+
+
+@pytest.mark.parametrize("self_interaction", [False, True])
+def test_pair_table_is_the_reference_order(self_interaction):
+    from one_embedding.kernels import reference
+
+    rng = np.random.default_rng(0)
+    for f in range(0, 30):
+        table = cm.pair_table(f, self_interaction)
+        rows, cols = reference.interaction_pairs(f, self_interaction)
+        assert table.dtype == np.int32 and table.shape == (rows.shape[0], 2)
+        np.testing.assert_array_equal(table[:, 0], rows)
+        np.testing.assert_array_equal(table[:, 1], cols)
+        if f:
+            # and through the reference forward itself: out[C + p] = x[r] . x[c]
+            x = rng.standard_normal((1, f, 3))
+            out = reference.dot_interaction_forward(x, np.ones((1, 2)), self_interaction, 1)
+            z = x[0] @ x[0].T
+            np.testing.assert_allclose(out[0, 2:2 + len(table)], z[table[:, 0], table[:, 1]], rtol=1e-12)
+    assert cm.pair_table(4, False).tolist() == [[1, 0], [2, 0], [2, 1], [3, 0], [3, 1], [3, 2]]
+    assert cm.pair_table(27, False).shape == (351, 2)         # DLRM: 27 features -> 351 pairs
+
+
+def test_column_chunks_cover_every_row_once():
+    for rows in [0, 1, 7, 63, 64, 65, 1000, 4097, 55296, 10**6, 10**8]:
+        for cols in [1, 3, 32, 33, 1024, 5000]:
+            for sms in [1, 108, 132]:
+                n_chunks, per_chunk = cm.column_chunks(rows, cols, sms)
+                assert 1 <= n_chunks <= cm.MAX_GRID_Y and per_chunk >= 1
+                if rows:
+                    assert n_chunks * per_chunk >= rows > (n_chunks - 1) * per_chunk
+                    assert per_chunk >= min(rows, cm.MIN_ROWS_PER_CHUNK)
+                else:
+                    assert n_chunks == 1
+
+
+def test_grid_sizes_are_bounded():
+    assert cm.grid_stride_blocks(0, 132) == 1
+    assert cm.grid_stride_blocks(1, 132) == 1
+    assert cm.grid_stride_blocks(256 * 5 + 1, 132) == 6
+    assert cm.grid_stride_blocks(10**9, 132) == 132 * cm.BLOCKS_PER_SM
+    assert cm.warp_blocks(8, 132) == 1 and cm.warp_blocks(9, 132) == 2   # 8 warps per block
+    assert cm.BLOCK % 32 == 0
+    assert [cm.mask_words(n) for n in (0, 1, 32, 33, 64)] == [0, 1, 1, 2, 2]
+
+
+def test_mask_layout_is_bit_i_of_word_i_over_32():
+    rng = np.random.default_rng(3)
+    for shape in [(1, 1), (3, 37), (64, 32), (5, 7, 11)]:
+        mask = rng.random(shape) < 0.4
+        words = cm.pack_mask(mask)
+        assert words.dtype == np.uint32 and words.shape == (cm.mask_words(mask.size),)
+        flat = mask.reshape(-1)
+        for i in range(flat.size):
+            assert bool((int(words[i // 32]) >> (i % 32)) & 1) == flat[i]
+        assert int(words[-1]) >> (flat.size - 32 * (words.size - 1)) == 0 or flat.size % 32 == 0
+        np.testing.assert_array_equal(cm.unpack_mask(words, shape), mask)
+
+
+def test_importing_the_cuda_modules_does_not_import_cupy():
+    code = ("import sys, one_embedding.kernels.cuda_ops, one_embedding.kernels.cuda_module; "
+            "sys.exit('cupy' in sys.modules)")
+    assert subprocess.run(["python", "-c", code], cwd=ROOT, timeout=120).returncode == 0
