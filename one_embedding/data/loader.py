@@ -118,7 +118,8 @@ class BatchLoader:
         self.source.units(min_units=world)  # an unbounded or empty source fails here, not later
         self.batch_size = int(batch_size)
         self.shuffle, self.shuffle_buffer, self.seed = shuffle, int(shuffle_buffer), int(seed)
-        self.split, self.eval_fraction, self.split_seed = split, float(eval_fraction), int(split_seed)
+        self.split, self.eval_fraction = split, float(eval_fraction)
+        self.split_seed = int(split_seed)
         self.rank, self.world = int(rank), int(world)
         self.drop_last, self.read_ahead = drop_last, int(read_ahead)
         self.epoch = 0
@@ -138,7 +139,8 @@ class BatchLoader:
         # different seeds still read disjoint rows
         units = list(self.source.units(min_units=self.world))[self.rank::self.world]
         if self.shuffle:
-            order = np.random.default_rng([self.seed, self.epoch, self.rank]).permutation(len(units))
+            rng = np.random.default_rng([self.seed, self.epoch, self.rank])
+            order = rng.permutation(len(units))
             units = [units[i] for i in order]
         return units
 

@@ -4,11 +4,11 @@ Two schemas are read, told apart by the file's key-value metadata:
 
 * **ours** (metadata key ``one_embedding.criteo`` holds JSON ``{"version": 1, "dense": "log1p",
   "key_scheme": {...}, "has_label": ...}``): ``label`` float32 (NaN when the source had no label),
-  ``I1..I13`` float32 already ``log(max(x, 0) + 1)`` with missing -> 0, ``C1..C26`` int64 global keys
-  (``schema.KeyScheme``). Batches come out unchanged.
-* **OneFlow** (no such metadata): ``label`` float, ``I1..I13`` float holding ``raw + 1`` with missing
-  -> 1 (the ``log`` is taken at training time), ``C1..C26`` int64 already global keys. Batches get
-  ``dense = log(max(I, 1))``, i.e. negatives clamped as in ``schema.dense_log``.
+  ``I1..I13`` float32 already ``log(max(x, 0) + 1)`` with missing -> 0, ``C1..C26`` int64 global
+  keys (``schema.KeyScheme``). Batches come out unchanged.
+* **OneFlow** (no such metadata): ``label`` float, ``I1..I13`` float holding ``raw + 1`` with
+  missing -> 1 (the ``log`` is taken at training time), ``C1..C26`` int64 already global keys.
+  Batches get ``dense = log(max(I, 1))``, i.e. negatives clamped as in ``schema.dense_log``.
 """
 
 from __future__ import annotations
@@ -72,7 +72,8 @@ def detect_schema(path) -> str:
                              f"(OneFlow's DCN/DeepFM layout) are not read by ParquetReader")
     for name in SPARSE_COLUMNS:
         if not pa.types.is_integer(schema.field(name).type):
-            raise InputError(f"{path}: column {name} is {schema.field(name).type}, expected int64 keys")
+            raise InputError(f"{path}: column {name} is {schema.field(name).type}, "
+                             f"expected int64 keys")
     return "oneflow"
 
 
@@ -113,7 +114,8 @@ class ParquetReader:
         self._row_groups = []
         for p in self.paths:
             meta = pq.ParquetFile(p).metadata
-            self._row_groups.append([meta.row_group(g).num_rows for g in range(meta.num_row_groups)])
+            self._row_groups.append([meta.row_group(g).num_rows
+                                     for g in range(meta.num_row_groups)])
         self.skipped = 0
 
     @property
@@ -147,8 +149,10 @@ class ParquetReader:
 def chunk_to_table(chunk: Chunk, metadata: dict) -> pa.Table:
     """Chunk -> Arrow table in our schema, carrying ``metadata`` as JSON under METADATA_KEY."""
     arrays = [pa.array(chunk.labels, pa.float32())]
-    arrays += [pa.array(np.ascontiguousarray(chunk.dense[:, j]), pa.float32()) for j in range(NUM_DENSE)]
-    arrays += [pa.array(np.ascontiguousarray(chunk.ids[:, j]), pa.int64()) for j in range(NUM_SPARSE)]
+    arrays += [pa.array(np.ascontiguousarray(chunk.dense[:, j]), pa.float32())
+               for j in range(NUM_DENSE)]
+    arrays += [pa.array(np.ascontiguousarray(chunk.ids[:, j]), pa.int64())
+               for j in range(NUM_SPARSE)]
     schema = parquet_schema().with_metadata({METADATA_KEY: json.dumps(metadata).encode()})
     return pa.Table.from_arrays(arrays, schema=schema)
 

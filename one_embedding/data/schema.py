@@ -4,9 +4,10 @@ Key scheme (how a raw hex categorical becomes a globally unique int64 key):
 
 * ``mode="mod"`` (OneFlow's Parquet scheme): ``key = (value % mod) + mod * column`` for column
   ``0..25`` (C1..C26), where ``value`` is the hex field read as an unsigned integer. The default
-  ``mod = 2**32`` is lossless for Criteo's 8-character hex; ``mod = 40_000_000`` reproduces OneFlow's
-  DLRM files (``--mod_idx 40000000``). A missing field gets the reserved key ``mod * 26 + column``,
-  one per column, beyond every column's range, so it never collides with a real value.
+  ``mod = 2**32`` is lossless for Criteo's 8-character hex; ``mod = 40_000_000`` reproduces
+  OneFlow's DLRM files (``--mod_idx 40000000``). A missing field gets the reserved key
+  ``mod * 26 + column``, one per column, beyond every column's range, so it never collides with a
+  real value.
 * ``mode="hash"``: ``key = XXH64(value as 8 little-endian bytes, seed=column) & (2**63 - 1)``; a
   missing field gets ``XXH64(b"", seed=column) & (2**63 - 1)``. Collisions across columns are
   possible only with probability ~2**-63 per pair.
@@ -173,7 +174,8 @@ class Batch:
 def resolve_cardinalities(cardinalities, scale: float = 1.0) -> tuple[int, ...]:
     """A named list ("mlperf40m", "mlperf_v1", "kaggle") or a custom sequence, scaled.
 
-    Each scaled cardinality is ``max(1, round(c * scale))``. Returns a tuple of 26 (or len(custom)) ints.
+    Each scaled cardinality is ``max(1, round(c * scale))``. Returns a tuple of 26 ints (or
+    len(custom)).
     """
     if isinstance(cardinalities, str):
         if cardinalities not in CRITEO_CARDINALITIES:

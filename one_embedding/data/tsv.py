@@ -3,8 +3,8 @@
 A line is ``label, I1..I13, C1..C26`` (40 fields; Kaggle test.txt has no label: 39), tab-separated,
 missing = empty field. Some copies strip trailing empty fields, so a line of 37..39 fields
 (36..38 without label) is read as right-padded with missing fields. Integers may be negative;
-categoricals are hex (Criteo's are 8 characters, up to 16 are accepted). Keys and the dense transform
-follow ``schema.KeyScheme`` and ``schema.dense_log``.
+categoricals are hex (Criteo's are 8 characters, up to 16 are accepted). Keys and the dense
+transform follow ``schema.KeyScheme`` and ``schema.dense_log``.
 
 Parsing is vectorized per block of lines (default 1 MiB): newline and tab positions give a
 (lines, fields) table of field starts and ends, the first bytes of every field are gathered into a
@@ -61,7 +61,7 @@ _DIGIT[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
 
 
 def _gather(buf: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
-    """The first ``width`` bytes from each field start: (N, K, width) uint8 (one index per field)."""
+    """The first ``width`` bytes from each field start: (N, K, width) uint8, one index per field."""
     padded = np.concatenate([buf, np.zeros(width, np.uint8)])
     windows = np.lib.stride_tricks.sliding_window_view(padded, width)
     return windows[starts]
@@ -143,8 +143,9 @@ def parse_lines(buf: np.ndarray, *, has_label: bool = True, key_scheme: KeySchem
     buf: (nbytes,) uint8 holding complete lines, each ending in ``\\n`` except possibly the last.
     engine: "numba" (compiled single pass, ``tsv_kernel``) or "numpy" (the vectorized reference);
     both give the same rows and the same bad-line mask.
-    Returns ``(dense (N, 13) float32, ids (N, 26) int64, labels (N,) float32, line_starts (N,) int64,
-    bad (N,) bool)`` over all N lines; the contents of bad lines' rows are unspecified.
+    Returns ``(dense (N, 13) float32, ids (N, 26) int64, labels (N,) float32,
+    line_starts (N,) int64, bad (N,) bool)`` over all N lines; the contents of bad lines' rows are
+    unspecified.
     """
     max_fields = 1 + NUM_DENSE + NUM_SPARSE if has_label else NUM_DENSE + NUM_SPARSE
     min_fields = max_fields - 3 if min_fields is None else min_fields
@@ -197,13 +198,15 @@ def parse_lines(buf: np.ndarray, *, has_label: bool = True, key_scheme: KeySchem
     first_sparse = first_dense + NUM_DENSE
     if has_label:
         label_vals, label_present, label_bad = _parse_ints(buf, starts[:, :1], ends[:, :1])
-        bad |= label_bad[:, 0] | ~label_present[:, 0] | (label_vals[:, 0] < 0) | (label_vals[:, 0] > 1)
+        label = label_vals[:, 0]
+        bad |= label_bad[:, 0] | ~label_present[:, 0] | (label < 0) | (label > 1)
         labels = label_vals[:, 0].astype(np.float32)
     else:
         labels = np.full(n, np.nan, np.float32)
     dense_raw, dense_present, dense_bad = _parse_ints(
         buf, starts[:, first_dense:first_sparse], ends[:, first_dense:first_sparse])
-    hex_vals, hex_present, hex_bad = _parse_hex(buf, starts[:, first_sparse:], ends[:, first_sparse:])
+    hex_vals, hex_present, hex_bad = _parse_hex(buf, starts[:, first_sparse:],
+                                                ends[:, first_sparse:])
     bad |= dense_bad.any(1) | hex_bad.any(1)
     dense = dense_log(dense_raw, dense_present)
     ids = key_scheme.keys(hex_vals, hex_present)
