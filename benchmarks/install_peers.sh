@@ -37,7 +37,8 @@ echo "torch before: $torch_before"
 
 torch_after="$("$PY" -c 'import torch; print(torch.__version__)')"
 if [[ "$torch_after" != "$torch_before" ]]; then
-    echo "install_peers.sh: torch changed from $torch_before to $torch_after; reinstall $torch_before" >&2
+    echo "install_peers.sh: torch changed from $torch_before to $torch_after;" \
+        "reinstall $torch_before" >&2
     exit 1
 fi
 

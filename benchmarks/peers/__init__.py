@@ -68,7 +68,7 @@ class DLRMConfig:
 
 
 def zipf_ids(rng: np.random.Generator, count: int, rows: int, alpha: float) -> np.ndarray:
-    """Draw ``count`` ranks in [0, rows) with P(rank k) ∝ (k + 1)^-alpha. Returns (count,) int64."""
+    """Draw ``count`` ranks in [0, rows), P(rank k) ∝ (k + 1)^-alpha. Returns (count,) int64."""
     weights = np.arange(1, rows + 1, dtype=np.float64) ** -alpha
     cdf = np.cumsum(weights)
     cdf /= cdf[-1]

@@ -95,13 +95,16 @@ def build_model(config: DLRMConfig) -> DLRM:
     return _dlrm(config, embeddings)
 
 
-def build_sharded_model(config: DLRMConfig) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
+def build_sharded_model(
+    config: DLRMConfig,
+) -> tuple[DistributedModelParallel, KeyedOptimizerWrapper]:
     """DMP-wrapped DLRM on the current one-rank process group, and the optimizer of its dense part.
 
     The tables are declared on the meta device so that DMP allocates them once, as its sharded
     TBE, instead of after a full-size unsharded copy.
     """
-    model = _dlrm(config, EmbeddingBagCollection(table_configs(config), device=torch.device("meta")))
+    tables = EmbeddingBagCollection(table_configs(config), device=torch.device("meta"))
+    model = _dlrm(config, tables)
     apply_optimizer_in_backward(torch.optim.SGD, model.sparse_arch.parameters(), {"lr": config.lr})
     sharded = DistributedModelParallel(module=model, device=torch.device("cpu"))
     dense = dict(in_backward_optimizer_filter(sharded.named_parameters()))
@@ -109,7 +112,9 @@ def build_sharded_model(config: DLRMConfig) -> tuple[DistributedModelParallel, K
     return sharded, optimizer
 
 
-def prepare(batch: dict, config: DLRMConfig) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
+def prepare(
+    batch: dict, config: DLRMConfig
+) -> tuple[torch.Tensor, KeyedJaggedTensor, torch.Tensor]:
     """numpy batch -> (dense (B, 13) float32, KJT of T features x B bags of 1 id, labels (B,)).
 
     A KJT stores values feature-major: all B ids of feature 0, then feature 1, ... so the
