@@ -353,15 +353,17 @@ def test_dim_mismatches():
     with pytest.raises(ConfigError, match="bottom_mlp=.* ends in 8 but embedding_dim=4"):
         small_dlrm(bottom_mlp=[8])
     with pytest.raises(ConfigError, match=r"embedding has columns \(8,\) but DLRM needs \(4,\)"):
-        small_dlrm(embedding=small_embedding(2, [8]))
+        small_dlrm(embedding=small_embedding(2, [8]), table_sizes=None)
     with pytest.raises(ConfigError, match=r"embedding has columns \(4,\) but DeepFM needs \(4, 1\)"):
         DeepFM(num_tables=2, embedding_dim=4, dnn=[4], embedding=small_embedding(2, [4]))
     with pytest.raises(ConfigError, match="declares 3 tables"):
-        small_dlrm(embedding=small_embedding(3, [4]))
+        small_dlrm(embedding=small_embedding(3, [4]), table_sizes=None)
     with pytest.raises(ConfigError, match="must end in 1"):
         small_dlrm(top_mlp=[4, 2])
     with pytest.raises(ConfigError, match="table_sizes has 1 entries"):
         small_dlrm(table_sizes=[9])
+    with pytest.raises(ConfigError, match="table_sizes was given together with embedding"):
+        small_dlrm(embedding=small_embedding(2, [4]))
     with pytest.raises(ConfigError, match="cross kind='full'"):
         DCN(num_tables=2, embedding_dim=4, dnn=[4], cross="full")
 

@@ -41,6 +41,17 @@ def table_initializer(table_size):
     return make_uniform_initializer(-bound, bound)
 
 
+def check_embedding_args(embedding, table_sizes, store_options):
+    """table_sizes and store_options configure the embedding a model builds; with the caller's
+    own ``embedding`` they would be silently ignored, so that combination is refused."""
+    if embedding is not None and (table_sizes is not None or store_options is not None):
+        given = "table_sizes" if table_sizes is not None else "store_options"
+        raise ConfigError(
+            f"{given} was given together with embedding=...: it only configures the embedding the "
+            "model builds itself; set the initializers and store options on your embedding instead"
+        )
+
+
 def check_table_sizes(table_sizes, num_tables):
     if table_sizes is None:
         return None

@@ -22,7 +22,7 @@ from ..backend import array_namespace
 from ..errors import ConfigError
 from ..nn import MLP, CrossNet, Linear
 from ..nn.linear import _check_dtype
-from .base import CTRModel, build_embedding, check_table_sizes, positive
+from .base import CTRModel, build_embedding, check_embedding_args, check_table_sizes, positive
 
 
 class DCN(CTRModel):
@@ -42,6 +42,7 @@ class DCN(CTRModel):
         dnn = tuple(dnn)
         if not dnn:
             raise ConfigError("dnn=() : DCN needs at least one DNN layer next to the cross network")
+        check_embedding_args(embedding, table_sizes, store_options)
         self.table_sizes = check_table_sizes(table_sizes, self.num_tables)
         self.input_width = self.num_tables * self.embedding_dim + self.dense_features
         seeds = np.random.SeedSequence(seed).spawn(3)

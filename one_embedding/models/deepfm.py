@@ -24,7 +24,7 @@ from ..backend import array_namespace
 from ..errors import ConfigError
 from ..nn import MLP, FactorizationMachine, Parameter
 from ..nn.linear import _check_dtype
-from .base import CTRModel, build_embedding, check_table_sizes, positive
+from .base import CTRModel, build_embedding, check_embedding_args, check_table_sizes, positive
 
 
 class DeepFM(CTRModel):
@@ -44,6 +44,7 @@ class DeepFM(CTRModel):
             raise ConfigError(f"dense_features={dense_features!r} must be an integer >= 0")
         self.dense_features = int(dense_features)
         self.dtype = _check_dtype(dtype)
+        check_embedding_args(embedding, table_sizes, store_options)
         self.table_sizes = check_table_sizes(table_sizes, self.num_tables)
         self.bias = Parameter(np.zeros(1, self.dtype), "bias")
         self.fm = FactorizationMachine()

@@ -20,7 +20,7 @@ from ..errors import ConfigError
 from ..nn import MLP, DotInteraction, padding_to_multiple
 from ..nn.interaction import num_pairs
 from ..nn.linear import _check_dtype
-from .base import CTRModel, build_embedding, check_table_sizes, positive
+from .base import CTRModel, build_embedding, check_embedding_args, check_table_sizes, positive
 
 #: Criteo 1TB cardinalities C1..C26 of MLPerf v1 / OneFlow's defaults (REFERENCE.md).
 CRITEO_1TB_TABLE_SIZES = (
@@ -56,6 +56,7 @@ class DLRM(CTRModel):
             )
         if not top_mlp or top_mlp[-1] != 1:
             raise ConfigError(f"top_mlp={top_mlp} must end in 1 (one logit per sample)")
+        check_embedding_args(embedding, table_sizes, store_options)
         if table_sizes is None and embedding is None and self.num_tables == len(CRITEO_1TB_TABLE_SIZES):
             table_sizes = CRITEO_1TB_TABLE_SIZES
         self.table_sizes = check_table_sizes(table_sizes, self.num_tables)
