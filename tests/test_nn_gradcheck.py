@@ -141,3 +141,22 @@ def test_bce(rng):
     analytic = loss.backward()
     numeric = numeric_grad(lambda: loss(z, y), z)
     check(analytic, numeric)
+
+
+def test_dropout_alone(rng):
+    drop = nn.Dropout(0.5, seed=9)
+
+    class Pinned(nn.Module):
+        def forward(self, x):
+            drop.step = 3
+            return drop.forward(x)
+
+        def backward(self, g):
+            return drop.backward(g)
+
+    x = rng.standard_normal((4, 6))
+    out = run_check(Pinned(), [x])
+    assert out.dtype == np.float64
+    kept = out != 0
+    np.testing.assert_allclose(out[kept], 2 * x[kept])
+    assert 0 < kept.sum() < x.size
