@@ -7,6 +7,10 @@ Both implementations get the same weights and inputs and run in the same process
 so background load hits both alike. Not a test.
 
     python benchmarks/bench_dlrm_dense.py [--batch 4096] [--embedding-dim 128] [--iters 10]
+                                          [--threads N]
+
+``--threads N`` gives both BLAS libraries N threads (OpenBLAS through OPENBLAS_NUM_THREADS, set
+before numpy loads; torch through set_num_threads); by default each uses its own default.
 """
 from __future__ import annotations
 
@@ -17,7 +21,12 @@ import statistics
 import sys
 import time
 
-import numpy as np
+if __name__ == "__main__" and "--threads" in sys.argv:
+    # OpenBLAS reads its thread count once, when numpy loads it
+    _n = sys.argv[sys.argv.index("--threads") + 1]
+    os.environ["OPENBLAS_NUM_THREADS"] = os.environ["OMP_NUM_THREADS"] = _n
+
+import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -71,11 +80,14 @@ def main(argv=None):
     ap.add_argument("--tables", type=int, default=26)
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=None, help="BLAS threads for both (default: theirs)")
     args = ap.parse_args(argv)
     try:
         import torch
     except ImportError:
         sys.exit("PyTorch is needed for the baseline: pip install torch")
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     e, b = args.embedding_dim, args.batch
     bottom = (512, 256, e)
@@ -106,6 +118,7 @@ def main(argv=None):
         loss.backward()
         return loss.item(), t_emb.grad
 
+    load_before = " ".join(open("/proc/loadavg").read().split()[:3]) if os.path.exists("/proc/loadavg") else "?"
     # same numbers first: the comparison is only fair if both compute the same thing
     loss_o, demb_o = step_ours()
     loss_t, demb_t = step_torch()
@@ -138,7 +151,8 @@ def main(argv=None):
     print(f"- machine: {platform.node()} | {cpu_name()} | {os.cpu_count()} logical CPUs | "
           f"{platform.system()} {platform.release()}")
     print(f"- software: Python {platform.python_version()}, numpy {np.__version__} ({blas_name()}), "
-          f"torch {torch.__version__} ({torch.get_num_threads()} threads)")
+          f"{os.environ.get('OPENBLAS_NUM_THREADS', 'default')} OpenBLAS threads; torch {torch.__version__} "
+          f"({torch.get_num_threads()} threads); load average before the run {load_before}")
     print(f"- config: batch {b}, dense 13, bottom MLP {'-'.join(map(str, bottom))}, {args.tables} embeddings "
           f"of dim {e}, interaction width {model.interaction_width} (padding "
           f"{model.interaction.output_padding}), top MLP {'-'.join(map(str, top))}, BCE loss, float32; "

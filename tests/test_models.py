@@ -373,3 +373,51 @@ def test_backward_gradient_shape_checked():
     m.forward_from_embeddings(np.zeros((5, 3), np.float32), np.zeros((5, 2, 4), np.float32))
     with pytest.raises(InputError, match=r"dlogits have shape \(4,\), expected \(5,\)"):
         m.backward_to_embeddings(np.zeros(4, np.float32))
+
+
+def test_categorical_only_models_take_dense_none():
+    for cls, dims, multi in ((DCN, [4], False), (DeepFM, [4, 1], True)):
+        model = cls(num_tables=3, embedding_dim=4, dnn=[8], dropout=0.0, embedding=small_embedding(3, dims, multi=multi))
+        ids = np.arange(12).reshape(4, 3)
+        logits = model(None, ids)
+        assert logits.shape == (4,) and logits.dtype == np.float32
+        assert model.backward(np.ones(4, np.float32)).shape == (4, 3, sum(dims))
+
+
+@pytest.mark.parametrize("cls", [DLRM, DCN, DeepFM])
+def test_model_gradients_by_finite_differences_float64(cls):
+    """The whole dense chain in float64: d(logits · g) / d(every input and parameter)."""
+    if cls is DLRM:
+        model = DLRM(dense_features=2, embedding_dim=3, num_tables=2, bottom_mlp=[4, 3], top_mlp=[4, 1],
+                     table_sizes=[5, 5], dtype=np.float64, seed=2)
+    elif cls is DCN:
+        model = DCN(num_tables=2, embedding_dim=3, dense_features=2, cross_layers=2, cross="matrix", dnn=[4],
+                    dropout=0.0, dtype=np.float64, seed=2)
+    else:
+        model = DeepFM(num_tables=2, embedding_dim=3, dense_features=2, dnn=[4], dropout=0.0,
+                       dtype=np.float64, seed=2)
+    rng = np.random.default_rng(3)
+    dense = rng.standard_normal((3, 2))
+    emb = rng.standard_normal((3, 2, model.embedding_width))
+    g = rng.standard_normal(3)
+
+    def loss():
+        return float(g @ model.forward_from_embeddings(dense, emb))
+
+    model.zero_grad()
+    assert model.forward_from_embeddings(dense, emb).dtype == np.float64
+    ddense, demb = model.backward_to_embeddings(g)
+    analytic = [ddense, demb] + [p.grad.copy() for p in model.parameters()]
+    arrays = [dense, emb] + [p.data for p in model.parameters()]
+    for a, ga in zip(arrays, analytic):
+        num = np.zeros_like(a)
+        flat = a.reshape(-1)
+        for i in range(flat.size):
+            old = flat[i]
+            flat[i] = old + 1e-6
+            up = loss()
+            flat[i] = old - 1e-6
+            down = loss()
+            flat[i] = old
+            num.reshape(-1)[i] = (up - down) / 2e-6
+        assert np.abs(ga - num).max() <= 1e-6 * max(np.abs(num).max(), 1e-12)
