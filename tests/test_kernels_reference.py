@@ -204,3 +204,13 @@ def test_cuda_ops_share_every_signature():
 
     for name in OPS:
         assert inspect.signature(getattr(cuda_ops, name)) == inspect.signature(getattr(ref, name)), name
+
+
+@pytest.mark.parametrize("dtype,shape,seed,step", [(np.float64, (300, 77), 0, 0), (np.float32, (64, 1000), -5, 2**40)])
+def test_compiled_dropout_equals_numpy_spec(dtype, shape, seed, step):
+    x = np.random.default_rng(8).standard_normal(shape).astype(dtype)
+    y, keep = ref.dropout_forward(x, 0.2, seed, step)
+    spec = ref.dropout_uniform(shape, seed, step) > 0.2
+    assert np.array_equal(keep, spec)
+    assert y.dtype == dtype
+    assert np.array_equal(y, np.multiply(x, spec, dtype=dtype) * dtype(1 / 0.8))

@@ -10,14 +10,18 @@ an MLP on CPU. No other function writes into its arguments.
 
 "mask" objects are opaque: produced by a forward here and consumed only by the backward here
 (numpy: a bool array of the output's shape).
+
+Dropout's randomness is spelled out in numpy by ``dropout_uniform``; ``dropout_forward`` evaluates
+the same uint64 hash per element in a compiled (numba) loop, tested equal to it bit for bit.
 """
 from __future__ import annotations
 
 from functools import lru_cache
 
 import numpy as np
+from numba import njit
 
-from ..initializers import counter_hash, uniform01
+from ..initializers import GOLDEN, MIX1, MIX2, SEED_SALT, counter_hash, splitmix64, uniform01
 
 # ---------------------------------------------------------------- bias + activation
 
@@ -55,12 +59,42 @@ def dropout_uniform(shape, seed, step):
     return uniform01(np, h).reshape(shape)
 
 
+def _dropout_counter_key(seed, step):
+    """The per-call half of counter_hash: splitmix64(splitmix64(seed ^ SALT) ^ step), uint64."""
+    s = splitmix64(np, np.asarray([(int(seed) ^ SEED_SALT) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
+    return splitmix64(np, np.asarray([step], dtype=np.uint64) ^ s)[0]
+
+
+_U64 = np.uint64
+_GOLDEN, _MIX1, _MIX2 = _U64(GOLDEN), _U64(MIX1), _U64(MIX2)
+
+
+@njit(cache=True, nogil=True)
+def _dropout_apply(x, key, rate, scale, y, keep):  # pragma: no cover - compiled
+    # counter_hash(seed, key=step, column=i, stream=0) for each flat index i, then uniform01 > rate;
+    # the same uint64 operations as initializers.counter_hash, element by element
+    for i in range(x.size):
+        z = key + ((_U64(i) << _U64(8)) * _GOLDEN)
+        z = (z ^ (z >> _U64(30))) * _MIX1
+        z = (z ^ (z >> _U64(27))) * _MIX2
+        z = z ^ (z >> _U64(31))
+        k = (z >> _U64(11)) * (1.0 / 9007199254740992.0) > rate
+        keep[i] = k
+        y[i] = x[i] * scale if k else x[i] * 0  # x * 0, not 0: NaN stays NaN as in x * keep
+
+
 def dropout_forward(x, rate, seed, step):
-    """x: (B, N) -> (y (B, N), keep_mask (B, N) bool); keep where u > rate, y = x * keep / (1 - rate)."""
-    keep = dropout_uniform(x.shape, seed, step) > rate
+    """x: (B, N) -> (y (B, N), keep_mask (B, N) bool); keep where u > rate, y = x * keep / (1 - rate).
+
+    u = ``dropout_uniform(x.shape, seed, step)``; a compiled loop evaluates the same hash per
+    element without the (B, N) uint64 temporaries (it is 3x a same-size matmul otherwise).
+    """
+    x = np.ascontiguousarray(x)
+    y = np.empty_like(x)
+    keep = np.empty(x.shape, dtype=np.bool_)
     scale = x.dtype.type(1.0 / (1.0 - rate))
-    y = np.multiply(x, keep, dtype=x.dtype)
-    y *= scale
+    _dropout_apply(x.reshape(-1), _dropout_counter_key(seed, step), float(rate), scale,
+                   y.reshape(-1), keep.reshape(-1))
     return y, keep
 
 
