@@ -484,3 +484,85 @@ def test_emulated_fm_and_loss_kernels_match_reference(emulate, dtype):
         grad = np.empty_like(logits)
         emulate("loss_bce_backward", dtype, *_flat_grid(n), (logits, labels, np.int64(n), grad))
         _assert_close(grad, ref.bce_with_logits_backward(logits, labels), dtype)
+
+
+# ---------------------------------------------------------------- cuda_ops launches vs kernel signatures
+
+_PARAM_KIND = [("*", "pointer"), ("oe::i64", "i64"), ("oe::u64", "u64"), ("double", "double"),
+               ("int", "int"), ("T", "T")]
+_NUMPY_KIND = {"int64": "i64", "int32": "int", "uint64": "u64", "float64": "double"}
+
+
+def _kernel_parameter_kinds(family):
+    """{kernel name: [kind of each parameter]} parsed from the .cu source."""
+    text = cm.source_path(family).read_text()
+    kinds = {}
+    for name, params in re.findall(r"__global__\s+void\s+(\w+)\s*\(([^)]*)\)", text):
+        row = []
+        for param in params.split(","):
+            declared = param.strip().rsplit(None, 1)[0]          # the type, without the name
+            row.append(next(kind for token, kind in _PARAM_KIND if token in declared.split()
+                            or (token == "*" and "*" in param)))
+        kinds[name] = row
+    return kinds
+
+
+def _is_scalar_call(node):
+    import ast
+
+    if not isinstance(node, ast.Call):
+        return False
+    func = node.func
+    return (isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "np"
+            or isinstance(func, ast.Name) and func.id == "_dropout_scale")
+
+
+def _argument_kind(node, assigned):
+    """pointer | i64 | int | u64 | double | T for one argument expression of a launch in cuda_ops."""
+    import ast
+
+    if isinstance(node, ast.Name) and node.id in assigned and _is_scalar_call(assigned[node.id]):
+        return _argument_kind(assigned[node.id], {})
+    if isinstance(node, ast.Call):
+        func = node.func
+        if isinstance(func, ast.Attribute) and isinstance(func.value, ast.Name) and func.value.id == "np":
+            return _NUMPY_KIND[func.attr]
+        if isinstance(func, ast.Name) and func.id == "_dropout_scale":
+            return "T"
+        raise AssertionError(f"unclassified launch argument {ast.dump(node)}")
+    return "pointer"    # array names, and `a if cond else b` between arrays
+
+
+def test_cuda_ops_launch_arguments_match_kernel_signatures():
+    # every launch in cuda_ops passes as many arguments as the kernel takes, each of the kind the
+    # kernel declares (a pointer where it takes a pointer, np.int64 for oe::i64, ...): a mismatch
+    # would silently corrupt memory on the GPU, so it is checked here, statically, without one
+    import ast
+
+    source = (ROOT / "one_embedding" / "kernels" / "cuda_ops.py").read_text()
+    signatures = {}
+    for family in cm.FAMILIES:
+        signatures.update(_kernel_parameter_kinds(family))
+    checked = set()
+    for func in ast.walk(ast.parse(source)):
+        if not isinstance(func, ast.FunctionDef):
+            continue
+        assigned = {t.id: n.value for n in ast.walk(func) if isinstance(n, ast.Assign)
+                    for t in n.targets if isinstance(t, ast.Name)}
+        for call in ast.walk(func):
+            if not isinstance(call, ast.Call):
+                continue
+            f = call.func
+            if isinstance(f, ast.Name) and f.id in ("_launch_1d", "_launch_warps"):
+                family, name, args = call.args[0].value, call.args[1].value, call.args[4]
+            elif (isinstance(f, ast.Call) and isinstance(f.func, ast.Attribute)
+                  and f.func.attr == "get_kernel" and isinstance(f.args[0], ast.Constant)):
+                family, name, args = f.args[0].value, f.args[1].value, call.args[2]
+            else:
+                continue
+            kernel = f"{family}_{name}"
+            assert kernel in signatures, f"{func.name} launches unknown kernel {kernel}"
+            got = [_argument_kind(a, assigned) for a in args.elts]
+            assert got == signatures[kernel], (func.name, kernel, got, signatures[kernel])
+            checked.add(kernel)
+    assert checked == set(signatures), set(signatures) - checked      # every kernel is used
