@@ -78,3 +78,12 @@ def test_seeded_init_is_deterministic_and_dlrm_scaled():
     g = nn.Linear(256, 512, init="glorot", seed=4)
     bound = np.sqrt(6 / 768)
     assert np.abs(g.weight.data).max() <= bound and not g.bias.data.any()
+
+
+def test_mlp_size_and_dropout_checks():
+    with pytest.raises(ConfigError, match="layer size=2.5"):
+        nn.MLP(4, [2.5])
+    with pytest.raises(ConfigError, match="dropout=-0.1"):
+        nn.MLP(4, [2], dropout=-0.1)
+    with pytest.raises(ConfigError, match="in_features='4'"):
+        nn.MLP("4", [2])

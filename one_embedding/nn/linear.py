@@ -15,7 +15,7 @@ from .module import Module, Parameter, check_features
 
 
 def _positive_int(name, value) -> int:
-    if isinstance(value, bool) or int(value) != value or value <= 0:
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value <= 0:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
     return int(value)
 
@@ -103,9 +103,11 @@ class MLP(Module):
 
     def __init__(self, in_features: int, sizes, *, last_relu: bool = True, dropout: float = 0.0,
                  init: str = "dlrm", seed=0, dtype=np.float32, name: str = "mlp"):
-        sizes = [int(s) for s in sizes]
+        sizes = list(sizes)
         if not sizes:
             raise ConfigError(f"{name}: an MLP needs at least one layer size, got {sizes}")
+        if not 0.0 <= float(dropout) < 1.0:
+            raise ConfigError(f"{name}: dropout={dropout} must be in [0, 1)")
         self.in_features = _positive_int("in_features", in_features)
         self.sizes = tuple(_positive_int(f"{name} layer size", s) for s in sizes)
         self.out_features = self.sizes[-1]
@@ -122,8 +124,6 @@ class MLP(Module):
         self.dropouts = [Dropout(dropout, seed=(base << 8) + i) if dropout > 0 and layer.relu else None
                          for i, layer in enumerate(self.layers)]
         self.dropout = float(dropout)
-        if not 0.0 <= self.dropout < 1.0:
-            raise ConfigError(f"{name}: dropout={dropout} must be in [0, 1)")
 
     @property
     def dtype(self):
