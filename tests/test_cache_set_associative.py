@@ -62,10 +62,14 @@ class ReferenceCache:
                         victim = min(ways, key=lambda e: (e[3], e[2]))
                     ways.remove(victim)
                     evicted.append((victim[0], victim[1]))
-                    self.evictions += 1
                 ways.append([k, line, self.clock, 1])
             self.clock += 1
-        return evicted
+        # a key evicted twice in one call goes down once, with its last (newest) line
+        last = {}
+        for k, line in evicted:
+            last.pop(k, None)
+            last[k] = line
+        return list(last.items())
 
 
 @pytest.mark.parametrize("policy", ["lru", "lfu"])
@@ -92,6 +96,7 @@ def test_matches_reference_model_on_random_trace(policy, n_sets, ways):
             lines = rng.standard_normal((keys.size, line_size)).astype(np.float32)
             ev_keys, ev_lines = cache.insert_or_assign(keys, lines)
             want = ref.put([int(k) for k in keys], list(lines))
+            ref.evictions += len(want)
             assert ev_keys.tolist() == [k for k, _ in want]
             np.testing.assert_array_equal(ev_lines, np.array([l for _, l in want], np.float32).reshape(-1, line_size))
     held = sorted(e[0] for s in ref.sets for e in s)
@@ -129,6 +134,16 @@ def test_batch_bigger_than_cache_spills_its_own_keys_down():
     found, got = c.find(kept)
     assert found.all()
     np.testing.assert_array_equal(got[:, 1], -kept.astype(np.float32))
+
+
+def test_key_evicted_twice_in_one_batch_goes_down_once_with_its_new_line():
+    c = SetAssociativeCache(1, 1, ways=1)  # one way: every new key evicts the previous one
+    c.insert_or_assign(np.array([5], np.uint64), np.array([[1.0]], np.float32))  # old line of 5
+    ev_keys, ev_lines = c.insert_or_assign(np.array([8, 5, 9], np.uint64),
+                                           np.array([[2.0], [3.0], [4.0]], np.float32))
+    # 8 evicts 5 (old line 1.0), 5 evicts 8, 9 evicts 5 (new line 3.0)
+    assert ev_keys.tolist() == [8, 5] and ev_lines[:, 0].tolist() == [2.0, 3.0]
+    assert c.keys().tolist() == [9]
 
 
 def test_find_never_fills_and_refreshes_recency():

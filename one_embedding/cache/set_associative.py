@@ -14,7 +14,9 @@ stamps are unique and the order is deterministic. The victim of a full set is th
 smallest stamp (LRU) or the smallest (freq, stamp) (LFU: least frequent, least recent among equals).
 
 ``find`` never fills. ``insert_or_assign`` writes every key into the cache, in batch order; the
-line a new key displaces is copied out before it is overwritten and returned for the next tier.
+line a new key displaces is copied out before it is overwritten and returned for the next tier
+(once per key: a resident evicted early in the batch, then written and evicted again, leaves with
+its newer line only).
 A batch bigger than a set's ways (or than the whole cache) therefore *spills*: keys of the same
 batch evict each other and the evicted ones, carrying their new lines, go down a level. Nothing is
 lost, so no batch is too big; only a budget below one row raises ``CapacityError``.
@@ -119,6 +121,23 @@ def _gather(rows, row_ids, out):
         out[i, :] = rows[row_ids[i], :]
 
 
+def _keep_last(keys: np.ndarray, lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Drop all but the last eviction of each key, keeping the order of the last ones.
+
+    A resident key can be evicted by an earlier key of the batch, come back in with its own
+    (newer) line and be evicted again; only that newer line may go down, and the tier below
+    expects unique keys.
+    """
+    m = keys.shape[0]
+    if m < 2:
+        return keys, lines
+    first_in_reversed = np.unique(keys[::-1], return_index=True)[1]
+    if first_in_reversed.shape[0] == m:
+        return keys, lines
+    last = np.sort(m - 1 - first_in_reversed)
+    return keys[last], lines[last]
+
+
 class SetAssociativeCache(Tier):
     """An evicting cache level of ``rows`` lines of ``line_size`` float32.
 
@@ -190,8 +209,9 @@ class SetAssociativeCache(Tier):
     def insert_or_assign(self, keys, lines):
         """keys: (n,) uint64 unique, lines: (n, line_size) float32.
 
-        Returns the evicted (keys (m,) uint64, lines (m, line_size) float32), m <= n, in the
-        order they were evicted.
+        Returns the evicted (keys (m,) uint64 unique, lines (m, line_size) float32), m <= n, in
+        the order of their last eviction; a key evicted twice in one call leaves with its newer
+        line only.
         """
         keys = np.ascontiguousarray(keys, np.uint64)
         lines = np.ascontiguousarray(lines, np.float32)
@@ -205,9 +225,10 @@ class SetAssociativeCache(Tier):
             self._policy_code, keys, lines, self._clock, ev_keys, ev_lines,
         )
         self._size += n_new - n_ev
+        ev_keys, ev_lines = _keep_last(ev_keys[:n_ev], ev_lines[:n_ev])
         self.counters.writes += n
-        self.counters.evictions += n_ev
-        return ev_keys[:n_ev], ev_lines[:n_ev]
+        self.counters.evictions += ev_keys.shape[0]
+        return ev_keys, ev_lines
 
     def keys(self) -> np.ndarray:
         """Held keys (k,) uint64, sorted."""

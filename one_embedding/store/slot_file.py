@@ -47,18 +47,23 @@ _copy_range = os.copy_file_range
 @njit(cache=True, nogil=True)
 def _gather(view, slots, order, rows_per_block, out, start, stop):
     """out[order[i]] = row slots[order[i]] for i in [start, stop); ``order`` sorts ``slots``."""
+    # explicit column loops: numba's slice copy on this strided mmap view is 3x slower
     for j in range(start, stop):
         i = order[j]
-        s = slots[i]
-        out[i, :] = view[s // rows_per_block, s % rows_per_block, :]
+        b = slots[i] // rows_per_block
+        r = slots[i] % rows_per_block
+        for c in range(out.shape[1]):
+            out[i, c] = view[b, r, c]
 
 
 @njit(cache=True, nogil=True)
 def _scatter(view, slots, order, rows_per_block, lines, start, stop):
     for j in range(start, stop):
         i = order[j]
-        s = slots[i]
-        view[s // rows_per_block, s % rows_per_block, :] = lines[i, :]
+        b = slots[i] // rows_per_block
+        r = slots[i] % rows_per_block
+        for c in range(lines.shape[1]):
+            view[b, r, c] = lines[i, c]
 
 
 def block_layout(line_size: int, physical_block_size: int) -> tuple[int, int]:
@@ -142,7 +147,7 @@ class SlotFileStore(Tier):
 
     # -- batched row I/O --------------------------------------------------------------------
     def _run(self, kernel, slots: np.ndarray, data: np.ndarray) -> None:
-        order = np.argsort(slots, kind="stable")  # sorted offsets: sequential where possible
+        order = np.argsort(slots)  # sorted offsets; slots are unique, so no stable sort (10x slower)
         n = slots.shape[0]
         if self._pool is None or n < _PARALLEL_ROWS:
             kernel(self._view, slots, order, self.rows_per_block, data, 0, n)
