@@ -27,21 +27,20 @@ def _bucket(key, mask):
     return np.int64(z & np.uint64(mask))
 
 
+@njit(cache=True, inline="always")
+def _probe(table_keys, table_slots, key, mask):
+    """The bucket holding ``key``, or the empty bucket where it would go."""
+    b = _bucket(key, mask)
+    while table_slots[b] != EMPTY and table_keys[b] != key:
+        b = (b + 1) & mask
+    return b
+
+
 @njit(cache=True)
 def _find(table_keys, table_slots, keys, out_slots):
     mask = table_keys.shape[0] - 1
     for i in range(keys.shape[0]):
-        k = keys[i]
-        b = _bucket(k, mask)
-        while True:
-            s = table_slots[b]
-            if s == EMPTY:
-                out_slots[i] = EMPTY
-                break
-            if table_keys[b] == k:
-                out_slots[i] = s
-                break
-            b = (b + 1) & mask
+        out_slots[i] = table_slots[_probe(table_keys, table_slots, keys[i], mask)]
 
 
 @njit(cache=True)
@@ -50,19 +49,11 @@ def _assign(table_keys, table_slots, keys, slots):
     mask = table_keys.shape[0] - 1
     n_new = 0
     for i in range(keys.shape[0]):
-        k = keys[i]
-        b = _bucket(k, mask)
-        while True:
-            s = table_slots[b]
-            if s == EMPTY:
-                table_keys[b] = k
-                table_slots[b] = slots[i]
-                n_new += 1
-                break
-            if table_keys[b] == k:
-                table_slots[b] = slots[i]
-                break
-            b = (b + 1) & mask
+        b = _probe(table_keys, table_slots, keys[i], mask)
+        if table_slots[b] == EMPTY:
+            table_keys[b] = keys[i]
+            n_new += 1
+        table_slots[b] = slots[i]
     return n_new
 
 
@@ -72,27 +63,19 @@ def _find_or_insert(table_keys, table_slots, keys, next_slot, free_slots, n_free
     ``next_slot``, ``next_slot + 1``, ... Returns (next_slot, n_free)."""
     mask = table_keys.shape[0] - 1
     for i in range(keys.shape[0]):
-        k = keys[i]
-        b = _bucket(k, mask)
-        while True:
-            s = table_slots[b]
-            if s == EMPTY:
-                if n_free > 0:
-                    n_free -= 1
-                    s = free_slots[n_free]
-                else:
-                    s = next_slot
-                    next_slot += 1
-                table_keys[b] = k
-                table_slots[b] = s
-                out_slots[i] = s
-                out_new[i] = True
-                break
-            if table_keys[b] == k:
-                out_slots[i] = s
-                out_new[i] = False
-                break
-            b = (b + 1) & mask
+        b = _probe(table_keys, table_slots, keys[i], mask)
+        s = table_slots[b]
+        out_new[i] = s == EMPTY
+        if s == EMPTY:
+            if n_free > 0:
+                n_free -= 1
+                s = free_slots[n_free]
+            else:
+                s = next_slot
+                next_slot += 1
+            table_keys[b] = keys[i]
+            table_slots[b] = s
+        out_slots[i] = s
     return next_slot, n_free
 
 
@@ -102,30 +85,23 @@ def _erase(table_keys, table_slots, keys, out_slots):
     mask = table_keys.shape[0] - 1
     n_erased = 0
     for i in range(keys.shape[0]):
-        k = keys[i]
-        b = _bucket(k, mask)
-        out_slots[i] = EMPTY
-        while True:
-            s = table_slots[b]
-            if s == EMPTY:
-                break
-            if table_keys[b] == k:
-                out_slots[i] = s
-                n_erased += 1
-                # shift later members of the probe chain back into the hole
-                hole = b
-                j = (b + 1) & mask
-                while table_slots[j] != EMPTY:
-                    home = _bucket(table_keys[j], mask)
-                    # move j into the hole unless its home lies cyclically in (hole, j]
-                    if (j > hole and (home <= hole or home > j)) or (j < hole and (home <= hole and home > j)):
-                        table_keys[hole] = table_keys[j]
-                        table_slots[hole] = table_slots[j]
-                        hole = j
-                    j = (j + 1) & mask
-                table_slots[hole] = EMPTY
-                break
-            b = (b + 1) & mask
+        b = _probe(table_keys, table_slots, keys[i], mask)
+        out_slots[i] = table_slots[b]
+        if table_slots[b] == EMPTY:
+            continue
+        n_erased += 1
+        # shift later members of the probe chain back into the hole
+        hole = b
+        j = (b + 1) & mask
+        while table_slots[j] != EMPTY:
+            home = _bucket(table_keys[j], mask)
+            # move j into the hole unless its home lies cyclically in (hole, j]
+            if (j > hole and (home <= hole or home > j)) or (j < hole and (home <= hole and home > j)):
+                table_keys[hole] = table_keys[j]
+                table_slots[hole] = table_slots[j]
+                hole = j
+            j = (j + 1) & mask
+        table_slots[hole] = EMPTY
     return n_erased
 
 
