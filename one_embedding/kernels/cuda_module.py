@@ -99,12 +99,14 @@ def get_module(family: str):
         with _lock:
             module = _modules.get(key)
             if module is None:
+                names = list(name_expressions(family))
                 module = cupy.RawModule(
                     code=source_code(family),
                     options=COMPILE_OPTIONS + (f"-I{CUDA_DIR}",),
-                    name_expressions=list(name_expressions(family)),
+                    name_expressions=names,
                 )
-                module.compile()  # compile now, so a source error surfaces here and not mid-step
+                # the first lookup compiles the module: a source error surfaces here, not mid-step
+                module.get_function(names[0])
                 _modules[key] = module
     return module
 
