@@ -1,0 +1,69 @@
+"""The example scripts run end to end as a user would run them: a few steps, then AUC, samples/s
+and a snapshot on disk."""
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+
+
+def run_example(script, tmp_path, *args):
+    env = dict(os.environ, PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--persistent-path", str(tmp_path / "store"),
+         "--steps", "30", "--eval-every", "15", *args],
+        capture_output=True, text=True, env=env, timeout=120,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    return proc.stdout
+
+
+def check_report(out, tmp_path, steps=30):
+    evals = re.findall(r"step\s+(\d+).*eval AUC (\S+)\s+logloss (\S+)\s+([\d,]+) samples/s", out)
+    assert [int(s) for s, *_ in evals] == [15, steps], out
+    for _, auc, logloss, rate in evals:
+        assert 0.0 <= float(auc) <= 1.0 and float(logloss) > 0 and int(rate.replace(",", "")) > 0
+    assert re.search(rf"trained {steps} steps, [\d,]+ samples: [\d,]+ samples/s", out), out
+    manifests = list((tmp_path / "store").glob("*/snapshots/final/*"))
+    assert manifests, f"no snapshot 'final' under {tmp_path / 'store'}"
+
+
+@pytest.mark.parametrize("script, store", [
+    ("train_dlrm.py", "device_mem"),
+    ("train_dcn.py", "cached_host_mem"),
+    ("train_deepfm.py", "cached_ssd"),
+])
+def test_example_trains_on_synthetic_data(script, store, tmp_path):
+    out = run_example(script, tmp_path, "--store", store, "--batch-size", "256")
+    check_report(out, tmp_path)
+
+
+def write_criteo_tsv(path, rows, seed=0):
+    """rows lines of raw Criteo: label, 13 integers (some missing), 26 hex categoricals."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            ints = ["" if rng.random() < 0.1 else str(rng.integers(0, 100)) for _ in range(13)]
+            cats = [f"{rng.integers(0, 50) * 2654435761 % 2**32:08x}" for _ in range(26)]
+            label = int(rng.random() < 0.3 + 0.4 * (cats[0] < "80000000"))
+            f.write("\t".join([str(label), *ints, *cats]) + "\n")
+
+
+def test_example_trains_on_tsv_files(tmp_path):
+    data = tmp_path / "day_0.tsv"
+    write_criteo_tsv(data, 4000)
+    out = run_example("train_deepfm.py", tmp_path, "--data", str(data), "--batch-size", "128")
+    check_report(out, tmp_path)
+
+
+def test_example_help_names_reference_sizes():
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_dlrm.py"), "--help"],
+                          capture_output=True, text=True, cwd=ROOT,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
+    assert proc.returncode == 0 and "--reference-sizes" in proc.stdout, proc.stderr
