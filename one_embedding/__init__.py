@@ -3,7 +3,7 @@
 Numpy is the CPU backend and the reference; CuPy the GPU backend. ``import one_embedding`` never
 imports cupy.
 """
-from . import optim
+from . import metrics, models, nn, optim
 from .embedding import MultiTableEmbedding, MultiTableMultiColumnEmbedding
 from .errors import (
     CapacityError,
@@ -31,7 +31,8 @@ from .options import (
 __version__ = "0.1.0"
 
 __all__ = [
-    "MultiTableEmbedding", "MultiTableMultiColumnEmbedding", "Optimizer", "optim",
+    "MultiTableEmbedding", "MultiTableMultiColumnEmbedding", "Optimizer", "optim", "nn", "models",
+    "metrics",
     "make_uniform_initializer", "make_normal_initializer", "make_constant_initializer",
     "make_trunc_normal_initializer", "make_table_options", "make_table", "make_column_options",
     "make_device_mem_store_options", "make_cached_host_mem_store_options",
