@@ -76,8 +76,8 @@ class SnapshotDirectory:
         check_snapshot_name(name)
         token = uuid.uuid4().hex
         tmp = os.path.join(self.root, f".tmp-{name}-{token}")
-        os.mkdir(tmp)
         try:
+            os.mkdir(tmp)
             write_files(tmp)
             files = {}
             for fname in sorted(os.listdir(tmp)):
@@ -100,6 +100,13 @@ class SnapshotDirectory:
                 os.rename(final, old)
             os.rename(tmp, final)
             fsync_dir(self.root)
+        except OSError as e:
+            # a full or failing disk: the previous snapshot of this name is still in place
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise SnapshotError(
+                f"saving snapshot {name!r} under {self.root!r} failed ({e.strerror or e}); the "
+                "previous snapshot of that name is intact: free disk space and save again"
+            ) from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
