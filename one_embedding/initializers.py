@@ -6,7 +6,7 @@ which numpy and CuPy evaluate bit-identically; the float math after it is done i
 rounded to float32 once.
 
 Hash: ``h = mix(mix(mix(seed ^ SEED_SALT) ^ key) + (column << 8 | stream) * GOLDEN)`` with
-``mix`` the splitmix64 finalizer. ``uniform01(h) = (h >> 11) * 2**-53`` in [0, 1).
+``mix`` the splitmix64 finalizer (``hashing.mix64``). ``uniform01(h) = (h >> 11) * 2**-53`` in [0, 1).
 Normal values use Box-Muller on streams (2k, 2k+1); truncated normal values use rejection over
 up to ``TRUNC_NORMAL_TRIES`` stream pairs, then clip (the probability of reaching the clip is
 below 1e-12 for bounds at +-2 std).
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from .hashing import GOLDEN, MIX1, MIX2, jit_mix64, mix64
 from .options import (
     ConstantInitializer,
     Initializer,
@@ -23,18 +24,14 @@ from .options import (
     UniformInitializer,
 )
 
-GOLDEN = 0x9E3779B97F4A7C15
 SEED_SALT = 0x5851F42D4C957F2D
-MIX1 = 0xBF58476D1CE4E5B9
-MIX2 = 0x94D049BB133111EB
 TRUNC_NORMAL_TRIES = 8
 
-
-def splitmix64(xp, z):
-    """The splitmix64 finalizer on a uint64 array (wrapping arithmetic)."""
-    z = (z ^ (z >> xp.uint64(30))) * xp.uint64(MIX1)
-    z = (z ^ (z >> xp.uint64(27))) * xp.uint64(MIX2)
-    return z ^ (z >> xp.uint64(31))
+#: This module's historical name for the splitmix64 *finalizer* ``hashing.mix64`` (no golden-ratio
+#: increment, unlike ``hashing.splitmix64``); kept for ``kernels.reference`` and user code.
+splitmix64 = mix64
+__all__ = ["GOLDEN", "MIX1", "MIX2", "SEED_SALT", "counter_hash", "fill_initial_values",
+           "initial_values", "splitmix64", "uniform01"]
 
 
 def counter_hash(xp, seed: int, keys, columns, stream: int = 0):
@@ -43,10 +40,10 @@ def counter_hash(xp, seed: int, keys, columns, stream: int = 0):
     keys: (n,) uint64; columns: (E,) uint64 -> (n, E) uint64. ``stream`` < 256 selects independent
     sequences for the same (key, column).
     """
-    s = splitmix64(xp, xp.asarray([(int(seed) ^ SEED_SALT) & 0xFFFFFFFFFFFFFFFF], dtype=xp.uint64))
-    k = splitmix64(xp, keys.astype(xp.uint64)[:, None] ^ s)
+    s = mix64(xp, xp.asarray([(int(seed) ^ SEED_SALT) & 0xFFFFFFFFFFFFFFFF], dtype=xp.uint64))
+    k = mix64(xp, keys.astype(xp.uint64)[:, None] ^ s)
     c = ((columns.astype(xp.uint64) << xp.uint64(8)) | xp.uint64(stream)) * xp.uint64(GOLDEN)
-    return splitmix64(xp, k + c[None, :])
+    return mix64(xp, k + c[None, :])
 
 
 def uniform01(xp, h):
@@ -94,16 +91,9 @@ _KIND = {ConstantInitializer: 0, UniformInitializer: 1, NormalInitializer: 2, Tr
 
 
 @njit(cache=True, inline="always")
-def _mix(z):
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(MIX1)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(MIX2)
-    return z ^ (z >> np.uint64(31))
-
-
-@njit(cache=True, inline="always")
 def _u01(key_mix, col, stream):
     c = ((np.uint64(col) << np.uint64(8)) | np.uint64(stream)) * np.uint64(GOLDEN)
-    return np.float64(_mix(key_mix + c) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
+    return np.float64(jit_mix64(key_mix + c) >> np.uint64(11)) * (1.0 / 9007199254740992.0)
 
 
 @njit(cache=True, inline="always")
@@ -117,7 +107,7 @@ def _normal(key_mix, col, pair):
 def _fill_initial(lines, rows, keys, col_start, n_cols, out_offset, seed_mix, kind, p0, p1, p2, p3):
     """lines[rows[i], out_offset + j] = init(keys[i], col_start + j) for j < n_cols."""
     for i in range(rows.shape[0]):
-        km = _mix(keys[i] ^ seed_mix)
+        km = jit_mix64(keys[i] ^ seed_mix)
         r = rows[i]
         for j in range(n_cols):
             col = col_start + j
@@ -156,6 +146,6 @@ def fill_initial_values(lines: np.ndarray, rows: np.ndarray, keys: np.ndarray, i
         params[:2] = init.mean, init.std
     else:
         params[:] = init.mean, init.std, init.a, init.b
-    seed_mix = splitmix64(np, np.array([(int(seed) ^ SEED_SALT) & 0xFFFFFFFFFFFFFFFF], np.uint64))[0]
+    seed_mix = mix64(np, np.array([(int(seed) ^ SEED_SALT) & 0xFFFFFFFFFFFFFFFF], np.uint64))[0]
     _fill_initial(lines, np.ascontiguousarray(rows, np.int64), np.ascontiguousarray(keys, np.uint64),
                   col_start, n_cols, out_offset, np.uint64(seed_mix), _KIND[type(init)], *map(float, params))

@@ -13,18 +13,16 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ..hashing import jit_mix64
+
 EMPTY = -1
 MAX_LOAD = 0.7
 
 
 @njit(cache=True, inline="always")
 def _bucket(key, mask):
-    # splitmix64 finalizer: spreads sequential ids (Criteo offsets) over the table
-    z = key
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    z = z ^ (z >> np.uint64(31))
-    return np.int64(z & np.uint64(mask))
+    # the splitmix64 finalizer spreads sequential ids (Criteo offsets) over the table
+    return np.int64(jit_mix64(key) & np.uint64(mask))
 
 
 @njit(cache=True, inline="always")

@@ -25,6 +25,8 @@ import math
 import numpy as np
 
 from ..errors import ConfigError, InputError
+from ..hashing import splitmix64 as _splitmix64
+from ..hashing import xxh64_empty, xxh64_u64  # noqa: F401  (xxh64_u64: one_embedding.data's name)
 
 NUM_DENSE = 13
 NUM_SPARSE = 26
@@ -47,52 +49,13 @@ CRITEO_CARDINALITIES: dict[str, tuple[int, ...]] = {
                27, 14992, 5461306, 10, 5652, 2173, 4, 7046547, 18, 15, 286181, 105, 142572),
 }
 
-_U64 = np.uint64
 _MASK63 = np.uint64((1 << 63) - 1)
-_P1, _P2, _P3 = _U64(0x9E3779B185EBCA87), _U64(0xC2B2AE3D27D4EB4F), _U64(0x165667B19E3779F9)
-_P4, _P5 = _U64(0x85EBCA77C2B2AE63), _U64(0x27D4EB2F165667C5)
-
-
-def _rotl(x: np.ndarray, r: int) -> np.ndarray:
-    return (x << _U64(r)) | (x >> _U64(64 - r))
-
-
-def _xxh64_avalanche(h: np.ndarray) -> np.ndarray:
-    h = h ^ (h >> _U64(33))
-    h = h * _P2
-    h = h ^ (h >> _U64(29))
-    h = h * _P3
-    return h ^ (h >> _U64(32))
-
-
-def xxh64_u64(values: np.ndarray, seed: np.ndarray | int) -> np.ndarray:
-    """XXH64 of each value's 8 little-endian bytes, vectorized; equals ``xxhash.xxh64_intdigest``.
-
-    values: (...) uint64; seed: int or array broadcastable to values. Returns (...) uint64.
-    """
-    v = np.asarray(values, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        h = np.asarray(seed, dtype=np.uint64) + _P5 + _U64(8)
-        k = _rotl(v * _P2, 31) * _P1
-        h = _rotl(h ^ k, 27) * _P1 + _P4
-        return _xxh64_avalanche(h)
-
-
-def xxh64_empty(seed: int) -> int:
-    """XXH64 of the empty input with ``seed`` (the reserved 'missing' hash)."""
-    with np.errstate(over="ignore"):
-        h = _U64(seed) + _P5
-        return int(_xxh64_avalanche(np.asarray(h, dtype=np.uint64)))
 
 
 def splitmix64(x: np.ndarray) -> np.ndarray:
-    """The splitmix64 finalizer on uint64 (wrapping): the row hash behind splits and shuffles."""
-    z = np.asarray(x, dtype=np.uint64)
-    with np.errstate(over="ignore"):
-        z = z + _U64(0x9E3779B97F4A7C15)
-        z = (z ^ (z >> _U64(30))) * _U64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> _U64(27))) * _U64(0x94D049BB133111EB)
-        return z ^ (z >> _U64(31))
+    """splitmix64 on uint64 (``hashing.splitmix64`` with numpy): the row hash behind splits and
+    the synthetic data. x: (...) uint64 -> (...) uint64."""
+    return _splitmix64(np, x)
 
 
 @dataclasses.dataclass(frozen=True)

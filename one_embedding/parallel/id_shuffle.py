@@ -14,37 +14,24 @@ from dataclasses import dataclass
 import numpy as np
 from numba import njit
 
-# XXH64 primes
-P1 = np.uint64(0x9E3779B185EBCA87)
-P2 = np.uint64(0xC2B2AE3D27D4EB4F)
-P3 = np.uint64(0x165667B19E3779F9)
-P4 = np.uint64(0x85EBCA77C2B2AE63)
-P5 = np.uint64(0x27D4EB2F165667C5)
+from ..hashing import jit_mix64
+from ..hashing import xxh64_u64 as _xxh64_u64
+
+#: XXH64 seed of the owner-rank hash (REFERENCE.md "Distribution").
+OWNER_SEED = 1
 
 
-def _rotl(x, r: int):
-    return (x << np.uint64(r)) | (x >> np.uint64(64 - r))
-
-
-def xxh64_u64(keys: np.ndarray, seed: int = 1) -> np.ndarray:
-    """XXH64 of each key's 8 little-endian bytes. keys: (n,) uint64 -> (n,) uint64."""
-    k = np.asarray(keys, np.uint64)
-    h = np.uint64((seed + int(P5) + 8) & 0xFFFFFFFFFFFFFFFF)
-    k1 = _rotl(k * P2, 31) * P1
-    h = h ^ k1
-    h = _rotl(h, 27) * P1 + P4
-    h = h ^ (h >> np.uint64(33))
-    h = h * P2
-    h = h ^ (h >> np.uint64(29))
-    h = h * P3
-    return h ^ (h >> np.uint64(32))
+def xxh64_u64(keys: np.ndarray, seed: int = OWNER_SEED) -> np.ndarray:
+    """XXH64 of each key's 8 little-endian bytes (``hashing.xxh64_u64``), by default with the
+    owner-rank seed. keys: (n,) uint64 -> (n,) uint64."""
+    return _xxh64_u64(keys, seed)
 
 
 def owner_rank(keys: np.ndarray, world: int) -> np.ndarray:
     """Rank that owns each key: XXH64(key, seed=1) % world. keys: (n,) uint64 -> (n,) int64."""
     if world == 1:
         return np.zeros(keys.shape[0], np.int64)
-    return (xxh64_u64(keys, 1) % np.uint64(world)).astype(np.int64)
+    return (_xxh64_u64(keys, OWNER_SEED) % np.uint64(world)).astype(np.int64)
 
 
 @njit(cache=True)
@@ -53,10 +40,7 @@ def _unique_inverse(keys, table_keys, table_pos, unique_out, inverse):
     n_unique = 0
     for i in range(keys.shape[0]):
         k = keys[i]
-        z = k
-        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-        b = np.int64((z ^ (z >> np.uint64(31))) & np.uint64(mask))
+        b = np.int64(jit_mix64(k) & np.uint64(mask))
         while True:
             p = table_pos[b]
             if p < 0:
