@@ -230,3 +230,19 @@ def test_snapshot_manifest_and_layout_files(tmp_path):
     assert manifest["row_count"] == 100 and layout["rows"] == 100
     assert set(manifest["files"]) == {"keys.npy", "slots.npy", "rows.bin", "layout.json"}
     emb.close()
+
+
+def test_rocksdb_snapshot_with_a_damaged_file_is_refused(tmp_path):
+    store = RocksDBStore(8, str(tmp_path / "p"))
+    keys = np.arange(1000, dtype=np.uint64)
+    store.insert_or_assign(keys, lines_for(keys, 8))
+    snap = snapshot(store, str(tmp_path / "snap"))
+    sst = [f for f in os.listdir(os.path.join(snap, "db")) if f.endswith(".sst")][0]
+    with open(os.path.join(snap, "db", sst), "ab") as f:
+        f.write(b"junk")
+    with pytest.raises(SnapshotError, match="damaged"):
+        store.load_snapshot(snap)
+    found, got = store.find(keys)  # the working DB is untouched
+    assert found.all()
+    np.testing.assert_array_equal(got, lines_for(keys, 8))
+    store.close()

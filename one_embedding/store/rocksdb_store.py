@@ -12,7 +12,8 @@ The engine also keeps the set of stored keys in a ``HashIndex`` (about 16-23 byt
 
 Snapshot: ``db.flush()`` then a RocksDB checkpoint (hard links to the immutable SST files plus
 copies of the small metadata files) in ``<snapshot>/db/``, every file fsync'd, with ``keys.npy``
-and ``rocksdb.json`` (the row count) beside it. Load: the working DB is replaced by a copy of the
+and ``rocksdb.json`` (the row count and the size of every checkpoint file, checked on load)
+beside it. The working DB is compacted before the checkpoint so the snapshot pins no garbage. Load: the working DB is replaced by a copy of the
 checkpoint (SSTs hard-linked again, since RocksDB never rewrites an SST in place).
 """
 from __future__ import annotations
@@ -202,12 +203,15 @@ class RocksDBStore(Tier):
             # rows and does not pin garbage SSTs until the next snapshot (bounds disk use)
             self._db.compact_range(None, None, self._compact_options)
             self._rd.Checkpoint(self._db).create_checkpoint(target)
-            for entry in os.listdir(target):
+            files = {}
+            for entry in sorted(os.listdir(target)):
                 _fsync_file(os.path.join(target, entry))
+                files[entry] = os.path.getsize(os.path.join(target, entry))
             fsync_dir(target)
             write_array(os.path.join(directory, "keys.npy"), keys)
             write_bytes_atomic(os.path.join(directory, "rocksdb.json"), json.dumps(
-                {"engine": "rocksdb", "line_size": self.line_size, "rows": int(keys.shape[0])}
+                {"engine": "rocksdb", "line_size": self.line_size, "rows": int(keys.shape[0]),
+                 "db_files": files}
             ).encode())
         except OSError as e:
             raise StoreError(
@@ -231,6 +235,13 @@ class RocksDBStore(Tier):
                 f"{self.name}: snapshot {directory!r} holds {info} with {keys.shape[0]} keys; this "
                 f"store needs a 'rocksdb' snapshot of line_size={self.line_size}"
             )
+        for entry, size in info.get("db_files", {}).items():
+            fpath = os.path.join(source, entry)
+            if not os.path.isfile(fpath) or os.path.getsize(fpath) != size:
+                raise SnapshotError(
+                    f"{self.name}: snapshot {directory!r} is damaged: db/{entry} is missing or not "
+                    f"{size} bytes; load another snapshot"
+                )
         self._close_db()
         shutil.rmtree(self.path, ignore_errors=True)
         try:

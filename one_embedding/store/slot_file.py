@@ -279,10 +279,12 @@ class SlotFileStore(Tier):
             self._pool.shutdown()
             self._pool = None
         if self._fd is not None:
+            mine = os.fstat(self._fd).st_ino
             os.close(self._fd)
             self._fd = None
             try:  # scratch: the next open recreates it, snapshots hold the durable copy
-                os.unlink(self.path)
+                if os.stat(self.path).st_ino == mine:  # not a newer store's file
+                    os.unlink(self.path)
             except OSError:
                 pass
 
