@@ -37,6 +37,7 @@ from .durable import fsync_dir, read_array, write_array, write_bytes_atomic
 
 ROWS_FILE = "rows.bin"
 _MIN_GROW_BLOCKS = 64
+_MAX_INITIAL_ROWS = 1 << 20
 _PARALLEL_ROWS = 1 << 14  # below this a second thread costs more than it saves
 
 # The syscalls that allocate and copy file space, named so a test can make them fail (ENOSPC).
@@ -89,6 +90,8 @@ class SlotFileStore(Tier):
         self.physical_block_size = physical_block_size
         self.folder = os.path.join(directory, "slots")
         self.path = os.path.join(self.folder, ROWS_FILE)
+        # a capacity hint sizes the first allocation only up to a bound; both grow on demand
+        expected_keys = min(int(expected_keys or 0), _MAX_INITIAL_ROWS)
         self._index = HashIndex(expected_keys)
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self._fd = None
