@@ -8,7 +8,7 @@ Layout (``n_sets`` sets of ``ways`` ways; way ``w`` of set ``s`` owns row ``s * 
     way_freq   (n_sets, ways) int64    touches since the line came in (LFU only)
     rows       (n_sets * ways, line_size) float32
 
-A key lives only in set ``mix64(key) % n_sets``; its ways are scanned linearly. A touch (a ``find``
+A key lives only in set ``mix64(key) % n_sets`` (``hashing.mix64``, the splitmix64 finalizer); its ways are scanned linearly. A touch (a ``find``
 hit or an ``insert_or_assign``) sets the way's stamp to a clock that advances by one per touch, so
 stamps are unique and the order is deterministic. The victim of a full set is the way with the
 smallest stamp (LRU) or the smallest (freq, stamp) (LFU: least frequent, least recent among equals).
@@ -32,19 +32,11 @@ import numpy as np
 from numba import njit
 
 from ..errors import CapacityError, ConfigError
+from ..hashing import jit_mix64
 from ..store.base import Tier, empty_lines
 
 POLICIES = ("lru", "lfu")
 _LRU, _LFU = 0, 1
-
-
-@njit(cache=True, inline="always")
-def mix64(key):
-    """splitmix64 finalizer of a uint64 key; ``set = mix64(key) % n_sets``."""
-    z = key
-    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-    return z ^ (z >> np.uint64(31))
 
 
 @njit(cache=True)
@@ -53,7 +45,7 @@ def _find(way_keys, way_used, way_stamp, way_freq, keys, clock, out_rows):
     n_sets, ways = way_keys.shape
     for i in range(keys.shape[0]):
         k = keys[i]
-        s = np.int64(mix64(k) % np.uint64(n_sets))
+        s = np.int64(jit_mix64(k) % np.uint64(n_sets))
         out_rows[i] = -1
         for w in range(ways):
             if way_used[s, w] and way_keys[s, w] == k:
@@ -77,7 +69,7 @@ def _insert(way_keys, way_used, way_stamp, way_freq, rows, policy, keys, lines, 
     n_new = 0
     for i in range(keys.shape[0]):
         k = keys[i]
-        s = np.int64(mix64(k) % np.uint64(n_sets))
+        s = np.int64(jit_mix64(k) % np.uint64(n_sets))
         target = -1
         free = -1
         for w in range(ways):
