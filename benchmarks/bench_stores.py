@@ -39,7 +39,8 @@ def store_configs(args, root):
     sf = 2
     return {
         "device_mem": oe.make_device_mem_store_options(None, capacity=args.keys, size_factor=sf),
-        f"cached_host_mem lru {mb}MB": oe.make_cached_host_mem_store_options(mb, None, args.keys, size_factor=sf),
+        f"cached_host_mem lru {mb}MB": oe.make_cached_host_mem_store_options(
+            mb, None, args.keys, size_factor=sf),
         f"cached_ssd slots {mb}MB": oe.make_cached_ssd_store_options(mb, os.path.join(root, "s"),
                                                                       size_factor=sf, engine="slots"),
         f"cached_ssd slots {mb}MB+host {host_mb}MB": oe.make_cached_ssd_store_options(

@@ -98,7 +98,8 @@ def test_matches_reference_model_on_random_trace(policy, n_sets, ways):
             want = ref.put([int(k) for k in keys], list(lines))
             ref.evictions += len(want)
             assert ev_keys.tolist() == [k for k, _ in want]
-            np.testing.assert_array_equal(ev_lines, np.array([l for _, l in want], np.float32).reshape(-1, line_size))
+            want_lines = np.array([line for _, line in want], np.float32).reshape(-1, line_size)
+            np.testing.assert_array_equal(ev_lines, want_lines)
     held = sorted(e[0] for s in ref.sets for e in s)
     assert cache.keys().tolist() == held
     assert len(cache) == len(held)

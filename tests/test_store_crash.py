@@ -137,7 +137,8 @@ def kill_loop(tmp_path, engines, kills, seed):
         got = saved_hash(path, engine)
         # no snapshot (None) is right only while the first save had not completed
         allowed = {state["done"]} | ({state["pending"]} if state["phase"] == "saving" else set())
-        assert got in allowed, f"kill {i} ({engine}): the snapshot is neither the last saved nor the one in flight"
+        assert got in allowed, (f"kill {i} ({engine}): the snapshot is neither the last saved "
+                                "nor the one in flight")
         verified += 1
         # what is on disk now is the last completed snapshot the next run starts from
         with open(side, "w") as f:

@@ -86,7 +86,8 @@ def reference(request, tmp_path_factory):
 def test_tables_bit_identical_to_device_mem(reference, preset, tmp_path):
     optim, (want_final, want_mid, _, _) = reference
     final, mid, reloaded, stats = train(preset, optim, tmp_path)
-    for (keys, lines), (want_keys, want_lines) in ((final, want_final), (mid, want_mid), (reloaded, want_mid)):
+    pairs = ((final, want_final), (mid, want_mid), (reloaded, want_mid))
+    for (keys, lines), (want_keys, want_lines) in pairs:
         np.testing.assert_array_equal(keys, want_keys)
         np.testing.assert_array_equal(lines, want_lines)
     top = stats[0]

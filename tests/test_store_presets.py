@@ -40,7 +40,8 @@ def test_cached_ssd_needs_a_path_and_a_usable_budget(tmp_path):
 
 
 def test_chain_counts_hits_misses_evictions_per_tier(tmp_path):
-    opts = oe.make_cached_ssd_store_options(16 * 64 / 2**20, str(tmp_path), host_cache_budget_mb=32 * 64 / 2**20)
+    opts = oe.make_cached_ssd_store_options(16 * 64 / 2**20, str(tmp_path),
+                                            host_cache_budget_mb=32 * 64 / 2**20)
     chain = build_chain(opts, 16, 8, str(tmp_path), 1)
     keys = np.arange(100, dtype=np.uint64)
     chain.put(keys, np.ones((100, 16), np.float32))

@@ -8,21 +8,22 @@ Layout (``n_sets`` sets of ``ways`` ways; way ``w`` of set ``s`` owns row ``s * 
     way_freq   (n_sets, ways) int64    touches since the line came in (LFU only)
     rows       (n_sets * ways, line_size) float32
 
-A key lives only in set ``mix64(key) % n_sets`` (``hashing.mix64``, the splitmix64 finalizer); its ways are scanned linearly. A touch (a ``find``
-hit or an ``insert_or_assign``) sets the way's stamp to a clock that advances by one per touch, so
-stamps are unique and the order is deterministic. The victim of a full set is the way with the
-smallest stamp (LRU) or the smallest (freq, stamp) (LFU: least frequent, least recent among equals).
+A key lives only in set ``mix64(key) % n_sets`` (``hashing.mix64``, the splitmix64 finalizer);
+its ways are scanned linearly. A touch (a ``find`` hit or an ``insert_or_assign``) sets the way's
+stamp to a clock that advances by one per touch, so stamps are unique and the order is
+deterministic. The victim of a full set is the way with the smallest stamp (LRU) or the smallest
+(freq, stamp) (LFU: least frequent, least recent among equals).
 
 ``find`` never fills. ``insert_or_assign`` writes every key into the cache, in batch order; the
 line a new key displaces is copied out before it is overwritten and returned for the next tier
 (once per key: a resident evicted early in the batch, then written and evicted again, leaves with
-its newer line only).
-A batch bigger than a set's ways (or than the whole cache) therefore *spills*: keys of the same
-batch evict each other and the evicted ones, carrying their new lines, go down a level. Nothing is
-lost, so no batch is too big; only a budget below one row raises ``CapacityError``.
+its newer line only). A batch bigger than a set's ways (or than the whole cache) therefore
+*spills*: keys of the same batch evict each other and the evicted ones, carrying their new lines,
+go down a level. Nothing is lost, so no batch is too big; only a budget below one row raises
+``CapacityError``.
 
-The probing and bookkeeping are numba kernels at module level; the CUDA cache runs the same logic
-with one warp per set.
+The probing and bookkeeping are numba kernels at module level, written as the per-set loops a
+CUDA version runs with one warp per set.
 """
 from __future__ import annotations
 

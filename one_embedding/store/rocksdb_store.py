@@ -10,11 +10,12 @@ buffers.
 The engine also keeps the set of stored keys in a ``HashIndex`` (about 16-23 bytes a key) so that
 ``len`` is exact and a lookup of a key never written skips RocksDB entirely.
 
-Snapshot: ``db.flush()`` then a RocksDB checkpoint (hard links to the immutable SST files plus
-copies of the small metadata files) in ``<snapshot>/db/``, every file fsync'd, with ``keys.npy``
-and ``rocksdb.json`` (the row count and the size of every checkpoint file, checked on load)
-beside it. The working DB is compacted before the checkpoint so the snapshot pins no garbage. Load: the working DB is replaced by a copy of the
-checkpoint (SSTs hard-linked again, since RocksDB never rewrites an SST in place).
+Snapshot: ``db.flush()``, a full compaction (so the snapshot pins no overwritten versions), then
+a RocksDB checkpoint (hard links to the immutable SST files plus copies of the small metadata
+files) in ``<snapshot>/db/``, every file fsync'd, with ``keys.npy`` and ``rocksdb.json`` (the row
+count and the size of every checkpoint file, checked on load) beside it. Load: the working DB is
+replaced by a copy of the checkpoint (SSTs hard-linked again, since RocksDB never rewrites an SST
+in place).
 """
 from __future__ import annotations
 
