@@ -400,6 +400,8 @@ class MultiTableMultiColumnEmbedding:
         return self._chain.stats()
 
     def __len__(self) -> int:
+        """Keys stored. Flushes the cache levels first: a new key may so far live only in a cache."""
+        self._chain.flush()
         return len(self._chain)
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:

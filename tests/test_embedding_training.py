@@ -196,3 +196,15 @@ def test_multicolumn_output_concatenates_columns():
     emb.backward(np.ones_like(out))
     opt.step()
     assert emb.export()[1].shape == (4, 21)
+
+
+def test_len_counts_keys_that_live_only_in_a_cache(tmp_path):
+    store = oe.make_cached_ssd_store_options(1, str(tmp_path), size_factor=1)
+    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None, store)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    out = emb(np.arange(50))
+    emb.backward(np.ones_like(out))
+    opt.step()
+    assert emb.store_stats()[-1]["rows"] == 0  # the 1 MB cache holds them all so far
+    assert len(emb) == 50
+    emb.close()
