@@ -15,6 +15,7 @@ import numpy as np
 from ..errors import CapacityError, SnapshotError
 from ..store.base import Tier, empty_lines
 from ..store.durable import read_array, write_array
+from . import memory
 from .hash_index import HashIndex
 
 
@@ -40,7 +41,7 @@ class FullCache(Tier):
         # are written; a quarter of RAM bounds the reservation for optimistic capacities
         initial = min(self.capacity or 1024, _reservable_rows(self.line_size))
         self._index = HashIndex(initial)
-        self._rows = np.zeros((initial, self.line_size), np.float32)
+        self._rows = memory.zeros((initial, self.line_size), np.float32)
         self._warned = False
 
     def __len__(self) -> int:
@@ -69,7 +70,7 @@ class FullCache(Tier):
         new = max(n_rows, 2 * self._rows.shape[0])
         if self.capacity and n_rows <= self.capacity:
             new = min(new, self.capacity)
-        grown = np.zeros((new, self.line_size), np.float32)
+        grown = memory.zeros((new, self.line_size), np.float32)
         grown[: self._rows.shape[0]] = self._rows
         self._rows = grown
 

@@ -4,14 +4,17 @@ The "full" cache, the host-memory store and the slot-file SSD engine all keep th
 plain array (or file) and find them through this index (DESIGN.md decision 5). numpy cannot
 vectorise probing, so the hot loops are ``@njit(cache=True)`` functions at module level.
 
-Layout: ``table_keys (cap,) uint64`` and ``table_slots (cap,) int64``, ``cap`` a power of two;
-``table_slots == -1`` marks an empty bucket, so every uint64 value is a valid key. Deletion uses
+Layout: one ``(cap, 2)`` int64 table, ``cap`` a power of two, a bucket's key and slot side by side
+so a probe reads one cache line; the kernels see it as ``table_keys (cap,) uint64`` and
+``table_slots (cap,) int64`` (strided views). ``table_slots == -1`` marks an empty bucket, so every uint64 value is a valid key. Deletion uses
 backward-shift, so there are no tombstones and probe chains stay short.
 """
 from __future__ import annotations
 
 import numpy as np
 from numba import njit
+
+from . import memory
 
 from ..hashing import jit_mix64
 
@@ -129,13 +132,18 @@ class HashIndex:
     """
 
     def __init__(self, expected_keys: int = 0):
-        cap = _capacity_for(max(int(expected_keys), 1))
-        self._keys = np.zeros(cap, np.uint64)
-        self._slots = np.full(cap, EMPTY, np.int64)
+        self._allocate(_capacity_for(max(int(expected_keys), 1)))
         self._size = 0
         self._next_slot = 0
         self._free = np.empty(16, np.int64)
         self._n_free = 0
+
+    def _allocate(self, cap: int) -> None:
+        # a bucket's key and slot sit side by side (one cache line per probe, not two); the
+        # kernels see them as two strided views
+        self._table = memory.full((cap, 2), EMPTY, np.int64)
+        self._keys = self._table[:, 0].view(np.uint64)
+        self._slots = self._table[:, 1]
 
     def __len__(self) -> int:
         return self._size
@@ -147,16 +155,14 @@ class HashIndex:
 
     @property
     def nbytes(self) -> int:
-        return self._keys.nbytes + self._slots.nbytes + self._free.nbytes
+        return self._table.nbytes + self._free.nbytes
 
     def _reserve(self, extra: int) -> None:
         need = self._size + extra
         if need <= self._keys.shape[0] * MAX_LOAD:
             return
         keys, slots = self.items()
-        cap = _capacity_for(need)
-        self._keys = np.zeros(cap, np.uint64)
-        self._slots = np.full(cap, EMPTY, np.int64)
+        self._allocate(_capacity_for(need))
         _assign(self._keys, self._slots, keys, slots)
 
     def find(self, keys: np.ndarray) -> np.ndarray:
