@@ -1,7 +1,9 @@
 """``one-embedding bench``: the same training under each store preset and engine.
 
 Writes ``bench.json``, ``bench.md`` (a markdown table) and ``bench.png`` (samples/s and top-tier
-hit rate per store) into the output folder.
+hit rate per store) into the output folder. An untimed warm-up training runs first: measured
+here, whichever store ran first in a process was up to 2x slower (compiled kernels loading,
+first touches of memory), which would otherwise bias the comparison.
 """
 from __future__ import annotations
 
@@ -29,6 +31,10 @@ def run_bench(cfg, out_dir: str, stores=None) -> list[dict]:
     from .training import train
 
     os.makedirs(out_dir, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="one_embedding_warmup_") as scratch:
+        train(dataclasses.replace(cfg, store="cached_ssd", engine="slots", eval_interval=0,
+                                  steps=min(cfg.steps or 20, 20), persistent_path=scratch),
+              metrics_path=os.devnull, progress=False)
     results = []
     for spec in stores or DEFAULT_STORES:
         store, _, engine = spec.partition(":")
