@@ -6,12 +6,16 @@ import os
 import numpy as np
 
 
-def fsync_dir(path: str) -> None:
+def fsync_path(path: str) -> None:
+    """fsync a file or a folder (a folder's fsync makes renames and new entries in it durable)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+fsync_dir = fsync_path
 
 
 def write_array(path: str, array: np.ndarray) -> None:

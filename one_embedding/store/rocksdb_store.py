@@ -30,7 +30,7 @@ import numpy as np
 from ..cache.hash_index import HashIndex
 from ..errors import SnapshotError, StoreError
 from .base import Tier
-from .durable import fsync_dir, read_array, write_array, write_bytes_atomic
+from .durable import fsync_dir, fsync_path, read_array, write_array, write_bytes_atomic
 
 DB_DIR = "rocksdb"
 _PARALLEL_KEYS = 1 << 13
@@ -206,7 +206,7 @@ class RocksDBStore(Tier):
             self._rd.Checkpoint(self._db).create_checkpoint(target)
             files = {}
             for entry in sorted(os.listdir(target)):
-                _fsync_file(os.path.join(target, entry))
+                fsync_path(os.path.join(target, entry))
                 files[entry] = os.path.getsize(os.path.join(target, entry))
             fsync_dir(target)
             write_array(os.path.join(directory, "keys.npy"), keys)
@@ -270,14 +270,6 @@ class RocksDBStore(Tier):
             self.close()
         except Exception:
             pass
-
-
-def _fsync_file(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def tree_disk_bytes(path: str) -> int:
