@@ -6,6 +6,8 @@ Gradients accumulate until ``zero_grad()``, so several backward passes sum, as i
 """
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 import numpy as np
 
 from ..backend import array_namespace
@@ -48,7 +50,7 @@ class Parameter:
         return f"Parameter({self.name!r}, shape={tuple(self.data.shape)}, dtype={self.data.dtype})"
 
 
-class Module:
+class Module(ABC):
     """Base of layers and models: parameter discovery, train/eval, zero_grad.
 
     Parameters are found in attribute order, recursing into sub-modules and lists of them;
@@ -60,11 +62,13 @@ class Module:
     def __call__(self, *args, **kwargs):
         return self.forward(*args, **kwargs)
 
-    def forward(self, *args, **kwargs):  # pragma: no cover - every layer overrides it
-        raise NotImplementedError
+    @abstractmethod
+    def forward(self, *args, **kwargs):
+        """Compute the output and keep what backward needs."""
 
-    def backward(self, *args, **kwargs):  # pragma: no cover
-        raise NotImplementedError
+    @abstractmethod
+    def backward(self, *args, **kwargs):
+        """Return input gradients and accumulate parameter gradients."""
 
     def _children(self):
         for value in vars(self).values():

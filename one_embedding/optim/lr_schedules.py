@@ -17,6 +17,7 @@ or None (the schedule only computes rates).
 from __future__ import annotations
 
 import bisect
+from abc import ABC, abstractmethod
 import numbers
 
 from one_embedding.errors import ConfigError, InputError
@@ -32,7 +33,7 @@ def _check_int(owner: str, name: str, value, low: int) -> int:
     return int(value)
 
 
-class LRSchedule:
+class LRSchedule(ABC):
     """Base class: owns ``base_lr``, the step counter and the targets; subclasses give ``lr_at``."""
 
     def __init__(self, target, base_lr: float, *, last_step: int = 0):
@@ -55,9 +56,9 @@ class LRSchedule:
         # Subclasses validate their own fields first, then publish the first rate.
         self._assign(self.lr_at(self.last_step + 1))
 
+    @abstractmethod
     def lr_at(self, step: int) -> float:
         """The learning rate of update ``step`` (1-based; 0 = before any update). Pure."""
-        raise NotImplementedError
 
     @property
     def current_lr(self) -> float:

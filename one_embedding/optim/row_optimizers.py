@@ -27,6 +27,7 @@ CuPy arrays, for numpy arrays that cannot be viewed as 2-D, and whenever ``use_c
 from __future__ import annotations
 
 import math
+from abc import ABC, abstractmethod
 import numbers
 
 import numpy as np
@@ -78,7 +79,7 @@ def _as_2d(a):
     return r
 
 
-class RowOptimizer:
+class RowOptimizer(ABC):
     """Base class: hyper-parameters, the state layout of a line, and an in-place ``update``.
 
     Attributes:
@@ -159,11 +160,13 @@ class RowOptimizer:
                     return
         self._vectorized(xp, w, states, g, lr, t)
 
+    @abstractmethod
     def _kernel(self, w, states, g, lr: float, t: int) -> None:
-        raise NotImplementedError
+        """The compiled CPU update on 2-D views."""
 
+    @abstractmethod
     def _vectorized(self, xp, w, states, g, lr: float, t: int) -> None:
-        raise NotImplementedError
+        """The same update as array expressions in ``xp`` (numpy or cupy)."""
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
