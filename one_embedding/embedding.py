@@ -30,7 +30,7 @@ from .options import (
     check_initializer,
     make_table_options,
 )
-from .parallel.id_shuffle import segment_sum, shuffle_ids
+from .parallel.id_shuffle import first_occurrence, segment_sum, shuffle_ids, unique_ids
 from .store.chain import build_chain
 from .store.lock import PathLock
 from .store.snapshots import SnapshotDirectory
@@ -345,12 +345,9 @@ class MultiTableMultiColumnEmbedding:
 
     def _merge_pending(self):
         """Several backward calls before one step: sum gradients of the same key."""
-        from .parallel.id_shuffle import unique_ids
-
         keys = np.concatenate([lk.unique_keys for lk, _ in self._pending])
         uniq, inverse = unique_ids(keys)
-        first = np.empty(uniq.shape[0], np.int64)
-        first[inverse[::-1]] = np.arange(keys.shape[0] - 1, -1, -1)
+        first = first_occurrence(inverse, uniq.shape[0])
         lines = np.concatenate([lk.lines for lk, _ in self._pending])[first]
         found = np.concatenate([lk.found for lk, _ in self._pending])[first]
         grads = segment_sum(np.concatenate([g for _, g in self._pending]), inverse, uniq.shape[0])

@@ -72,6 +72,14 @@ def unique_ids(keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return uniq[:u], inverse
 
 
+def first_occurrence(inverse: np.ndarray, n_unique: int) -> np.ndarray:
+    """inverse: (n,) int64 from ``unique_ids`` -> (n_unique,) int64 index of each unique key's first
+    occurrence (writing in reverse order lets the earliest index win)."""
+    first = np.empty(n_unique, np.int64)
+    first[inverse[::-1]] = np.arange(inverse.shape[0] - 1, -1, -1)
+    return first
+
+
 @njit(cache=True)
 def _segment_sum(values, inverse, out):
     for i in range(values.shape[0]):
@@ -114,9 +122,7 @@ def shuffle_ids(keys: np.ndarray, table_ids: np.ndarray, world: int = 1) -> Shuf
     this code.
     """
     uniq, inverse = unique_ids(keys)
-    first = np.empty(uniq.shape[0], np.int64)
-    first[inverse[::-1]] = np.arange(keys.shape[0] - 1, -1, -1)  # smallest index per unique key
-    uniq_tables = table_ids[first].astype(np.int32)
+    uniq_tables = table_ids[first_occurrence(inverse, uniq.shape[0])].astype(np.int32)
     owners = owner_rank(uniq, world)
     counts = np.bincount(owners, minlength=world).astype(np.int64)
     if world > 1:
