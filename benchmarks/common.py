@@ -9,7 +9,10 @@ from datetime import datetime, timezone
 
 import numpy as np
 
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+#: where result JSON goes; ONE_EMBEDDING_BENCH_RESULTS redirects it (the smoke tests use a temp dir
+#: so they never overwrite the committed measurements)
+RESULTS = os.environ.get("ONE_EMBEDDING_BENCH_RESULTS",
+                         os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
 
 
 def machine() -> dict:

@@ -1,0 +1,48 @@
+"""The benchmark scripts still run end to end (tiny sizes; results go to a temp dir)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.slow
+
+
+def run_module(tmp_path, module, *args, timeout=600):
+    env = {**os.environ, "ONE_EMBEDDING_BENCH_RESULTS": str(tmp_path),
+           "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", module, *map(str, args)], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout
+
+
+def test_bench_embedding_runs_and_compares_with_its_baseline(tmp_path):
+    out = run_module(tmp_path, "benchmarks.bench_embedding", "--keys", 200_000, "--steps", 2,
+                     "--warmup", 1, "--batch", 512)
+    assert "machine:" in out and "| one_embedding" in out and "numpy dense table" in out
+    rows = json.loads((tmp_path / "bench_embedding.json").read_text())["rows"]
+    assert all(r["ids/s"] > 0 for r in rows)
+
+
+def test_bench_stores_runs_every_preset(tmp_path):
+    out = run_module(tmp_path, "benchmarks.bench_stores", "--keys", 100_000, "--batches", 1,
+                     "--warmup", 1, "--cache-mb", 2, "--host-cache-mb", 4, "--read-rows", 20_000,
+                     "--read-batch", 4096, "--dir", tmp_path)
+    data = json.loads((tmp_path / "bench_stores.json").read_text())
+    names = " ".join(r["store"] for r in data["stores"])
+    for preset in ("device_mem", "cached_host_mem", "slots", "rocksdb"):
+        assert preset in names
+    assert "np.memmap gather" in out
+
+
+def test_bench_dlrm_peers_runs_against_plain_pytorch(tmp_path):
+    pytest.importorskip("torch")
+    out = run_module(tmp_path, "benchmarks.bench_dlrm_peers", "--steps", 1, "--warmup", 1,
+                     "--rounds", 1, "--batches", 2, "--peers", "torch")
+    assert "| one_embedding |" in out and "pytorch EmbeddingBag" in out
+    rows = json.loads((tmp_path / "bench_dlrm_peers.json").read_text())["rows"]
+    assert len(rows) == 2 and all(r["samples/s"] > 0 for r in rows)
