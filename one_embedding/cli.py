@@ -103,7 +103,7 @@ def cmd_convert(args) -> int:
 
     info = convert_tsv_to_parquet(args.src, args.dst, has_label=not args.no_label,
                                   on_bad_line=args.on_bad_line)
-    print(json.dumps(info if isinstance(info, dict) else {"written": str(args.dst)}, default=str))
+    print(json.dumps(info, default=str))
     return 0
 
 

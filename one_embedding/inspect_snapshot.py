@@ -12,7 +12,7 @@ import tempfile
 import numpy as np
 
 from .errors import SnapshotError
-from .store.snapshots import MANIFEST, SnapshotDirectory
+from .store.snapshots import SnapshotDirectory
 
 
 def _snapshot_roots(path: str) -> list[str]:
@@ -67,18 +67,11 @@ def inspect_path(path: str, name: str | None = None, rows: int = 3) -> list[dict
                 **{k: manifest.get(k) for k in ("embedding_name", "store_kind", "engine", "key_type",
                                                 "embedding_dims", "line_size", "row_count",
                                                 "created_unix", "store_stats")},
-                "bytes_on_disk": sum(f["bytes"] for f in manifest["files"].values())
-                + _tree_bytes(folder, exclude=manifest["files"]),
+                "bytes_on_disk": _tree_bytes(folder),
                 "rows": sample,
             })
     return out
 
 
-def _tree_bytes(folder: str, exclude) -> int:
-    total = 0
-    for dirpath, _, files in os.walk(folder):
-        for f in files:
-            if dirpath == folder and (f in exclude or f == MANIFEST):
-                continue
-            total += os.path.getsize(os.path.join(dirpath, f))
-    return total
+def _tree_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)

@@ -105,13 +105,12 @@ def make_loaders(cfg: TrainConfig):
     """(train loader, eval loader, number of sparse features, total keys or None)."""
     common = dict(eval_fraction=cfg.eval_fraction, split_seed=cfg.seed, read_ahead=cfg.read_ahead)
     if cfg.data == ["synthetic"]:
-        def source():
-            return SyntheticCriteo(cfg.synthetic_cardinalities, scale=cfg.synthetic_scale,
-                                   alpha=cfg.zipf_alpha, seed=cfg.seed, num_rows=cfg.synthetic_rows)
-        probe = source()
-        train = BatchLoader(source(), cfg.batch_size, split="train", drop_last=True, **common)
-        evaluate = BatchLoader(source(), cfg.batch_size, split="eval", **common)
-        return train, evaluate, probe.num_features, probe.total_keys
+        # rows are a pure function of (seed, row number): one source serves both splits
+        source = SyntheticCriteo(cfg.synthetic_cardinalities, scale=cfg.synthetic_scale,
+                                 alpha=cfg.zipf_alpha, seed=cfg.seed, num_rows=cfg.synthetic_rows)
+        train = BatchLoader(source, cfg.batch_size, split="train", drop_last=True, **common)
+        evaluate = BatchLoader(source, cfg.batch_size, split="eval", **common)
+        return train, evaluate, source.num_features, source.total_keys
     opts = dict(on_bad_line=cfg.on_bad_line) if any(
         not str(p).endswith(".parquet") and not os.path.isdir(p) for p in cfg.data) else {}
     train = BatchLoader(cfg.data, cfg.batch_size, split="train", drop_last=True, shuffle=True,

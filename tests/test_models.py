@@ -10,20 +10,7 @@ from one_embedding.models import DCN, DLRM, DeepFM
 
 torch = pytest.importorskip("torch")
 
-TOL = 1e-5
-
-
-def close(ours, theirs, tol=TOL):
-    theirs = theirs.detach().numpy() if isinstance(theirs, torch.Tensor) else np.asarray(theirs)
-    ours = np.asarray(ours)
-    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
-    scale = max(float(np.abs(theirs).max()), 1e-30)
-    err = float(np.abs(ours.astype(np.float64) - theirs.astype(np.float64)).max()) / scale
-    assert err <= tol, err
-
-
-def leaf(a):
-    return torch.tensor(np.ascontiguousarray(a), requires_grad=True)
+from torch_parity import close, leaf  # noqa: E402
 
 
 def tmlp(x, layers, tparams, last_relu):

@@ -10,20 +10,7 @@ torch = pytest.importorskip("torch")
 from one_embedding import nn  # noqa: E402
 from one_embedding.kernels import reference as ref  # noqa: E402
 
-TOL = 1e-5
-
-
-def close(ours, theirs, tol=TOL):
-    theirs = theirs.detach().numpy() if isinstance(theirs, torch.Tensor) else np.asarray(theirs)
-    ours = np.asarray(ours)
-    assert ours.shape == theirs.shape, (ours.shape, theirs.shape)
-    scale = max(float(np.abs(theirs).max()), 1e-30)
-    err = float(np.abs(ours.astype(np.float64) - theirs.astype(np.float64)).max()) / scale
-    assert err <= tol, err
-
-
-def leaf(a):
-    return torch.tensor(np.asarray(a), requires_grad=True)
+from torch_parity import TOL, close, leaf  # noqa: E402
 
 
 @pytest.mark.parametrize("shape", [(1, 3, 2), (17, 13, 64), (64, 128, 32)])

@@ -61,25 +61,21 @@ class TierChain:
 
     def put(self, keys: np.ndarray, lines: np.ndarray) -> None:
         """keys: (n,) uint64 unique, lines: (n, line_size) float32 -> written to the top level."""
-        for tier in self.tiers:
+        self._write_from(0, keys, lines)
+
+    def flush(self) -> None:
+        """Write every cache level down, top first, so the bottom store holds the newest lines."""
+        for level in range(len(self.tiers) - 1):
+            for keys, lines in self.tiers[level].export_batches():
+                self._write_from(level + 1, keys, lines)
+
+    def _write_from(self, level: int, keys, lines) -> None:
+        """Write into tier ``level``; whatever a tier evicts goes on to the next one."""
+        for tier in self.tiers[level:]:
             keys, lines = tier.insert_or_assign(keys, lines)
             if keys.shape[0] == 0:
                 return
         raise AssertionError("unreachable: the bottom tier never evicts")  # checked in __init__
-
-    def flush(self) -> None:
-        """Write every cache level down, top first, so the bottom store holds the newest lines."""
-        for upper, lower in zip(self.tiers[:-1], self.tiers[1:]):
-            for keys, lines in upper.export_batches():
-                ev_keys, ev_lines = lower.insert_or_assign(keys, lines)
-                self._put_below(lower, ev_keys, ev_lines)
-
-    def _put_below(self, tier: Tier, keys, lines) -> None:
-        i = self.tiers.index(tier)
-        for lower in self.tiers[i + 1 :]:
-            if keys.shape[0] == 0:
-                return
-            keys, lines = lower.insert_or_assign(keys, lines)
 
     def clear_caches(self) -> None:
         for tier in self.tiers[:-1]:
