@@ -1,5 +1,8 @@
 """The README's Python example runs as written (with its path moved into a temp folder)."""
+import json
 import re
+
+import pytest
 
 import helpers
 
@@ -24,3 +27,32 @@ def test_readme_shows_exactly_two_setup_commands_at_the_top():
     assert "pytest" in commands[1]
     ci = (README.parent / ".ci" / "run").read_text()
     assert commands[1].replace("python -m pip install", "python -m pip install -q") in ci
+
+
+def section_example(heading: str) -> str:
+    """The first Python block under the README's ``## heading``."""
+    text = README.read_text()
+    start = text.index(f"## {heading}\n")
+    end = text.find("\n## ", start + 1)
+    blocks = re.findall(r"```python\n(.*?)```", text[start:end if end > 0 else None], re.S)
+    assert blocks, f"the README's '{heading}' section lost its example"
+    return blocks[0]
+
+
+def test_readme_pytorch_example_trains_and_saves(tmp_path):
+    pytest.importorskip("torch")
+    code = section_example("Using it from PyTorch").replace("/tmp/torch_table", str(tmp_path / "t"))
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert scope["step"] == 9 and 0.0 < scope["loss"].item() < 1.0
+    assert (tmp_path / "t" / "0-1" / "snapshots" / "final" / "manifest.json").is_file()
+
+
+def test_readme_oneflow_example_trains_and_saves(tmp_path):
+    code = section_example("Coming from OneFlow").replace("/tmp/of_table", str(tmp_path / "t"))
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    assert 0.0 < float(scope["loss"]) < 0.69  # it learned: below the loss of a constant 0.5
+    manifest = json.loads((tmp_path / "t" / "0-1" / "snapshots" / "final" / "manifest.json")
+                          .read_text())
+    assert manifest["row_count"] > 1000 and manifest["embedding_name"] == "sparse_embedding"

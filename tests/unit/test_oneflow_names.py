@@ -1,5 +1,5 @@
 """OneFlow's public ``oneflow.one_embedding`` names, present in ``one_embedding`` with OneFlow's
-argument names (docs/oneflow_differences.md lists them and every remaining difference).
+argument names (the README's "Coming from OneFlow" lists them and every remaining difference).
 
 The 32 names: the 18 module-level names OneFlow's ``python/oneflow/one_embedding.py`` defines, and
 the 14 members of its classes that a training script calls. Read from OneFlow's source (facts
@@ -59,12 +59,12 @@ ONEFLOW_NAMES = {
     "Optimizer.param_groups": None,
 }
 
-#: not provided (docs/oneflow_differences.md says why)
+#: not provided (the README says why)
 MISSING = {"SmartDecayAdam"}
 #: provided, but an argument is named differently (positional calls are the same)
 ARGUMENTS_DIFFER = set()
 
-DOC = helpers.ROOT / "docs" / "oneflow_differences.md"
+DOC = helpers.ROOT / "README.md"
 
 
 def test_there_are_32_names_and_the_goal_is_met():
