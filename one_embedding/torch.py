@@ -15,9 +15,9 @@ one_embedding's (its state lives in the stored line); dense parameters take any 
 Memory: on CPU nothing is copied between the frameworks. The ids reach the embedding as a numpy
 view of the tensor (``Tensor.numpy()``), the rows come back as a tensor over the array the
 embedding returned (``torch.from_numpy``), and the gradient reaches ``emb.backward`` as a view of
-torch's gradient tensor. Only the ``_ArrayBridge`` below knows how tensors and arrays convert,
-so the GPU path (CuPy, issue 10) is one more bridge: ``cupy.from_dlpack(tensor)`` in and
-``torch.from_dlpack(array)`` out, zero-copy on the device.
+torch's gradient tensor. Only the ``_ArrayBridge`` below knows how tensors and arrays convert.
+On a GPU (an embedding built with ``device="cuda"``) the same happens through DLPack:
+``cupy.from_dlpack(tensor)`` in and ``torch.from_dlpack(array)`` out, zero-copy on the device.
 
 Each output keeps its own lookup (``StepState``) and hands its gradient to
 ``emb.backward(grad, state=...)``, so several lookups may feed one loss, an output may be used
@@ -45,31 +45,42 @@ __all__ = ["TorchEmbedding"]
 
 
 class _ArrayBridge:
-    """How one device's tensors and the embedding's arrays convert, both ways without a copy.
+    """How tensors and the embedding's arrays convert, both ways without a copy.
 
-    CPU: numpy. A CuPy bridge (issue 10) adds ``to_array = cupy.from_dlpack`` and
-    ``to_tensor = torch.from_dlpack`` for CUDA tensors; ``_bridge_for`` then picks it.
+    CPU tensors are numpy views (``Tensor.numpy()`` / ``torch.from_numpy``); CUDA tensors and
+    CuPy arrays (an embedding built with ``device="cuda"``) go through DLPack, zero-copy on the
+    device. Both libraries work on their current stream; with the defaults (the legacy default
+    stream on both sides) their kernels run in call order.
     """
 
-    device_type = "cpu"
+    @staticmethod
+    def to_array(tensor: torch.Tensor):
+        """A numpy view of a CPU tensor, a CuPy view of a CUDA tensor (any dtype, any strides)."""
+        if tensor.device.type == "cpu":
+            return tensor.detach().numpy()
+        import cupy
+
+        return cupy.from_dlpack(tensor.detach())
 
     @staticmethod
-    def to_array(tensor: torch.Tensor) -> np.ndarray:
-        """A numpy view of a CPU tensor (any dtype, any strides)."""
-        return tensor.detach().numpy()
-
-    @staticmethod
-    def to_tensor(array: np.ndarray) -> torch.Tensor:
-        """A CPU tensor over ``array``'s memory."""
-        return torch.from_numpy(array)
+    def to_tensor(array) -> torch.Tensor:
+        """A tensor over ``array``'s memory, on the array's device."""
+        if isinstance(array, np.ndarray):
+            return torch.from_numpy(array)
+        return torch.from_dlpack(array)
 
 
-def _bridge_for(tensor: torch.Tensor) -> type[_ArrayBridge]:
-    if tensor.device.type == _ArrayBridge.device_type:
-        return _ArrayBridge
+def _check_device(tensor: torch.Tensor, embedding, what: str) -> None:
+    """CPU tensors suit every embedding (a device embedding copies host ids up once); CUDA
+    tensors need the rows on the GPU too."""
+    if tensor.device.type == "cpu":
+        return
+    if tensor.device.type == "cuda" and getattr(embedding, "launch", None) is not None:
+        return
     raise InputError(
-        f"ids are on device {tensor.device}: TorchEmbedding runs on CPU for now (the CuPy "
-        "backend will take CUDA tensors through DLPack): pass ids.cpu()"
+        f"{what} are on device {tensor.device} but the embedding keeps its rows on the CPU: pass "
+        f"{what}.cpu(), or build the embedding with device='cuda' to keep ids, rows and "
+        "gradients on the GPU"
     )
 
 
@@ -78,19 +89,19 @@ class _Lookup(torch.autograd.Function):
     ``embedding.backward`` (which sums it per key and keeps it for ``Optimizer.step``)."""
 
     @staticmethod
-    def forward(ctx, anchor, embedding, state, bridge):
+    def forward(ctx, anchor, embedding, state):
         # anchor: an empty tensor that requires grad, so autograd records this node (the rows
         # depend on no torch tensor); state: the prepared lookup whose rows this node returns
-        ctx.embedding, ctx.state, ctx.bridge = embedding, state, bridge
-        return bridge.to_tensor(embedding.embed(state))
+        ctx.embedding, ctx.state = embedding, state
+        return _ArrayBridge.to_tensor(embedding.embed(state))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         # (…, E), a view of torch's gradient; several lookups may feed one loss, each with its
         # own state, and a second backward through one lookup adds to its gradient
-        ctx.embedding.backward(ctx.bridge.to_array(grad), state=ctx.state)
-        return None, None, None, None
+        ctx.embedding.backward(_ArrayBridge.to_array(grad), state=ctx.state)
+        return None, None, None
 
 
 class TorchEmbedding(torch.nn.Module):
@@ -132,24 +143,23 @@ class TorchEmbedding(torch.nn.Module):
     def forward(self, ids, table_ids=None) -> torch.Tensor:
         embedding = self.embedding
         if isinstance(ids, StepState):
-            bridge, state = _ArrayBridge, ids
+            state = ids
             if table_ids is not None:
                 raise InputError("table_ids were given with a prepared StepState: they were "
                                  "fixed by embedding.prepare(ids, table_ids); pass None")
         else:
             if isinstance(ids, torch.Tensor):
-                bridge = _bridge_for(ids)
-                ids = bridge.to_array(ids)
-            else:
-                bridge = _ArrayBridge
+                _check_device(ids, embedding, "ids")
+                ids = _ArrayBridge.to_array(ids)
             if isinstance(table_ids, torch.Tensor):
-                table_ids = _bridge_for(table_ids).to_array(table_ids)
+                _check_device(table_ids, embedding, "table_ids")
+                table_ids = _ArrayBridge.to_array(table_ids)
             # on the main communicator, apart from a Prefetcher's, in the same order on every rank
             state = embedding.prepare(ids, table_ids, background=False)
         if not torch.is_grad_enabled():
-            return bridge.to_tensor(embedding.embed(state))
+            return _ArrayBridge.to_tensor(embedding.embed(state))
         anchor = torch.empty(0, requires_grad=True)
-        return _Lookup.apply(anchor, embedding, state, bridge)
+        return _Lookup.apply(anchor, embedding, state)
 
     def extra_repr(self) -> str:
         e = self.embedding

@@ -45,3 +45,31 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "rocksdb" in item.nodeid.lower() or item.get_closest_marker("rocksdb"):
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def emulation_lib(request, tmp_path_factory):
+    """The CUDA sources of the embedding path compiled for the host with g++ (built once, kept in
+    pytest's cache between runs); the test skips where g++ is missing."""
+    import shutil
+
+    from cuda_emulation import build
+
+    from one_embedding.kernels import cuda_module as cm
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not on PATH")
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
+    return build(cm.EMBEDDING_FAMILIES, Path(folder))
+
+
+@pytest.fixture(scope="session")
+def launch(emulation_lib):
+    """The host emulator as the GPU: 256-thread blocks on a pretend device of one multiprocessor
+    (at most 8 blocks, so every grid-stride loop runs several rounds on the larger inputs)."""
+    from cuda_emulation import EmulatedLauncher
+
+    from one_embedding.kernels import cuda_module as cm
+
+    return EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES)

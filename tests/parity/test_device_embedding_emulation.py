@@ -17,11 +17,10 @@ host's libm; on a GPU they may differ by 1 ulp, rarely).
 from __future__ import annotations
 
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
-from cuda_emulation import EmulatedLauncher, build
+from cuda_emulation import EmulatedLauncher
 
 import one_embedding as oe
 from one_embedding.backend import embedding_device
@@ -31,14 +30,6 @@ from one_embedding.pipeline import Prefetcher
 E = 8
 TABLES = 3
 
-
-@pytest.fixture(scope="module")
-def launch(request, tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not on PATH")
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
-    return EmulatedLauncher(build(cm.EMBEDDING_FAMILIES, Path(folder)), cm.EMBEDDING_FAMILIES)
 
 
 def _store(preset: str, path, size_factor: int, cache_rows: int = 24):

@@ -6,26 +6,14 @@ metrics for every store preset.
 """
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
-from cuda_emulation import EmulatedLauncher, build
 
 from one_embedding import training
 from one_embedding.config import TrainConfig
-from one_embedding.kernels import cuda_module as cm
 from one_embedding.kernels import device_ops
 
-
-@pytest.fixture(scope="module")
-def launch(request, tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not on PATH")
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
-    return EmulatedLauncher(build(cm.EMBEDDING_FAMILIES, Path(folder)), cm.EMBEDDING_FAMILIES)
 
 
 def _run(cfg: TrainConfig, losses: list) -> dict:

@@ -255,3 +255,49 @@ def test_docstring_example_runs():
     import one_embedding.torch as module
 
     assert doctest.testmod(module).failed == 0
+
+
+# ---------------------------------------------------------------- a device embedding
+def one_step_through_torch(device):
+    """Output and updated rows of one SGD step through TorchEmbedding, rows on ``device``."""
+    store = oe.make_device_mem_store_options(None, capacity=V)
+    emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, None, store, device=device)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.5), embeddings=[emb])
+    lookup = TorchEmbedding(emb)
+    out = lookup(torch.arange(12).reshape(4, 3) % 7)           # duplicate ids: gradients add
+    (out * out).sum().backward()
+    opt.step()
+    rows = lookup(torch.arange(8)).detach().numpy().copy()
+    emb.close()
+    return out.detach().numpy().copy(), rows
+
+
+def test_a_device_embedding_through_torch_equals_the_cpu_one(launch):
+    """The device path (host emulator of the CUDA kernels as the GPU: arrays stay numpy, so the
+    tensors stay on the CPU) gives the CPU embedding's bits through TorchEmbedding."""
+    want_out, want_rows = one_step_through_torch(None)
+    got_out, got_rows = one_step_through_torch(launch)
+    np.testing.assert_array_equal(got_out, want_out)
+    np.testing.assert_array_equal(got_rows, want_rows)
+    fresh = make_embedding()
+    assert not np.array_equal(want_rows[:7], initial_rows(fresh)[:7])  # the step changed them
+    fresh.close()
+
+
+def test_cuda_ids_need_an_embedding_on_the_gpu():
+    ids = (torch.zeros(2, 3, dtype=torch.long, device="cuda") if torch.cuda.is_available()
+           else _FakeCudaTensor())
+    lookup = TorchEmbedding(make_embedding())
+    with pytest.raises(oe.InputError, match="device cuda.*ids.cpu\\(\\).*device='cuda'"):
+        lookup(ids)
+
+
+class _FakeCudaTensor(torch.Tensor):
+    """A CPU tensor that reports a CUDA device (this machine has no GPU)."""
+
+    def __new__(cls):
+        return torch.Tensor._make_subclass(cls, torch.zeros(2, 3, dtype=torch.long))
+
+    @property
+    def device(self):
+        return torch.device("cuda", 0)

@@ -23,11 +23,10 @@ from __future__ import annotations
 
 import ast
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
-from cuda_emulation import EmulatedLauncher, build
+from cuda_emulation import EmulatedLauncher
 
 from one_embedding import options as opt_mod
 from one_embedding.cache.device import DeviceCache, DeviceFullStore, DeviceHashIndex, group_by_set
@@ -48,20 +47,6 @@ from helpers import TierProbe
 ROOT = helpers.ROOT
 
 
-@pytest.fixture(scope="module")
-def emulation_lib(request, tmp_path_factory):
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not on PATH")
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
-    return build(cm.EMBEDDING_FAMILIES, Path(folder))
-
-
-@pytest.fixture(scope="module")
-def launch(emulation_lib):
-    """256-thread blocks on a pretend GPU of one multiprocessor: at most 8 blocks, so every
-    grid-stride loop runs several rounds on the larger inputs."""
-    return EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES)
 
 
 @pytest.fixture(scope="module")
