@@ -64,7 +64,8 @@ def train(args, engine: str, keep: int, root: str) -> dict:
     snaps = sorted(os.listdir(os.path.join(path, "0-1", "snapshots")))
     return {
         "engine": engine, "keep_snapshots": keep, "steps": args.steps,
-        "checkpoints_written": args.steps // args.snapshot_interval + 1,  # + final "checkpoints_left": len(snaps),
+        "checkpoints_written": args.steps // args.snapshot_interval + 1,  # and the final one
+        "checkpoints_left": len(snaps),
         "live_mb": live / 2**20, "peak_mb": peak / 2**20, "end_mb": end_bytes / 2**20,
         "peak_x_live": peak / live, "end_x_live": end_bytes / live,
         "seconds": time.monotonic() - t0,

@@ -59,3 +59,14 @@ def test_bench_ranks_runs_and_projects(tmp_path):
         (1, "fp32"), (2, "fp32"), (2, "fp16"), (2, "int8")}
     assert all(r["samples_per_s"] > 0 for r in data["runs"])
     assert {r["ranks"] for r in data["cost_model"]} == {2, 8}
+
+
+def test_bench_disk_bounds_the_disk_with_keep_snapshots(tmp_path):
+    out = run_module(tmp_path, "benchmarks.bench_disk", "--steps", 24, "--snapshot-interval", 3,
+                     "--keep", 1, "--batch-size", 128, "--synthetic-scale", 0.001,
+                     "--engines", "slots", "--dir", tmp_path)
+    assert "machine:" in out and "keeping every checkpoint" in out
+    bounded, every = json.loads((tmp_path / "bench_disk.json").read_text())["runs"]
+    assert bounded["checkpoints_left"] == 2  # step-24 and final
+    assert every["checkpoints_left"] == 9    # 8 interval checkpoints and final
+    assert bounded["end_mb"] < every["end_mb"]
