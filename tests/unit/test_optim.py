@@ -125,19 +125,24 @@ def test_matches_float64_reference_through_line_views(case, compiled):
     assert np.all(lines[:, (1 + k) * DIM:] == 7.0), "padding columns after the line changed"
 
 
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_compiled_and_vectorized_paths_agree(case):
+def assert_compiled_and_vectorized_agree(make_optimizer, seed):
+    """STEPS updates through the numba kernels and through numpy expressions: the same float64
+    expressions in the same order, one rounding each, so bit-identical lines."""
     results = []
     for compiled in (True, False):
-        opt = CASES[case]()
+        opt = make_optimizer()
         opt.use_compiled = compiled
-        lines = make_lines(opt, np.random.default_rng(2))
+        lines = make_lines(opt, np.random.default_rng(seed))
         w, states = split(lines, opt.n_states)
-        for t, g in enumerate(random_grads(np.random.default_rng(3), STEPS), start=1):
+        for t, g in enumerate(random_grads(np.random.default_rng(seed + 1), STEPS), start=1):
             opt.update(w, states, g, t)
         results.append(lines)
-    # Same float64 expressions in the same order, one rounding each: bit-identical.
     np.testing.assert_array_equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_compiled_and_vectorized_paths_agree(case):
+    assert_compiled_and_vectorized_agree(CASES[case], seed=2)
 
 
 @pytest.mark.parametrize("case", ["sgd_wd", "momentum_wd", "adagrad_all", "adam_wd_betas",
@@ -545,16 +550,7 @@ def test_new_arguments_match_float64_reference(case, compiled):
 
 @pytest.mark.parametrize("case", sorted(NEW_CASES))
 def test_new_arguments_compiled_and_vectorized_agree(case):
-    results = []
-    for compiled in (True, False):
-        opt = NEW_CASES[case]()
-        opt.use_compiled = compiled
-        lines = make_lines(opt, np.random.default_rng(12))
-        w, states = split(lines, opt.n_states)
-        for t, g in enumerate(random_grads(np.random.default_rng(13), STEPS), start=1):
-            opt.update(w, states, g, t)
-        results.append(lines)
-    np.testing.assert_array_equal(results[0], results[1])
+    assert_compiled_and_vectorized_agree(NEW_CASES[case], seed=12)
 
 
 @pytest.mark.parametrize("case", ["sgd", "momentum_wd", "adagrad_all", "adam_wd_betas",
