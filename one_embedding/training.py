@@ -36,7 +36,9 @@ from .backend import array_namespace, cupy_available, embedding_device, to_numpy
 from .errors import ConfigError
 from .metrics import log_loss, roc_auc
 from .models import DCN, DLRM, DeepFM
+from .nn import amp
 from .nn.loss import BCEWithLogits
+from .optim.loss_scale import LossScaler
 from .optim.lr_schedules import LinearWarmup, LRSchedule, WarmupPolynomialDecay
 from .checkpoint import (
     config_differences,
@@ -272,8 +274,10 @@ class Trainer:
             self.model = build_model(cfg, num_tables, store).to(self.xp)
         self.embedding = self.model.embedding
         self.embedding.exchange_dtype = cfg.exchange_dtype
+        # fp16 AMP underflows small gradients without a loss scale (PyTorch's GradScaler rule)
         self.optimizer = Optimizer(row_optimizer, embeddings=[self.embedding],
-                                   parameters=list(self.model.parameters()), comm=self.comm)
+                                   parameters=list(self.model.parameters()), comm=self.comm,
+                                   loss_scale=LossScaler() if cfg.amp == "fp16" else None)
         self.lr_schedule = make_lr_schedule(cfg, self.optimizer)
         self.loss_fn = BCEWithLogits()
         self.progress = TrainProgress()
@@ -301,15 +305,22 @@ class Trainer:
         embedded = self.xp.asarray(self.embedding.embed(state))      # (b, F, E)
         t1 = clock()
         dense, labels = self.xp.asarray(batch.dense), self.xp.asarray(batch.labels)
-        logits = self.model.forward_from_embeddings(dense, embedded)  # (b,)
-        loss = float(self.loss_fn(logits, labels))
-        dlogits = self.loss_fn.backward()
-        if self.comm.world > 1:  # the gradient of this rank's share of the global mean
-            dlogits = dlogits * np.float32(batch.labels.shape[0] / self.cfg.batch_size)
-            loss = float(self.comm.allreduce_sum(np.array([loss]))[0]) / self.comm.world
-        _, dembedded = self.model.backward_to_embeddings(dlogits)
+        scaler = self.optimizer.loss_scaler
+        with amp.autocast(self.cfg.amp):
+            logits = self.model.forward_from_embeddings(dense, embedded)  # (b,)
+            loss = float(self.loss_fn(logits, labels))
+            dlogits = self.loss_fn.backward()
+            if self.comm.world > 1:  # the gradient of this rank's share of the global mean
+                dlogits = dlogits * np.float32(batch.labels.shape[0] / self.cfg.batch_size)
+                loss = float(self.comm.allreduce_sum(np.array([loss]))[0]) / self.comm.world
+            if scaler is not None:  # unscaled by Optimizer.step, which skips an overflowed step
+                dlogits = dlogits * np.float32(scaler.scale)
+            _, dembedded = self.model.backward_to_embeddings(dlogits)
         t2 = clock()
-        self.embedding.backward(dembedded.astype(np.float32, copy=False))
+        if scaler is not None:
+            scaler.backward(self.embedding, dembedded.astype(np.float32, copy=False))
+        else:
+            self.embedding.backward(dembedded.astype(np.float32, copy=False))
         t3 = clock()
         self.optimizer.step()  # dense grads all-reduced over the ranks first
         self.optimizer.zero_grad()
@@ -346,7 +357,8 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """{"auc", "logloss", "eval_samples"} over ``eval_batches`` batches of the eval split."""
-        return evaluate(self.model, self.eval_loader, self.cfg.eval_batches, self.comm)
+        with amp.autocast(self.cfg.amp):
+            return evaluate(self.model, self.eval_loader, self.cfg.eval_batches, self.comm)
 
     def maybe_evaluate(self, step: int) -> None:
         if self.cfg.eval_interval and step % self.cfg.eval_interval == 0:
@@ -504,7 +516,9 @@ class Trainer:
             "skipped_lines": self.train_loader.skipped,
             "world_size": self.comm.world, "exchange_dtype": self.embedding.exchange_dtype,
             "exchange_bytes": self.embedding.traffic.exchange_bytes,
-            "prefetch_depth": cfg.prefetch_depth,
+            "prefetch_depth": cfg.prefetch_depth, "amp": cfg.amp,
+            **({"loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
+               if (scaler := self.optimizer.loss_scaler) is not None else {}),
             "phase_seconds": dict(p.phase_seconds),
         }
 

@@ -3,6 +3,7 @@
 ``forward`` keeps what ``backward`` needs; ``backward`` returns input gradients and accumulates
 parameter gradients into ``Parameter.grad``. Layers take the array namespace from their inputs
 and run ``kernels.ops_for(xp)``: the numpy reference on numpy arrays, CUDA kernels on cupy arrays.
+``nn.amp.autocast("fp16" | "bf16")`` runs the matrix products in half precision (mixed precision).
 
     >>> import numpy as np
     >>> from one_embedding import nn
@@ -12,6 +13,7 @@ and run ``kernels.ops_for(xp)``: the numpy reference on numpy arrays, CUDA kerne
     >>> dx = mlp.backward(np.ones_like(y)); dx.shape, mlp.layers[0].weight.grad.shape
     ((4, 13), (8, 13))
 """
+from . import amp
 from .cross import CrossNet
 from .fm import FactorizationMachine
 from .interaction import DotInteraction, num_pairs, padding_to_multiple
@@ -23,5 +25,5 @@ FM = FactorizationMachine
 
 __all__ = [
     "Parameter", "Module", "Linear", "MLP", "Dropout", "DotInteraction", "CrossNet",
-    "FactorizationMachine", "FM", "BCEWithLogits", "num_pairs", "padding_to_multiple",
+    "FactorizationMachine", "FM", "BCEWithLogits", "num_pairs", "padding_to_multiple", "amp",
 ]

@@ -20,6 +20,7 @@ import numpy as np
 from ..backend import array_namespace
 from ..errors import ConfigError, InputError
 from ..kernels import cpu_ops, ops_for
+from . import amp
 from .module import Module, check_features
 
 POOLINGS = ("none", "sum")
@@ -88,6 +89,18 @@ class DotInteraction(Module):
         return array_namespace(*parts).concatenate(parts, axis=1)
 
     def forward(self, features, output_concat=None):
+        if amp.active() and self.pooling == "none":
+            # half precision (nn.amp): the features rounded as they enter the pairwise products,
+            # and the products as they leave; output_concat passes through unchanged
+            features = ([amp.round_to(f) for f in features]
+                        if isinstance(features, (list, tuple)) else amp.round_to(features))
+            out = self._forward(features, output_concat)
+            n = 0 if output_concat is None else output_concat.shape[1]
+            out[:, n:] = amp.round_to(out[:, n:])
+            return out
+        return self._forward(features, output_concat)
+
+    def _forward(self, features, output_concat):
         listed = isinstance(features, (list, tuple))
         xp = array_namespace(*(features if listed else [features]), output_concat)
         # on numpy the compiled kernels read a list's parts in place; CuPy and pooling="sum" stack them
@@ -137,9 +150,14 @@ class DotInteraction(Module):
             if tuple(dout.shape) != want:
                 raise InputError(f"interaction output gradient has shape {tuple(dout.shape)}, expected {want}")
             ops = cpu_ops if xp is np else ops_for(xp)
+            if amp.active():  # the gradient of the products enters in half precision
+                dout = xp.concatenate([dout[:, :self._n_concat],
+                                       amp.round_to(dout[:, self._n_concat:])], axis=1)
             dx, dconcat = ops.dot_interaction_backward(
                 xp.ascontiguousarray(dout), x, self._n_concat, self.self_interaction
             )
+            if amp.active():  # ... and leaves it so
+                dx = [amp.round_to(g) for g in dx] if isinstance(dx, list) else amp.round_to(dx)
         self._x = None
         if self._split is None:
             return dx, dconcat

@@ -16,6 +16,7 @@ import numpy as np
 from ..backend import array_namespace
 from ..errors import ConfigError, InputError
 from ..kernels import cpu_ops, ops_for
+from . import amp
 from .init import linear_weights, make_rng
 from .module import Module, Parameter, check_features
 
@@ -49,7 +50,10 @@ class Linear(Module):
         check_features(x, "Linear input", 2, self.in_features, self.weight.data.dtype)
         w = self.weight.data
         xp = array_namespace(x, w)
-        if xp is np:
+        if amp.active():  # the product in half precision (nn.amp), bias + ReLU in fp32
+            ops = cpu_ops if xp is np else ops_for(xp)
+            y, self._mask = ops.bias_act_forward(amp.matmul(x, w.T), self.bias.data, self.relu)
+        elif xp is np:
             # a single output: one matrix-vector product, (B,) viewed as (B, 1)
             h = (x @ w[0])[:, None] if self.out_features == 1 else x @ w.T
             y, self._mask = cpu_ops.bias_act_forward(h, self.bias.data, self.relu)
@@ -65,7 +69,11 @@ class Linear(Module):
         check_features(dy, "Linear output gradient", 2, self.out_features, self.weight.data.dtype)
         w, x = self.weight.data, self._x
         xp = array_namespace(dy, w)
-        if xp is np:
+        if amp.active():  # both products in half precision; the weight gradient adds up in fp32
+            dh, db = (cpu_ops if xp is np else ops_for(xp)).bias_act_backward(dy, self._mask)
+            self.weight.grad += amp.matmul(dh.T, x)
+            dx = amp.matmul(dh, w)
+        elif xp is np:
             dh, db = cpu_ops.bias_act_backward(dy, self._mask)
             if self.out_features == 1:
                 self.weight.grad[0] += dh[:, 0] @ x                  # (in,): xᵀ dh as one gemv
