@@ -42,11 +42,14 @@ def _check_metrics_path(path: str | None) -> None:
 
 
 def cmd_train(args) -> int:
+    from .parallel.comm import default_comm
     from .training import train
 
     cfg = _config(args)
     _check_metrics_path(args.metrics)
     final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress)
+    if default_comm().rank != 0:  # with several ranks, rank 0 alone reports (as it logs)
+        return 0
     print(f"final: AUC {final['auc']:.4f}, logloss {final['logloss']:.4f}, "
           f"{final['samples_per_s']:,.0f} samples/s over {final['steps']} steps "
           f"(loss {final['loss_first_10pct']:.4f} -> {final['loss_last_10pct']:.4f})",
