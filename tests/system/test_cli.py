@@ -109,7 +109,15 @@ def test_bench_writes_json_markdown_and_plot(tmp_path):
     assert all(x["samples_per_s"] > 0 for x in data["results"])
     # the same training under both stores: the same model quality
     assert data["results"][0]["auc"] == data["results"][1]["auc"]
-    assert "| store | samples/s" in (out / "bench.md").read_text()
+    # prefetch on (the default depth) and off per store, each with its time split
+    for x in data["results"]:
+        assert x["prefetch_depth"] == 1 and x["samples_per_s_prefetch_off"] > 0
+        for split in (x["ms_per_step"], x["ms_per_step_prefetch_off"]):
+            assert set(split) == {"wait", "embedding", "dense", "update"}
+            assert all(v >= 0 for v in split.values()) and split["dense"] > 0
+    markdown = (out / "bench.md").read_text()
+    assert "| store | samples/s | prefetch off |" in markdown
+    assert "| store | prefetch | wait | embedding | dense | update |" in markdown
     assert (out / "bench.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
