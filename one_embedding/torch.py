@@ -15,7 +15,8 @@ one_embedding's (its state lives in the stored line); dense parameters take any 
 Memory: on CPU nothing is copied between the frameworks. The ids reach the embedding as a numpy
 view of the tensor (``Tensor.numpy()``), the rows come back as a tensor over the array the
 embedding returned (``torch.from_numpy``), and the gradient reaches ``emb.backward`` as a view of
-torch's gradient tensor. Only the ``_ArrayBridge`` below knows how tensors and arrays convert.
+torch's gradient tensor. Only ``_to_array`` / ``_to_tensor`` below know how tensors and arrays
+convert.
 On a GPU (an embedding built with ``device="cuda"``) the same happens through DLPack:
 ``cupy.from_dlpack(tensor)`` in and ``torch.from_dlpack(array)`` out, zero-copy on the device.
 
@@ -44,30 +45,25 @@ from .step import StepState
 __all__ = ["TorchEmbedding"]
 
 
-class _ArrayBridge:
-    """How tensors and the embedding's arrays convert, both ways without a copy.
+# How tensors and the embedding's arrays convert, both ways without a copy: CPU tensors are numpy
+# views (``Tensor.numpy()`` / ``torch.from_numpy``); CUDA tensors and CuPy arrays (an embedding
+# built with ``device="cuda"``) go through DLPack, zero-copy on the device. Both libraries work on
+# their current stream; with the defaults (the legacy default stream on both sides) their kernels
+# run in call order.
+def _to_array(tensor: torch.Tensor):
+    """A numpy view of a CPU tensor, a CuPy view of a CUDA tensor (any dtype, any strides)."""
+    if tensor.device.type == "cpu":
+        return tensor.detach().numpy()
+    import cupy
 
-    CPU tensors are numpy views (``Tensor.numpy()`` / ``torch.from_numpy``); CUDA tensors and
-    CuPy arrays (an embedding built with ``device="cuda"``) go through DLPack, zero-copy on the
-    device. Both libraries work on their current stream; with the defaults (the legacy default
-    stream on both sides) their kernels run in call order.
-    """
+    return cupy.from_dlpack(tensor.detach())
 
-    @staticmethod
-    def to_array(tensor: torch.Tensor):
-        """A numpy view of a CPU tensor, a CuPy view of a CUDA tensor (any dtype, any strides)."""
-        if tensor.device.type == "cpu":
-            return tensor.detach().numpy()
-        import cupy
 
-        return cupy.from_dlpack(tensor.detach())
-
-    @staticmethod
-    def to_tensor(array) -> torch.Tensor:
-        """A tensor over ``array``'s memory, on the array's device."""
-        if isinstance(array, np.ndarray):
-            return torch.from_numpy(array)
-        return torch.from_dlpack(array)
+def _to_tensor(array) -> torch.Tensor:
+    """A tensor over ``array``'s memory, on the array's device."""
+    if isinstance(array, np.ndarray):
+        return torch.from_numpy(array)
+    return torch.from_dlpack(array)
 
 
 def _check_device(tensor: torch.Tensor, embedding, what: str) -> None:
@@ -93,14 +89,14 @@ class _Lookup(torch.autograd.Function):
         # anchor: an empty tensor that requires grad, so autograd records this node (the rows
         # depend on no torch tensor); state: the prepared lookup whose rows this node returns
         ctx.embedding, ctx.state = embedding, state
-        return _ArrayBridge.to_tensor(embedding.embed(state))
+        return _to_tensor(embedding.embed(state))
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad):
         # (…, E), a view of torch's gradient; several lookups may feed one loss, each with its
         # own state, and a second backward through one lookup adds to its gradient
-        ctx.embedding.backward(_ArrayBridge.to_array(grad), state=ctx.state)
+        ctx.embedding.backward(_to_array(grad), state=ctx.state)
         return None, None, None
 
 
@@ -150,14 +146,14 @@ class TorchEmbedding(torch.nn.Module):
         else:
             if isinstance(ids, torch.Tensor):
                 _check_device(ids, embedding, "ids")
-                ids = _ArrayBridge.to_array(ids)
+                ids = _to_array(ids)
             if isinstance(table_ids, torch.Tensor):
                 _check_device(table_ids, embedding, "table_ids")
-                table_ids = _ArrayBridge.to_array(table_ids)
+                table_ids = _to_array(table_ids)
             # on the main communicator, apart from a Prefetcher's, in the same order on every rank
             state = embedding.prepare(ids, table_ids, background=False)
         if not torch.is_grad_enabled():
-            return _ArrayBridge.to_tensor(embedding.embed(state))
+            return _to_tensor(embedding.embed(state))
         anchor = torch.empty(0, requires_grad=True)
         return _Lookup.apply(anchor, embedding, state)
 

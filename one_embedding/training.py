@@ -317,10 +317,11 @@ class Trainer:
                 dlogits = dlogits * np.float32(scaler.scale)
             _, dembedded = self.model.backward_to_embeddings(dlogits)
         t2 = clock()
-        if scaler is not None:
-            scaler.backward(self.embedding, dembedded.astype(np.float32, copy=False))
+        grad = dembedded.astype(np.float32, copy=False)
+        if scaler is not None:  # a non-finite gradient marks the step as overflowed instead
+            scaler.backward(self.embedding, grad)
         else:
-            self.embedding.backward(dembedded.astype(np.float32, copy=False))
+            self.embedding.backward(grad)
         t3 = clock()
         self.optimizer.step()  # dense grads all-reduced over the ranks first
         self.optimizer.zero_grad()
@@ -500,6 +501,7 @@ class Trainer:
         head = float(np.mean(p.losses[: max(1, len(p.losses) // 10)]))
         tail = float(np.mean(p.losses[-max(1, len(p.losses) // 10):]))
         stats = self.embedding.store_stats()
+        scaler = self.optimizer.loss_scaler
         rows_stored = int(self.comm.allreduce_sum(np.array([len(self.embedding)], np.int64))[0])
         top = stats[0]
         lookups = top["hits"] + top["misses"]
@@ -518,7 +520,7 @@ class Trainer:
             "exchange_bytes": self.embedding.traffic.exchange_bytes,
             "prefetch_depth": cfg.prefetch_depth, "amp": cfg.amp,
             **({"loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
-               if (scaler := self.optimizer.loss_scaler) is not None else {}),
+               if scaler is not None else {}),
             "phase_seconds": dict(p.phase_seconds),
         }
 

@@ -55,7 +55,11 @@ class Launcher:
     device = None
 
     def run(self, family: str, name: str, dtype, grid: tuple, block: tuple, args: tuple) -> None:
-        raise NotImplementedError
+        """Launch kernel ``name`` of source ``family``; each launcher kind has its own way."""
+        raise NotImplementedError(
+            f"{type(self).__name__} cannot launch kernel {family}.{name}: kernels run through a "
+            "launcher that compiles them (CupyLauncher on a GPU, the tests' g++ EmulatedLauncher "
+            "on the host); the base Launcher only provides the copies and stream order")
 
     # --- copies between device and host memory (the tier chain's crossings)
     def to_device(self, host: np.ndarray):

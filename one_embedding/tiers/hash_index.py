@@ -2,9 +2,9 @@
 
 The host-memory store and the slot-file SSD engine keep their rows in a plain array (or file)
 and find them through this index; the RocksDB engine keeps its key set in one (DESIGN.md
-decision 5). numpy cannot vectorise probing, so the hot loops are ``@njit(cache=True,
-nogil=True)`` functions at module level: they release the GIL, so a lookup on a background
-thread runs beside the main thread's numpy work.
+decision 5). numpy cannot vectorise probing, so the hot loops are numba functions at module
+level compiled with ``cache=True, nogil=True``: they release the GIL, so a lookup on a
+background thread runs beside the main thread's numpy work.
 
 Layout: one ``(cap, 2)`` int64 table, ``cap`` a power of two, a bucket's key and slot side by side
 so a probe reads one cache line; the kernels see it as ``table_keys (cap,) uint64`` and
