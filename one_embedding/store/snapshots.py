@@ -8,11 +8,25 @@ A snapshot is complete or absent, never half (DESIGN.md decision 6):
    CRC32 of every file below the folder, subfolders included, and a CRC32 of the manifest's own
    content) is written and fsync'd inside it, then the folder is fsync'd;
 3. an older snapshot of the same name is renamed to ``.old-<name>-<token>``, the new folder is
-   renamed to ``<name>`` and ``snapshots/`` is fsync'd; then the old one is deleted.
+   renamed to ``<name>`` and ``snapshots/`` is fsync'd; then the old one is reaped.
 
-``recover()`` runs when a path is opened: it deletes unfinished ``.tmp-*`` folders (and ``.del-*``
-folders of deletions a crash interrupted) and, where a crash fell between the two renames of
-step 3, puts the ``.old-*`` snapshot back.
+A snapshot need not hold its rows: the SSD engines keep them in immutable files the live table
+and several snapshots share (slot segments in a pool, RocksDB SSTs hard-linked). A store may then
+hand ``save`` the checksums of files it already knows (an SST linked into an earlier snapshot),
+marked ``"shared"``: ``open`` checks their size, and their CRC32 only with ``verify="full"``, so
+saving and loading cost what changed, not the table.
+
+Deleting renames the folder to ``.del-<name>-<token>`` (one atomic step: gone or whole), then
+*reaps* it: removes it, unless a reader in some process holds a *lease* on it. A lease
+(``lease(folder)``) is a shared ``flock`` on the manifest; reaping takes it exclusively and
+without waiting, so a snapshot a reader has open stays on disk, with whatever it refers to
+(garbage collection of shared files counts ``.del-`` folders still there), until the reader lets
+go; the next reap (any delete, save or open of the path) then removes it. A reader's process
+that dies drops its lease with it.
+
+``recover()`` runs when a path is opened: it deletes unfinished ``.tmp-*`` folders, reaps the
+``.del-*`` ones, and, where a crash fell between the two renames of step 3, puts the ``.old-*``
+snapshot back.
 
 ``open`` checks the manifest's own checksum, the fields the loader expects, and (``verify``) the
 size and CRC32 of every file, so a damaged snapshot is refused when it is loaded, naming the
@@ -20,6 +34,8 @@ file, never half-way through training.
 """
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
 import re
@@ -103,7 +119,7 @@ class SnapshotDirectory:
     def recover(self) -> None:
         entries = os.listdir(self.root)
         for entry in entries:
-            if entry.startswith((".tmp-", ".del-")):
+            if entry.startswith(".tmp-"):
                 shutil.rmtree(os.path.join(self.root, entry), ignore_errors=True)
         for entry in entries:
             m = re.match(r"^\.old-(.+)-[0-9a-f]{32}$", entry)
@@ -112,22 +128,47 @@ class SnapshotDirectory:
             old = os.path.join(self.root, entry)
             final = self.path(m.group(1))
             if os.path.isfile(os.path.join(final, MANIFEST)):
-                shutil.rmtree(old, ignore_errors=True)
+                reap(old)
             else:
                 os.rename(old, final)
+        self.reap_deleted()
         fsync_dir(self.root)
 
-    def delete(self, name: str) -> None:
+    def reap_deleted(self) -> list[str]:
+        """Remove every ``.del-*`` (and superseded ``.old-*``) folder no reader holds a lease
+        on; returns those still held."""
+        held = []
+        for entry in sorted(os.listdir(self.root)):
+            if entry.startswith(".del-") or (entry.startswith(".old-") and self._superseded(entry)):
+                if not reap(os.path.join(self.root, entry)):
+                    held.append(entry)
+        return held
+
+    def _superseded(self, entry: str) -> bool:
+        m = re.match(r"^\.old-(.+)-[0-9a-f]{32}$", entry)
+        return bool(m) and os.path.isfile(os.path.join(self.path(m.group(1)), MANIFEST))
+
+    def delete(self, name: str) -> bool:
         """Remove snapshot ``name``: renamed out of sight first (one atomic step, so it is gone
-        or whole), then deleted; ``recover`` finishes a deletion a crash interrupted."""
+        or whole), then reaped. Returns False when a reader's lease keeps its files for now
+        (the name is gone either way; a later reap removes them). Raises SnapshotError naming
+        the snapshots there are when ``name`` is not one of them."""
         check_snapshot_name(name)
+        if name not in self.names():
+            raise SnapshotError(f"no snapshot named {name!r} under {self.root!r} to delete; "
+                                f"available: {self.names() or 'none'}")
         doomed = os.path.join(self.root, f".del-{name}-{uuid.uuid4().hex}")
-        try:
-            os.rename(self.path(name), doomed)
-        except FileNotFoundError:
-            return
+        os.rename(self.path(name), doomed)
         fsync_dir(self.root)
-        shutil.rmtree(doomed, ignore_errors=True)
+        return reap(doomed)
+
+    def folders(self) -> list[str]:
+        """Every folder under ``snapshots/``: published, being written (``.tmp-``), replaced or
+        deleted but still held (``.old-``, ``.del-``). Whatever they refer to is in use."""
+        if not os.path.isdir(self.root):
+            return []
+        return [os.path.join(self.root, e) for e in sorted(os.listdir(self.root))
+                if os.path.isdir(os.path.join(self.root, e))]
 
     def names(self) -> list[str]:
         if not os.path.isdir(self.root):
@@ -137,18 +178,26 @@ class SnapshotDirectory:
             if not e.startswith(".") and os.path.isfile(os.path.join(self.root, e, MANIFEST))
         )
 
-    def save(self, name: str, write_files: Callable[[str], None], manifest: dict) -> dict:
-        """Run ``write_files(tmp_dir)``, add the manifest, publish atomically. Returns the manifest."""
+    def save(self, name: str, write_files: Callable[[str], dict | None], manifest: dict) -> dict:
+        """Run ``write_files(tmp_dir)``, add the manifest, publish atomically. Returns the manifest.
+
+        ``write_files`` may return ``{relative path: {"bytes", "crc32"}}`` for files whose
+        checksum it already knows (shared, immutable files such as linked SSTs): they are
+        recorded as given, marked ``"shared"``, and not read again."""
         check_snapshot_name(name)
         token = uuid.uuid4().hex
         tmp = os.path.join(self.root, f".tmp-{name}-{token}")
         try:
             os.mkdir(tmp)
-            write_files(tmp)
+            known = write_files(tmp) or {}
             files = {}
             for rel in list_files(tmp):
                 fpath = os.path.join(tmp, *rel.split("/"))
-                files[rel] = {"bytes": os.path.getsize(fpath), "crc32": file_crc32(fpath)}
+                if rel in known:
+                    files[rel] = {"bytes": int(known[rel]["bytes"]),
+                                  "crc32": int(known[rel]["crc32"]), "shared": True}
+                else:
+                    files[rel] = {"bytes": os.path.getsize(fpath), "crc32": file_crc32(fpath)}
             full = {
                 "format_version": FORMAT_VERSION,
                 "name": name,
@@ -177,11 +226,14 @@ class SnapshotDirectory:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
         if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+            reap(old)
         return full
 
-    def open(self, name: str, expected: dict, verify: bool = True) -> tuple[str, dict]:
-        """The folder and manifest of snapshot ``name``, checked against ``expected`` fields."""
+    def open(self, name: str, expected: dict, verify: bool | str = True) -> tuple[str, dict]:
+        """The folder and manifest of snapshot ``name``, checked against ``expected`` fields.
+
+        verify: False (the manifest only), True (every file's size; the CRC32 of each file the
+        snapshot does not share), "full" (every file's CRC32)."""
         check_snapshot_name(name)
         folder = self.path(name)
         mpath = os.path.join(folder, MANIFEST)
@@ -203,6 +255,79 @@ class SnapshotDirectory:
                 fpath = os.path.join(folder, *fname.split("/"))
                 if not os.path.isfile(fpath) or os.path.getsize(fpath) != info["bytes"]:
                     raise SnapshotError(f"snapshot {name!r}: file {fname!r} is missing or truncated")
-                if file_crc32(fpath) != info["crc32"]:
+                if (verify == "full" or not info.get("shared")) and \
+                        file_crc32(fpath) != info["crc32"]:
                     raise SnapshotError(f"snapshot {name!r}: file {fname!r} fails its checksum")
         return folder, manifest
+
+
+# ---------------------------------------------------------------- leases
+
+
+class Lease:
+    """A reader's shared hold on one snapshot folder (see the module docstring); release() or
+    leave the ``with`` block to let go."""
+
+    def __init__(self, folder: str, fd: int):
+        self.folder, self._fd = folder, fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor drops the flock
+            self._fd = None
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def __del__(self):
+        self.release()
+
+
+def lease(folder: str) -> Lease:
+    """A shared lease on the snapshot in ``folder``: while held, deleting the snapshot keeps its
+    files (and what they refer to) on disk. Raises SnapshotError when the snapshot is gone or
+    being deleted."""
+    mpath = os.path.join(folder, MANIFEST)
+    try:
+        fd = os.open(mpath, os.O_RDONLY)
+    except OSError:
+        raise SnapshotError(f"snapshot {folder!r} has no manifest: it was deleted or never "
+                            "finished") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        # the folder may have been renamed away (deleted) between the open and the lock
+        if os.stat(mpath).st_ino != os.fstat(fd).st_ino:
+            raise FileNotFoundError(mpath)
+    except OSError as e:
+        os.close(fd)
+        if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) or isinstance(e, FileNotFoundError):
+            raise SnapshotError(f"snapshot {folder!r} is being deleted") from None
+        raise
+    return Lease(folder, fd)
+
+
+def reap(folder: str) -> bool:
+    """Remove a deleted (or replaced) snapshot folder unless a reader holds a lease on it.
+    Returns True when it is gone."""
+    mpath = os.path.join(folder, MANIFEST)
+    try:
+        fd = os.open(mpath, os.O_RDONLY)
+    except OSError:  # no manifest (never published, or half removed): nobody can lease it
+        shutil.rmtree(folder, ignore_errors=True)
+        return not os.path.exists(folder)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError as e:
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                return False
+            raise
+        # the manifest goes first: a crash mid-removal leaves a folder no reader can lease
+        os.unlink(mpath)
+        shutil.rmtree(folder, ignore_errors=True)
+        return not os.path.exists(folder)
+    finally:
+        os.close(fd)

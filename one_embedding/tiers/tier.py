@@ -118,9 +118,26 @@ class StoreTier(Tier):
     evicts = False
 
     @abstractmethod
-    def save_snapshot(self, directory: str) -> None:
-        """Write this tier's whole state into ``directory`` (a fresh, private folder), durably."""
+    def save_snapshot(self, directory: str) -> dict | None:
+        """Record this tier's whole state in ``directory`` (a fresh, private folder), durably.
+
+        A store may share immutable files between its live table and its snapshots instead of
+        copying them; it returns ``{relative path: {"bytes", "crc32"}}`` for files in
+        ``directory`` whose checksums it already knows (the manifest then marks them shared)."""
 
     @abstractmethod
     def load_snapshot(self, directory: str) -> None:
         """Replace this tier's state with the one saved in ``directory``."""
+
+    def verify_snapshot(self, directory: str, full: bool = False) -> None:
+        """Raise SnapshotError unless the data the snapshot in ``directory`` refers to outside
+        its own folder is intact (``full``: every byte checked). Default: it refers to none."""
+
+    def referenced_bytes(self, directory: str) -> int:
+        """Bytes of the files outside ``directory`` that the snapshot there refers to."""
+        return 0
+
+    def collect_garbage(self) -> int:
+        """Delete what neither the live table nor any snapshot refers to; returns how many
+        files (or file groups) went. Default: nothing to collect."""
+        return 0
