@@ -1,42 +1,40 @@
-"""The "slots" SSD engine: a key -> slot hash index over fixed-size rows in one file.
+"""The "slots" SSD engine: a log of immutable segments on disk, a 5-byte-a-key directory in RAM.
 
-File layout (``<path>/slots/rows.bin``): rows of ``line_size`` float32 are *packed into physical
-blocks* of ``physical_block_size`` bytes. A block holds ``rows_per_block = block // row_bytes``
-rows and ends with padding, so no row straddles two blocks and reading one row touches one block;
-a row bigger than a block takes ``ceil(row_bytes / block)`` whole blocks. Slot ``s`` lives in block
-``s // rows_per_block`` at byte ``(s % rows_per_block) * row_bytes`` of it.
+Rows (whole lines: embedding + optimizer state) are appended to the *active* segment
+(``segments.py``) in whole blocks with O_DIRECT; a row is never updated in place, so a write
+costs one sequential block write per ``rows_per_block`` rows and no read-modify-write. The RAM
+holds a ``CompactIndex`` (an 8-bit tag and a 32-bit location per key, ~5.4-6.8 bytes a key) and
+per-segment counters; the keys themselves are on disk, in each segment's key file, read through
+the page cache to confirm tag matches. A lookup of a key that was never stored matches no tag
+~97 % of the time and then reads nothing at all.
 
-I/O (DESIGN.md decision 11) moves whole blocks with O_DIRECT (``direct_io.BlockFile``), so the
-page cache holds none of the table: the RAM it uses is its index, its slot map and two staging
-buffers (read, write) of up to ``IO_CHUNK_BYTES`` each (``memory_bytes`` counts them all).
+- A read resolves the keys to locations, reads each distinct block once (runs of adjacent
+  blocks in one call, ``io_threads`` requests in flight, across segment files) and a numba
+  kernel copies the rows out.
+- A write appends, then points the directory at the new rows; the old rows become garbage.
+- Compaction: when garbage passes ``garbage_ratio`` of the live segments' slots, the sealed
+  segments with the least live rows have those rows appended again and leave the live table.
+- Snapshots (``save_snapshot``): the active segment is sealed (its rows synced, its keys
+  written) and ``slots.json`` lists the live segments with their sizes and CRC32s. That costs
+  the rows written since the last snapshot (the caches' flush) plus a key file and a list: not
+  a copy of the table. Segments are shared by the live table and any number of snapshots.
+- Loading (``load_snapshot``) opens the listed segments where they are and rebuilds the
+  directory from their key files (8 bytes a row read, nothing written): reopening a TB table
+  costs its directory, not its rows.
+- Garbage collection (``collect_garbage``) deletes the segment files that neither the live
+  table nor any folder under ``<directory>/snapshots/`` (published, being written, or deleted
+  but leased by a reader) refers to. A killed process leaves only unreferenced segments
+  behind (everything after its last snapshot), which the next open collects.
 
-- A read sorts the wanted slots, reads each distinct block once (runs of adjacent blocks in one
-  ``preadv``; ``io_threads`` requests in flight) into the staging buffer, and a numba kernel
-  copies the rows out.
-- A write never updates a row in place: the batch's old slots are freed and its rows go to the
-  free slots of the blocks with the most free slots, among the blocks a write needs no read for:
-  blocks with no live row left (a batch that rewrites every row of a block frees it first, so
-  such a block costs one write), and the blocks the last read brought into the read buffer
-  (kept there, ``_held``: the rows a cache evicts are written into the blocks that the lookup
-  before it read). Only when those lack room is a block that keeps other keys' rows read first
-  (read-modify-write). The file may hold ``SLACK`` more slots than live rows; within that the
-  file grows (by 25 %) rather than fill blocks with less than a quarter free. Adjacent blocks
-  go out in one ``pwritev``.
-
-The file is preallocated with ``posix_fallocate`` as it grows, so a full disk surfaces as a
-``StoreError`` before any row moves. Slots are tracked here (``_used`` per slot, ``_live`` per
-block): the index maps key -> slot, and a slot freed by a move or a rewrite is reused.
-
-The working file is scratch: a store opened on a path starts empty (the front end then loads a
-snapshot). A snapshot is ``keys.npy`` + ``slots.npy`` (sorted by key) + a copy of the used part of
-``rows.bin`` (``copy_file_range``, in the kernel) + ``layout.json``, each fsync'd; a load copies
-the rows back and rebuilds the index. A killed process therefore never leaves a half state
-behind that anyone reads: the working file is discarded on reopen.
+Snapshots of this engine live under ``<directory>/snapshots/``, where garbage collection sees
+them. A snapshot written by the earlier format (``keys.npy``, ``slots.npy``, ``rows.bin``) still
+loads; its rows are copied into segments.
 """
 from __future__ import annotations
 
 import json
 import os
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
@@ -44,24 +42,29 @@ import numpy as np
 from numba import njit
 
 from ..errors import SnapshotError, StoreError
-from ..tiers import HashIndex, StoreTier, empty_lines
-from .direct_io import AlignedBuffer, BlockFile
-from .durable import fsync_dir, read_array, write_array, write_bytes_atomic
+from ..tiers import StoreTier, empty_lines
+from ..tiers.compact_index import MAX_LOCATION, CompactIndex
+from . import segments as seg_files
+from .direct_io import AlignedBuffer, IOPool
+from .durable import read_array, write_bytes_atomic
+from .segments import (SegmentInfo, SegmentPool, block_layout, block_sums, default_segment_rows,
+                       first_bad_block)
+from .snapshots import SnapshotDirectory
 
-ROWS_FILE = "rows.bin"
-_MIN_GROW_BLOCKS = 64
-_MAX_INITIAL_ROWS = 1 << 20
+__all__ = ["SlotFileStore", "block_layout"]
+
+LAYOUT_FILE = "slots.json"
+FORMAT = 2
 _PARALLEL_ROWS = 1 << 14  # below this a second copy thread costs more than it saves
-#: the staging buffer: blocks of one read or write pass (explicit RAM, not page cache)
+#: the staging buffers: blocks of one read or write pass (explicit RAM, not page cache)
 IO_CHUNK_BYTES = 32 << 20
-#: free slots the file may hold beyond its live rows before writes fill poor blocks
-SLACK = 0.25
-#: a partly live block is worth a read-modify-write when this share of it is free
-GOOD_FREE_SHARE = 0.25
-
-# The syscalls that allocate and copy file space, named so a test can make them fail (ENOSPC).
-_allocate = os.posix_fallocate
-_copy_range = os.copy_file_range
+#: compaction starts when garbage passes this share of the live segments' slots ...
+GARBAGE_RATIO = 0.3
+#: ... and stops below this share
+GARBAGE_TARGET = 0.2
+#: sealed segments under a quarter of ``segment_rows`` kept before the smallest are merged
+SMALL_SEGMENTS = 32
+_MAX_INITIAL_KEYS = 1 << 20
 
 
 @njit(cache=True, nogil=True)
@@ -86,229 +89,127 @@ def _scatter(view, pos, within, lines, line_rows, start, stop):
             view[b, r, c] = lines[o, c]
 
 
-@njit(cache=True, nogil=True)
-def _mark(used, live, slots, rows_per_block, value):
-    """Mark ``slots`` (n,) int64 used (value 1) or free (value 0); keeps ``live`` per block."""
-    step = 1 if value else -1
-    for s in slots:
-        used[s] = value
-        live[s // rows_per_block] += step
-
-
-@njit(cache=True, nogil=True)
-def _pick_blocks(live, held, only_cheap, rows_per_block, n_rows, min_free, out_blocks):
-    """The blocks, ascending, that take ``n_rows`` rows in the fewest blocks: every block with
-    more than t free slots and just enough with exactly t, t as large as possible and >= min_free.
-
-    live: (B,) int32 live rows per block; held: (B,) uint8, 1 where the block's current bytes
-    are in memory; only_cheap: consider only blocks that need no read to be rewritten (no live
-    row, or held); out_blocks: (B,) int64. Returns (blocks picked, free slots in them), fewer
-    slots than ``n_rows`` when the blocks considered do not hold them all.
-    """
-    n_blocks = live.shape[0]
-    blocks_with = np.zeros(rows_per_block + 1, np.int64)  # blocks_with[f]: blocks with f free
-    for b in range(n_blocks):
-        if not only_cheap or live[b] == 0 or held[b]:
-            blocks_with[rows_per_block - live[b]] += 1
-    slots = 0
-    t = rows_per_block
-    while t >= min_free and slots + blocks_with[t] * t < n_rows:
-        slots += blocks_with[t] * t
-        t -= 1
-    if t < min_free:  # not enough: every block with >= min_free free slots
-        take_all_above, at_t = min_free - 1, 0
-    else:
-        take_all_above, at_t = t, -(-(n_rows - slots) // t)
-    n = 0
-    total = 0
-    for b in range(n_blocks):
-        if only_cheap and live[b] != 0 and not held[b]:
-            continue
-        free = rows_per_block - live[b]
-        if free > take_all_above or (free == t and at_t > 0):
-            if free == t and free <= take_all_above:
-                at_t -= 1
-            out_blocks[n] = b
-            n += 1
-            total += free
-    return n, total
-
-
-@njit(cache=True, nogil=True)
-def _fill(used, live, blocks, rows_per_block, out_slots, out_pos, out_within):
-    """Give rows 0..n-1 the free slots of ``blocks`` (ascending), in order, and mark them used.
-
-    out_slots, out_pos, out_within: (n,) int64 slot, index into ``blocks``, row in the block.
-    Returns the number of blocks that received rows (a prefix of ``blocks``)."""
-    n = out_slots.shape[0]
-    k = 0
-    for j in range(blocks.shape[0]):
-        if k == n:
-            return j
-        b = blocks[j]
-        for r in range(rows_per_block):
-            s = b * rows_per_block + r
-            if used[s] == 0 and k < n:
-                used[s] = 1
-                live[b] += 1
-                out_slots[k], out_pos[k], out_within[k] = s, j, r
-                k += 1
-    return blocks.shape[0]
-
-
-def block_layout(line_size: int, physical_block_size: int) -> tuple[int, int]:
-    """(rows_per_block, block_bytes) for rows of ``line_size`` float32."""
-    row_bytes = 4 * line_size
-    if row_bytes <= physical_block_size:
-        return physical_block_size // row_bytes, physical_block_size
-    return 1, -(-row_bytes // physical_block_size) * physical_block_size
-
-
 class SlotFileStore(StoreTier):
-    """Bottom tier on SSD: every key's line in ``<directory>/slots/rows.bin``.
+    """Bottom tier on SSD: every key's line in the segments under ``<directory>/slots/``.
 
-    threads: CPU threads of the row copies between the staging buffer and the caller's lines;
+    threads: CPU threads of the row copies between the staging buffers and the caller's lines;
     io_threads: block reads / writes in flight (the disk needs ~16 to reach its random-read
-    rate); direct_io: read and write with O_DIRECT (a filesystem that refuses it, such as
-    tmpfs before Linux 6.6, falls back to buffered I/O with one warning; False: buffered, no
-    warning).
+    rate); direct_io: read and write with O_DIRECT (a filesystem that refuses it, such as tmpfs
+    before Linux 6.6, falls back to buffered I/O with one warning; False: buffered, no warning);
+    segment_rows: slots a segment holds (default ~64 MiB of rows, a power of two);
+    garbage_ratio: the share of dead rows in the live segments that starts a compaction.
     """
 
     def __init__(self, line_size: int, directory: str, physical_block_size: int = 4096,
                  expected_keys: int = 0, threads: int = 2, name: str = "ssd.slots",
-                 io_threads: int = 16, direct_io: bool = True):
+                 io_threads: int = 16, direct_io: bool = True, segment_rows: int | None = None,
+                 garbage_ratio: float = GARBAGE_RATIO):
         self.line_size = int(line_size)
         self.name = name
         self.threads = max(1, int(threads))
-        self.rows_per_block, self.block_bytes = block_layout(self.line_size, physical_block_size)
+        self.directory = directory
         self.physical_block_size = physical_block_size
-        self.folder = os.path.join(directory, "slots")
-        self.path = os.path.join(self.folder, ROWS_FILE)
-        # a capacity hint sizes the first allocation only up to a bound; both grow on demand
-        expected_keys = min(int(expected_keys or 0), _MAX_INITIAL_ROWS)
-        self._index = HashIndex(expected_keys)
-        self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
-        self._read_buffer = AlignedBuffer()  # the blocks of the last read, kept as ``_held``
-        self._write_buffer = AlignedBuffer()  # the block images of a write
-        self._file = None
-        self._n_blocks = 0
-        self._used = np.zeros(0, np.uint8)  # per slot: 1 = holds a key's line
-        self._live = np.zeros(0, np.int32)  # per block: slots in use
-        # blocks whose current bytes sit in the read buffer (position i holds _held[i]): a write
-        # may fill their free slots with no read of its own
-        self._held = np.empty(0, np.int64)
-        self._held_mask = np.zeros(0, np.uint8)  # per block: 1 if in _held
-        self._broken = None  # why the working file can no longer be trusted
-        # blocks read (find), written, read only to be rewritten (read-modify-write), and
-        # rewritten from the bytes of the last read without a read of their own
-        self.io_counts = {"read_blocks": 0, "written_blocks": 0, "rmw_read_blocks": 0,
-                          "reused_read_blocks": 0}
+        self.garbage_ratio = float(garbage_ratio)
+        rows = int(segment_rows) if segment_rows else default_segment_rows(self.line_size)
         try:
-            os.makedirs(self.folder, exist_ok=True)
-            self._file = BlockFile(self.path, self.block_bytes, direct_io, io_threads)
+            self.pool = SegmentPool(os.path.join(directory, "slots", "segments"), self.line_size,
+                                    physical_block_size, rows, direct_io)
         except OSError as e:
             raise StoreError(
-                f"cannot create the slot file {self.path!r} ({e.strerror or e}): "
+                f"cannot create the slot folder under {directory!r} ({e.strerror or e}): "
                 "give a persistent_path this process can write"
             ) from None
-        self._grow_to(max(_MIN_GROW_BLOCKS, self._blocks_for(expected_keys)))
-        self._file.check_alignment(self._write_buffer.get(self.block_bytes))
+        self._snapshots = SnapshotDirectory(directory, create=False)
+        self._index = CompactIndex(min(int(expected_keys or 0), _MAX_INITIAL_KEYS))
+        self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
+        self._io = IOPool(io_threads)
+        self._read_buffer = AlignedBuffer(IO_CHUNK_BYTES)
+        self._write_buffer = AlignedBuffer(IO_CHUNK_BYTES)
+        self._segments: dict = {}      # directory index -> Segment of the live table
+        self._free_indices: list[int] = []
+        self._active = None            # the segment being appended to (None until a write)
+        self._slots_total = 0          # slots of every live segment, garbage included
+        self._fds = None               # index -> fd, rebuilt when the live segments change
+        self._broken = None            # why the live table can no longer be trusted
+        #: blocks read by finds, blocks written, rows copied by compaction, segments deleted
+        self.io_counts = {"read_blocks": 0, "written_blocks": 0, "compacted_rows": 0,
+                          "compactions": 0, "deleted_segments": 0}
+        self._next_id = 1 + max(self.pool.ids_on_disk() | self._pinned_ids(), default=0)
+        self.collect_garbage()  # a killed process's segments after its last snapshot
+
+    # -- properties ---------------------------------------------------------------------------
+    @property
+    def rows_per_block(self) -> int:
+        return self.pool.rows_per_block
+
+    @property
+    def block_bytes(self) -> int:
+        return self.pool.block_bytes
+
+    @property
+    def segment_rows(self) -> int:
+        return self.pool.segment_rows
 
     @property
     def direct_io(self) -> bool:
-        """Whether the file is read and written with O_DIRECT (False after the fallback)."""
-        return self._file is not None and self._file.direct
+        """Whether segments are read and written with O_DIRECT (False after the fallback)."""
+        return self.pool.direct
 
     @property
     def io_threads(self) -> int:
         """Block reads / writes in flight; settable (1: no I/O threads)."""
-        return self._file.io_threads
+        return self._io.io_threads
 
     @io_threads.setter
     def io_threads(self, value: int) -> None:
-        self._file.set_io_threads(value)
+        self._io.set_io_threads(value)
 
-    # -- file space -------------------------------------------------------------------------
-    def _blocks_for(self, n_rows: int) -> int:
-        return -(-int(n_rows) // self.rows_per_block)
-
-    def _grow_to(self, n_blocks: int) -> None:
-        size = n_blocks * self.block_bytes
-        try:
-            _allocate(self._file.fd, 0, size)
-        except OSError as e:
-            raise StoreError(
-                f"{self.name}: cannot grow {self.path!r} to {size} bytes ({e.strerror or e}); "
-                "free disk space or move persistent_path to a bigger disk. The rows held so far "
-                "are unchanged and the last snapshot is intact"
-            ) from None
-        if n_blocks > self._live.shape[0]:
-            extra = n_blocks - self._live.shape[0]
-            self._live = np.concatenate([self._live, np.zeros(extra, np.int32)])
-            self._held_mask = np.concatenate([self._held_mask, np.zeros(extra, np.uint8)])
-            self._used = np.concatenate(
-                [self._used, np.zeros(n_blocks * self.rows_per_block - self._used.shape[0], np.uint8)])
-        self._n_blocks = n_blocks
-
-    def _free_blocks_for(self, n_rows: int, live_after: int) -> np.ndarray:
-        """Blocks (ascending) whose free slots take ``n_rows`` lines, cheapest first: blocks
-        that need no read (no live row, or their bytes held from the last read) with at least
-        ``GOOD_FREE_SHARE`` free; then the file grows within ``SLACK``; then any block with that
-        much free (read-modify-write), then any free slot; past that it grows as far as it must.
-        ``live_after``: live rows once the batch is written (sizes the slack)."""
-        rpb = self.rows_per_block
-        good = max(1, int(rpb * GOOD_FREE_SHARE))
-
-        def pick(only_cheap, min_free):
-            out = np.empty(self._n_blocks, np.int64)
-            n, slots = _pick_blocks(self._live[:self._n_blocks], self._held_mask[:self._n_blocks],
-                                    only_cheap, rpb, n_rows, min_free, out)
-            return out[:n], slots
-
-        blocks, slots = pick(True, good)
-        if slots < n_rows:
-            cap = max(_MIN_GROW_BLOCKS, self._blocks_for(int(live_after * (1 + SLACK))))
-            grow = min(max(self._blocks_for(n_rows - slots), self._n_blocks // 4),
-                       max(0, cap - self._n_blocks))
-            free_now = self._n_blocks * rpb - int(self._live[:self._n_blocks].sum())
-            short = n_rows - free_now - grow * rpb
-            if short > 0:  # even every free slot is too few: grow past the slack
-                grow += self._blocks_for(short)
-            if grow:
-                self._grow_to(self._n_blocks + grow)
-            for only_cheap, min_free in ((True, good), (False, good), (False, 1)):
-                blocks, slots = pick(only_cheap, min_free)
-                if slots >= n_rows:
-                    break
-        return blocks
-
-    def _extent_blocks(self) -> int:
-        """One past the last block holding a live row: the part of the file a snapshot copies."""
-        nonzero = np.flatnonzero(self._live[:self._n_blocks])
-        return int(nonzero[-1]) + 1 if nonzero.shape[0] else 0
-
-    # -- batched row I/O --------------------------------------------------------------------
     def _check(self) -> None:
         if self._broken is not None:
             raise StoreError(f"{self.name}: {self._broken}")
 
-    def _chunk_blocks(self) -> int:
-        return max(1, IO_CHUNK_BYTES // self.block_bytes)
+    # -- locations ------------------------------------------------------------------------
+    def _split(self, locs: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """locations (n,) int64 -> (segment index, slot), each (n,) int64."""
+        seg = locs // self.pool.segment_rows
+        return seg, locs - seg * self.pool.segment_rows
 
-    def _staging(self, buffer: AlignedBuffer, n_blocks: int) -> tuple[object, np.ndarray, np.ndarray]:
-        """``buffer`` sized for ``n_blocks`` blocks, with its (n_blocks, rows_per_block, line_size)
-        float32 view and its (n_blocks, block_bytes) uint8 view."""
-        buf = buffer.get(n_blocks * self.block_bytes)
-        rows = np.ndarray((n_blocks, self.rows_per_block, self.line_size), np.float32, buffer=buf,
-                          strides=(self.block_bytes, 4 * self.line_size, 4))
-        raw = np.ndarray((n_blocks, self.block_bytes), np.uint8, buffer=buf)
+    def _keys_of(self, locs: np.ndarray) -> np.ndarray:
+        """locations (n,) int64 -> their keys (n,) uint64, from the segments' key files."""
+        out = np.empty(locs.shape[0], np.uint64)
+        if locs.shape[0] == 0:
+            return out
+        seg, slot = self._split(locs)
+        first = int(seg[0])
+        if (seg == first).all():
+            out[:] = self._segments[first].keys[slot]
+            return out
+        order = np.argsort(seg, kind="stable")
+        sorted_seg = seg[order]
+        cuts = np.flatnonzero(sorted_seg[1:] != sorted_seg[:-1]) + 1
+        for part in np.split(order, cuts):
+            out[part] = self._segments[int(seg[part[0]])].keys[slot[part]]
+        return out
+
+    def _take_index(self) -> int:
+        if self._free_indices:
+            return self._free_indices.pop()
+        index = len(self._segments)
+        if (index + 1) * self.pool.segment_rows - 1 > MAX_LOCATION:
+            raise StoreError(f"{self.name}: {index} live segments of {self.pool.segment_rows} rows "
+                             "fill the 32-bit location space of the directory")
+        return index
+
+    # -- batched row I/O ----------------------------------------------------------------------
+    def _staging(self, buffer: AlignedBuffer, n_blocks: int):
+        """``buffer`` sized for ``n_blocks`` blocks, with its (n_blocks, rows_per_block,
+        line_size) float32 view and its (n_blocks, block_bytes) uint8 view."""
+        bb, rpb = self.pool.block_bytes, self.pool.rows_per_block
+        buf = buffer.get(n_blocks * bb)
+        rows = np.ndarray((n_blocks, rpb, self.line_size), np.float32, buffer=buf,
+                          strides=(bb, 4 * self.line_size, 4))
+        raw = np.ndarray((n_blocks, bb), np.uint8, buffer=buf)
         return buf, rows, raw
-
-    def _hold(self, blocks: np.ndarray) -> None:
-        """The read buffer now holds ``blocks`` (k,) int64 ascending, at positions 0..k-1."""
-        self._held_mask[self._held] = 0
-        self._held = blocks
-        self._held_mask[blocks] = 1
 
     def _copy(self, kernel, view, pos, within, data, data_rows) -> None:
         """Run ``kernel`` over rows 0..n-1, split over ``threads`` when the batch is big."""
@@ -323,172 +224,377 @@ class SlotFileStore(StoreTier):
         for f in futures:
             f.result()
 
-    def read_slots(self, slots: np.ndarray, out: np.ndarray | None = None,
-                   out_rows: np.ndarray | None = None) -> np.ndarray:
-        """slots: (n,) int64 -> lines (n, line_size) float32, or into ``out[out_rows]``.
+    def _chunk_blocks(self) -> int:
+        return max(1, IO_CHUNK_BYTES // self.pool.block_bytes)
+
+    def read_locations(self, locs: np.ndarray, out: np.ndarray | None = None,
+                       out_rows: np.ndarray | None = None) -> np.ndarray:
+        """locs: (n,) int64 locations -> lines (n, line_size) float32, or into ``out[out_rows]``.
 
         Each distinct block is read once, in file order, ``io_threads`` reads in flight."""
         self._check()
-        slots = np.ascontiguousarray(slots, np.int64)
-        n = slots.shape[0]
+        n = locs.shape[0]
         if out is None:
             out = np.empty((n, self.line_size), np.float32)
             out_rows = np.arange(n, dtype=np.int64)
         if n == 0:
             return out
-        order = np.argsort(slots)  # sorted offsets; slots are unique, so no stable sort (10x slower)
-        sorted_slots = slots[order]
+        rpb = self.pool.rows_per_block
+        seg, slot = self._split(np.ascontiguousarray(locs, np.int64))
+        block = slot // rpb
+        within = slot - block * rpb
+        # one sort key: (segment, block) in location order
+        ordinal = seg * (self.pool.segment_rows // rpb + 1) + block
+        order = np.argsort(ordinal)
+        ordinal, seg, block, within = ordinal[order], seg[order], block[order], within[order]
         rows = np.ascontiguousarray(out_rows, np.int64)[order]
-        block = sorted_slots // self.rows_per_block
-        within = sorted_slots - block * self.rows_per_block
         first = np.ones(n, np.bool_)
-        first[1:] = block[1:] != block[:-1]
-        blocks = block[first]                  # (k,) distinct blocks, ascending
-        pos = np.cumsum(first) - 1             # (n,) each row's block in ``blocks``
+        first[1:] = ordinal[1:] != ordinal[:-1]
+        blocks, block_segs = block[first], seg[first]     # (k,) distinct blocks
+        fds = self._fd_table()[block_segs]
+        pos = np.cumsum(first) - 1                         # (n,) each row's block
         chunk = self._chunk_blocks()
         for c0 in range(0, blocks.shape[0], chunk):
             c1 = min(c0 + chunk, blocks.shape[0])
             r0, r1 = np.searchsorted(pos, [c0, c1])
-            self._hold(np.empty(0, np.int64))  # the buffer is about to be overwritten
-            buf, view, _ = self._staging(self._read_buffer, c1 - c0)
+            buf, view, raw = self._staging(self._read_buffer, c1 - c0)
             try:
-                self._file.read(blocks[c0:c1], buf)
+                self._io.read(fds[c0:c1], blocks[c0:c1], self.pool.block_bytes, buf)
             except OSError as e:
-                raise StoreError(f"{self.name}: reading {self.path!r} failed ({e.strerror or e}); "
-                                 "check the disk, then load the last snapshot") from None
+                raise StoreError(f"{self.name}: reading a segment under {self.pool.folder!r} "
+                                 f"failed ({e.strerror or e}); check the disk, then load the last "
+                                 "snapshot") from None
+            self._check_sums(raw, block_segs[c0:c1], blocks[c0:c1])
             self._copy(_gather, view, pos[r0:r1] - c0, within[r0:r1], out, rows[r0:r1])
-            self._hold(blocks[c0:c1].copy())
         self.io_counts["read_blocks"] += int(blocks.shape[0])
         return out
 
-    def _write_rows(self, lines: np.ndarray, blocks: np.ndarray, live_before: np.ndarray,
-                    pos: np.ndarray, within: np.ndarray) -> None:
-        """Write ``lines`` (n, line_size) float32, row i into block ``blocks[pos[i]]`` at row
-        ``within[i]``; ``pos`` ascending. A block's other bytes come from zeros when it has no
-        other live row (``live_before`` (k,) int32 is 0), from the read buffer when it is held
-        there, else from the disk (read-modify-write)."""
-        chunk = self._chunk_blocks()
-        line_rows = np.arange(lines.shape[0], dtype=np.int64)
-        n_rmw = n_reused = 0
-        for c0 in range(0, blocks.shape[0], chunk):
-            c1 = min(c0 + chunk, blocks.shape[0])
-            r0, r1 = np.searchsorted(pos, [c0, c1])
-            dest = blocks[c0:c1]
-            buf, view, raw = self._staging(self._write_buffer, c1 - c0)
-            fresh = live_before[c0:c1] == 0
-            held = self._held_mask[dest] == 1
-            in_memory = held & ~fresh
-            read = np.flatnonzero(~fresh & ~held)
-            raw[fresh] = 0  # deterministic bytes in free slots (the same file on both I/O paths)
-            held_raw = None
-            if held.any():
-                held_raw = np.ndarray((self._held.shape[0], self.block_bytes), np.uint8,
-                                      buffer=self._read_buffer.get(0))
-                raw[in_memory] = held_raw[np.searchsorted(self._held, dest[in_memory])]
-            self._file.read(dest[read], buf, read)
-            self._copy(_scatter, view, pos[r0:r1] - c0, within[r0:r1], lines, line_rows[r0:r1])
-            self._file.write(dest, buf)
-            if held_raw is not None:  # the held copies stay current
-                held_raw[np.searchsorted(self._held, dest[held])] = raw[held]
-            del held_raw
-            n_rmw += read.shape[0]
-            n_reused += int(in_memory.sum())
-        self.io_counts["rmw_read_blocks"] += n_rmw
-        self.io_counts["reused_read_blocks"] += n_reused
-        self.io_counts["written_blocks"] += int(blocks.shape[0])
+    def _check_sums(self, raw: np.ndarray, segs: np.ndarray, blocks: np.ndarray) -> None:
+        """Blocks just read (raw: (k, block_bytes) uint8; their segment indices and block
+        numbers, (k,) int64 grouped by segment) against the checksums written with them."""
+        expected = np.empty(blocks.shape[0], np.uint64)
+        cuts = np.flatnonzero(segs[1:] != segs[:-1]) + 1
+        for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [segs.shape[0]]])):
+            expected[a:b] = self._segments[int(segs[a])].sums[blocks[a:b]]
+        bad = first_bad_block(raw.view(np.uint64), expected)
+        if bad >= 0:
+            seg = self._segments[int(segs[bad])]
+            raise StoreError(
+                f"{self.name}: block {int(blocks[bad])} of {self.pool.path(seg.id, 'rows')!r} fails "
+                "its checksum: the segment is damaged; load another snapshot (one-embedding "
+                "inspect lists the intact ones)")
 
-    # -- Tier -------------------------------------------------------------------------------
+    def _fd_table(self) -> np.ndarray:
+        """(max index + 1,) int32: the rows file descriptor of each live segment by index."""
+        if self._fds is None:
+            self._fds = np.full(max(self._segments, default=-1) + 1, -1, np.int32)
+            for index, seg in self._segments.items():
+                self._fds[index] = seg.fd
+        return self._fds
+
+    def _append(self, keys: np.ndarray, lines: np.ndarray) -> np.ndarray:
+        """Append rows (keys (n,) uint64, lines (n, line_size) float32) to the active segment,
+        sealing it and starting another when it is full. Returns their locations (n,) int64.
+        The directory is not touched."""
+        n = keys.shape[0]
+        locs = np.empty(n, np.int64)
+        done = 0
+        while done < n:
+            seg = self._active
+            if seg is None:
+                seg = self._active = self._new_segment()
+            take = min(seg.capacity - seg.n_slots, n - done)
+            if take == 0:
+                self._seal_active()
+                continue
+            start = seg.n_slots
+            self._write_into(seg, keys[done:done + take], lines[done:done + take])
+            locs[done:done + take] = seg.base + np.arange(start, start + take)
+            done += take
+        return locs
+
+    def _new_segment(self):
+        """The next active segment. Its capacity follows the table (an eighth of the rows held,
+        a power of two from 1024 up to ``segment_rows``), so a small table's garbage, which
+        stays in the active segment until it is sealed, stays small too."""
+        index = self._take_index()
+        want = max(1024, len(self._index) // 8)
+        capacity = min(self.pool.segment_rows, 1 << (want - 1).bit_length())
+        seg = self.pool.create(self._next_id, index, capacity)
+        self._next_id += 1
+        self._add(seg)
+        return seg
+
+    def _add(self, seg) -> None:
+        self._segments[seg.index] = seg
+        self._slots_total += seg.n_slots
+        self._fds = None
+
+    def _write_into(self, seg, keys: np.ndarray, lines: np.ndarray) -> None:
+        """Rows go to slots seg.n_slots.. of ``seg``: whole blocks, the partly filled last block
+        rewritten with the rows it held. The block images pass through the write buffer, where
+        the CRC32 of each block that is final (full) is taken."""
+        rpb, bb = self.pool.rows_per_block, self.pool.block_bytes
+        m = keys.shape[0]
+        s0, s1 = seg.n_slots, seg.n_slots + m
+        first_block, end_block = s0 // rpb, -(-s1 // rpb)
+        slots = np.arange(s0, s1, dtype=np.int64)
+        block = slots // rpb
+        within = slots - block * rpb
+        line_rows = np.arange(m, dtype=np.int64)
+        chunk = self._chunk_blocks()
+        final_blocks = s1 // rpb  # blocks below this are full after the write
+        for b0 in range(first_block, end_block, chunk):
+            b1 = min(b0 + chunk, end_block)
+            r0, r1 = np.searchsorted(block, [b0, b1])
+            buf, view, raw = self._staging(self._write_buffer, b1 - b0)
+            raw[:] = 0  # deterministic bytes in free slots (the same file on both I/O paths)
+            if b0 == first_block and seg.tail is not None:
+                raw[0] = np.frombuffer(seg.tail, np.uint8)
+            self._copy(_scatter, view, block[r0:r1] - b0, within[r0:r1], lines, line_rows[r0:r1])
+            block_sums(raw.view(np.uint64), seg.sums[b0:b1])
+            try:
+                self._io.write(seg.fd, np.arange(b0, b1, dtype=np.int64), bb, buf)
+            except OSError as e:
+                # the rewritten last block may be half written: its earlier rows are suspect
+                self._broken = (f"writing {self.pool.path(seg.id, 'rows')!r} failed "
+                                f"({e.strerror or e}); the live table is inconsistent: "
+                                "load_snapshot restores the last snapshot")
+                raise StoreError(f"{self.name}: {self._broken}") from None
+            for b in range(max(b0, seg.crc_blocks), min(b1, final_blocks)):
+                seg.rows_crc = zlib.crc32(raw[b - b0], seg.rows_crc)
+                seg.crc_blocks = b + 1
+            if b1 == end_block:
+                seg.tail = raw[-1].tobytes() if s1 % rpb else None
+        self.io_counts["written_blocks"] += end_block - first_block
+        if s1 > seg.keys.shape[0]:
+            grown = np.empty(min(seg.capacity, max(s1, 2 * seg.keys.shape[0])), np.uint64)
+            grown[:s0] = seg.keys[:s0]
+            seg.keys = grown
+        seg.keys[s0:s1] = keys
+        seg.n_slots = s1
+        self._slots_total += m
+
+    def _seal_active(self) -> None:
+        seg, self._active = self._active, None
+        if seg is None:
+            return
+        if seg.n_slots == 0 and not seg.dead:
+            self._forget(seg)
+            return
+        try:
+            self.pool.seal(seg)
+        except OSError as e:
+            self._active = seg
+            raise StoreError(f"{self.name}: sealing segment {seg.id:016x} failed "
+                             f"({e.strerror or e}); free disk space and try again") from None
+
+    def _forget(self, seg) -> None:
+        """Take ``seg`` out of the live table and close it (its files stay until GC)."""
+        del self._segments[seg.index]
+        self._free_indices.append(seg.index)
+        self._slots_total -= seg.n_slots
+        self._fds = None
+        seg.close()
+
+    def _count_live(self, locs: np.ndarray, step: int) -> None:
+        if locs.shape[0] == 0:
+            return
+        seg, _ = self._split(locs)
+        idx, counts = np.unique(seg, return_counts=True)
+        for i, c in zip(idx.tolist(), counts.tolist()):
+            self._segments[i].live += step * c
+
+    # -- Tier -----------------------------------------------------------------------------
     def __len__(self) -> int:
         return len(self._index)
 
     @property
     def memory_bytes(self) -> int:
-        return (self._index.nbytes + self._used.nbytes + self._live.nbytes + self._held_mask.nbytes
-                + self._read_buffer.nbytes + self._write_buffer.nbytes)
+        """The directory, the active segment's key buffer and the staging buffers."""
+        active_keys = 0 if self._active is None else self._active.keys.nbytes
+        return (self._index.nbytes + active_keys + self._read_buffer.nbytes
+                + self._write_buffer.nbytes + 64 * len(self._segments))
 
     @property
     def disk_bytes(self) -> int:
-        fd = None if self._file is None else self._file.fd
-        return os.fstat(fd).st_blocks * 512 if fd is not None else 0
+        """Bytes the live table's segment files take on disk (``describe`` adds what only
+        snapshots still hold)."""
+        return sum(_allocated(self.pool.path(s.id, k)) for s in self._segments.values()
+                   if s.owned for k in seg_files.KINDS)
 
     def describe(self) -> dict:
-        """The Tier description plus how the file is read: O_DIRECT or not, blocks moved."""
-        return {**super().describe(), "direct_io": self.direct_io, **self.io_counts}
+        live = [s for s in self._segments.values()]
+        pool_bytes = sum(_allocated(os.path.join(self.pool.folder, e))
+                         for e in os.listdir(self.pool.folder))
+        disk = self.disk_bytes
+        return {**super().describe(), "direct_io": self.direct_io, **self.io_counts,
+                "segments": len(live), "slots_total": self._slots_total,
+                "garbage_rows": self._slots_total - len(self._index),
+                "pinned_disk_bytes": max(0, pool_bytes - disk)}
 
     def find(self, keys, out, out_rows):
-        slots = self._index.find(keys)
-        found = slots >= 0
-        self.read_slots(slots[found], out, np.asarray(out_rows)[found])
+        keys = np.ascontiguousarray(keys, np.uint64)
+        locs = self._index.find(keys, self._keys_of)
+        found = locs >= 0
+        self.read_locations(locs[found], out, np.asarray(out_rows)[found])
         return np.flatnonzero(~found)
 
     def insert_or_assign(self, keys, lines):
         self._check()
         keys = np.ascontiguousarray(keys, np.uint64)
         lines = np.ascontiguousarray(lines, np.float32)
-        n = keys.shape[0]
-        if n == 0:
+        if keys.shape[0] == 0:
             return empty_lines(self.line_size)
-        old = self._index.find(keys)
-        old = old[old >= 0]
-        # every row moves: its old slot is freed first, so a block this batch rewrites whole is
-        # free again and is written without a read
-        _mark(self._used, self._live, old, self.rows_per_block, 0)
-        try:
-            blocks = self._free_blocks_for(n, len(self._index) + n - old.shape[0])
-        except StoreError:  # no room: the index and the file are untouched
-            _mark(self._used, self._live, old, self.rows_per_block, 1)
-            raise
-        live_before = self._live[blocks]  # live rows of other keys stay in these blocks
-        slots = np.empty(n, np.int64)
-        pos = np.empty(n, np.int64)
-        within = np.empty(n, np.int64)
-        k = _fill(self._used, self._live, blocks, self.rows_per_block, slots, pos, within)
-        try:
-            self._write_rows(lines, blocks[:k], live_before[:k], pos, within)
-        except OSError as e:
-            # the freed old slots may be half overwritten: the index can no longer be trusted
-            self._broken = (f"writing {self.path!r} failed ({e.strerror or e}); the working table "
-                            "is inconsistent: load_snapshot restores the last snapshot")
-            raise StoreError(f"{self.name}: {self._broken}") from None
-        self._index.assign(keys, slots)
+        locs = self._append(keys, lines)  # a full disk fails here, the directory untouched
+        old = self._index.upsert(keys, locs, self._keys_of)
+        self._count_live(locs, 1)
+        self._count_live(old[old >= 0], -1)
+        self._maybe_compact()
         return empty_lines(self.line_size)
 
+    def erase(self, keys: np.ndarray) -> int:
+        """Delete keys (n,) uint64 (absent ones are ignored); returns how many were stored. A
+        tombstone in the active segment keeps an older segment from bringing them back when a
+        snapshot is replayed."""
+        self._check()
+        keys = np.ascontiguousarray(keys, np.uint64)
+        pos = self._index.positions(keys, self._keys_of)
+        held = pos >= 0
+        if not held.any():
+            return 0
+        self._count_live(self._index.locations_at(pos[held]), -1)
+        self._index.erase_at(pos[held])
+        if self._active is None:
+            self._active = self._new_segment()
+        at = self._active.n_slots
+        self._active.dead.extend((int(k), at) for k in keys[held])
+        self._maybe_compact()
+        return int(held.sum())
+
     def export_batches(self, batch_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        keys, slots = self._sorted_items()
+        locs = self._index.locations()
+        keys = self._keys_of(locs)
+        order = np.argsort(keys, kind="stable")
+        keys, locs = keys[order], locs[order]
         for start in range(0, keys.shape[0], batch_rows):
             stop = start + batch_rows
-            yield keys[start:stop], self.read_slots(slots[start:stop])
-
-    def _sorted_items(self) -> tuple[np.ndarray, np.ndarray]:
-        keys, slots = self._index.items()
-        order = np.argsort(keys, kind="stable")
-        return keys[order], slots[order]
+            yield keys[start:stop], self.read_locations(locs[start:stop])
 
     def clear(self) -> None:
+        """Drop every row: the live table becomes empty (its segments go at the next GC)."""
+        self._active = None
+        for seg in list(self._segments.values()):
+            self._forget(seg)
         self._index.clear()
-        self._used[:] = 0
-        self._live[:] = 0
-        self._hold(np.empty(0, np.int64))
+        self._broken = None
+        self.collect_garbage()
 
-    # -- snapshots --------------------------------------------------------------------------
-    def _layout(self, rows: int) -> dict:
-        return {"engine": "slots", "line_size": self.line_size, "rows": rows,
-                "rows_per_block": self.rows_per_block, "block_bytes": self.block_bytes}
+    # -- compaction -----------------------------------------------------------------------
+    def _maybe_compact(self) -> None:
+        """Compact the emptiest sealed segments while garbage is above ``garbage_ratio`` of the
+        live slots (down to GARBAGE_TARGET), and merge small sealed segments (the ones each
+        snapshot seals) once there are more than SMALL_SEGMENTS of them."""
+        retired = False
+        if self._slots_total - len(self._index) > self.garbage_ratio * self._slots_total:
+            target = min(GARBAGE_TARGET, self.garbage_ratio / 2)
+            victims = sorted((s for s in self._segments.values() if s.sealed and s.owned),
+                             key=lambda s: (s.live / max(1, s.n_slots), s.id))
+            for seg in victims:
+                if self._slots_total - len(self._index) <= target * self._slots_total \
+                        or seg.live == seg.n_slots:
+                    break
+                self._compact(seg)
+                retired = True
+        small = sorted((s for s in self._segments.values()
+                        if s.sealed and s.owned and s.n_slots < self.pool.segment_rows // 4),
+                       key=lambda s: (s.live, s.id))
+        if len(small) > SMALL_SEGMENTS:
+            for seg in small[:len(small) - SMALL_SEGMENTS // 2]:
+                self._compact(seg)
+            retired = True
+        if retired:
+            self.collect_garbage()
+
+    def _compact(self, seg) -> None:
+        """Append the live rows of sealed segment ``seg`` again and retire it."""
+        oldest = seg.id == min(s.id for s in self._segments.values())
+        step = 1 << 16
+        for s0 in range(0, seg.n_slots, step):
+            keys = np.array(seg.keys[s0:s0 + step])
+            locs = seg.base + np.arange(s0, s0 + keys.shape[0], dtype=np.int64)
+            pos = self._index.positions_of_locations(keys, locs)
+            live = pos >= 0
+            if not live.any():
+                continue
+            lines = self.read_locations(locs[live])
+            new = self._append(keys[live], lines)
+            self._index.set_locations(pos[live], new)
+            self._count_live(new, 1)
+            seg.live -= int(live.sum())
+            self.io_counts["compacted_rows"] += int(live.sum())
+        if not oldest:
+            # tombstones still matter while an older live segment may hold the erased key
+            dead = self.pool.read_dead(seg.info, self.pool.folder)
+            if dead.shape[0]:
+                gone = self._index.positions(dead[:, 0], self._keys_of) < 0
+                if self._active is None:
+                    self._active = self._new_segment()
+                at = self._active.n_slots
+                self._active.dead.extend((int(k), at) for k in dead[gone, 0])
+        self.io_counts["compactions"] += 1
+        self._forget(seg)
+
+    # -- garbage collection ---------------------------------------------------------------
+    def _pinned_ids(self) -> set[int]:
+        """Segment ids that a folder under ``<directory>/snapshots/`` refers to."""
+        ids: set[int] = set()
+        for folder in self._snapshots.folders():
+            path = os.path.join(folder, LAYOUT_FILE)
+            try:
+                with open(path, "rb") as f:
+                    layout = json.loads(f.read())
+                if os.path.realpath(os.path.join(folder, layout["pool"])) == \
+                        os.path.realpath(self.pool.folder):
+                    ids.update(int(s["id"]) for s in layout["segments"])
+            except (OSError, ValueError, KeyError, TypeError):
+                continue  # no layout (another engine, or half written: not published)
+        return ids
+
+    def collect_garbage(self) -> int:
+        """Delete the segment files that neither the live table nor a snapshot folder (deleted
+        ones a reader still leases included) refers to. Returns how many segments went."""
+        if os.path.isdir(self._snapshots.root):
+            self._snapshots.reap_deleted()
+        keep = self._pinned_ids() | {s.id for s in self._segments.values() if s.owned}
+        doomed = self.pool.ids_on_disk() - keep
+        for seg_id in sorted(doomed):
+            self.pool.delete(seg_id)
+        self.io_counts["deleted_segments"] += len(doomed)
+        return len(doomed)
+
+    # -- snapshots ------------------------------------------------------------------------
+    def _check_snapshot_folder(self, directory: str) -> None:
+        parent = os.path.realpath(os.path.dirname(os.path.abspath(directory)))
+        if parent != os.path.realpath(self._snapshots.root):
+            raise SnapshotError(
+                f"{self.name}: a snapshot of this store shares its segments, so it must live in "
+                f"{self._snapshots.root!r} (where garbage collection sees it), not in "
+                f"{os.path.dirname(os.path.abspath(directory))!r}")
 
     def save_snapshot(self, directory: str) -> None:
         self._check()
-        keys, slots = self._sorted_items()
-        n_bytes = self._extent_blocks() * self.block_bytes
+        self._check_snapshot_folder(directory)
         try:
-            # every write went to the disk (O_DIRECT) or into the page cache (the fallback)
-            # before returning, and copy_file_range reads through the page cache: coherent either
-            # way, no flush needed
-            write_array(os.path.join(directory, "keys.npy"), keys)
-            write_array(os.path.join(directory, "slots.npy"), slots)
-            _copy_file(self.path, os.path.join(directory, ROWS_FILE), n_bytes)
-            write_bytes_atomic(os.path.join(directory, "layout.json"),
-                               json.dumps(self._layout(int(keys.shape[0]))).encode())
-            fsync_dir(directory)
+            self._seal_active()
+            live = sorted(self._segments.values(), key=lambda s: s.id)
+            layout = {"engine": "slots", "format": FORMAT, "line_size": self.line_size,
+                      "rows": len(self._index), "rows_per_block": self.pool.rows_per_block,
+                      "block_bytes": self.pool.block_bytes,
+                      "segment_rows": self.pool.segment_rows,
+                      "pool": os.path.relpath(self.pool.folder, directory),
+                      "segments": [s.info.as_dict() for s in live]}
+            write_bytes_atomic(os.path.join(directory, LAYOUT_FILE), json.dumps(layout).encode())
         except OSError as e:
             raise StoreError(
                 f"{self.name}: writing snapshot files into {directory!r} failed "
@@ -496,7 +602,93 @@ class SlotFileStore(StoreTier):
                 "of that name is intact"
             ) from None
 
+    def verify_snapshot(self, directory: str, full: bool = False) -> None:
+        """Raise SnapshotError unless every segment the snapshot in ``directory`` lists is there
+        with its sizes and key CRC32s (``full``: the CRC32 of every row block too)."""
+        layout, infos, pool_dir = self._read_layout(directory)
+        for info in infos:
+            self.pool.check(info, pool_dir, layout["block_bytes"], full)
+
+    def referenced_bytes(self, directory: str) -> int:
+        """Bytes of the segment files the snapshot in ``directory`` lists."""
+        _, infos, _ = self._read_layout(directory)
+        return sum(i.rows_bytes + 8 * i.slots + 16 * i.dead for i in infos)
+
+    def _read_layout(self, directory: str):
+        try:
+            with open(os.path.join(directory, LAYOUT_FILE), "rb") as f:
+                layout = json.loads(f.read())
+            infos = [SegmentInfo.from_dict(d) for d in layout["segments"]]
+            pool_dir = os.path.normpath(os.path.join(directory, layout["pool"]))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise SnapshotError(f"{self.name}: snapshot {directory!r} is unreadable: {e}") from None
+        if layout.get("engine") != "slots" or layout.get("line_size") != self.line_size \
+                or layout.get("format") != FORMAT:
+            raise SnapshotError(
+                f"{self.name}: snapshot {directory!r} has layout "
+                f"{ {k: layout.get(k) for k in ('engine', 'format', 'line_size')} }; this store "
+                f"needs a 'slots' snapshot of format {FORMAT} and line_size={self.line_size}")
+        return layout, sorted(infos, key=lambda i: i.id), pool_dir
+
     def load_snapshot(self, directory: str) -> None:
+        if not os.path.isfile(os.path.join(directory, LAYOUT_FILE)) and \
+                os.path.isfile(os.path.join(directory, "layout.json")):
+            return self._load_legacy(directory)
+        layout, infos, pool_dir = self._read_layout(directory)
+        own = os.path.realpath(pool_dir) == os.path.realpath(self.pool.folder)
+        for info in infos:  # refuse a damaged snapshot before the live table changes
+            self.pool.check(info, pool_dir, layout["block_bytes"])
+        by_id = {s.id: s for s in self._segments.values() if s.sealed and s.owned and own}
+        old = [s for s in self._segments.values() if s.id not in {i.id for i in infos} or not own]
+        self._active = None
+        for seg in old:
+            self._forget(seg)
+        self.pool.adopt(layout["rows_per_block"], layout["block_bytes"], layout["segment_rows"])
+        self._index.clear()
+        self._broken = None
+        try:
+            for info in infos:
+                if info.id not in by_id:
+                    seg = self.pool.open_sealed(info, self._take_index(), pool_dir, own)
+                    self._add(seg)
+                    by_id[info.id] = seg
+                seg = by_id[info.id]
+                seg.live = 0
+                self._replay(seg, self.pool.read_dead(info, pool_dir))
+        except BaseException:
+            self.clear()
+            raise
+        if len(self._index) != layout["rows"]:
+            replayed = len(self._index)
+            self.clear()
+            raise SnapshotError(f"{self.name}: snapshot {directory!r} replays to {replayed} rows, "
+                                f"not the {layout['rows']} it recorded: damaged")
+        self._count_live(self._index.locations(), 1)
+        self._next_id = max(self._next_id, 1 + max((i.id for i in infos), default=0))
+        self.collect_garbage()
+
+    def _replay(self, seg, dead: np.ndarray) -> None:
+        """Apply the rows of ``seg`` to the directory in slot order (the last row of a key wins)
+        and each tombstone ``(key, position)`` before the row at ``position``."""
+        start = 0
+        for cut in np.unique(dead[:, 1]).tolist():
+            self._replay_rows(seg, start, int(cut))
+            gone = np.unique(dead[dead[:, 1] == np.uint64(cut), 0])
+            self._index.erase_at(self._index.positions(gone, self._keys_of))
+            start = int(cut)
+        self._replay_rows(seg, start, seg.n_slots)
+
+    def _replay_rows(self, seg, start: int, stop: int) -> None:
+        if stop <= start:
+            return
+        keys = np.asarray(seg.keys[start:stop])
+        uniq, last_rev = np.unique(keys[::-1], return_index=True)  # each key's last row
+        locs = seg.base + start + (keys.shape[0] - 1 - last_rev)
+        self._index.upsert(uniq, locs, self._keys_of)
+
+    def _load_legacy(self, directory: str) -> None:
+        """A snapshot of format 1 (``keys.npy`` + ``slots.npy`` + a copy of ``rows.bin``): its
+        rows are copied into segments."""
         try:
             with open(os.path.join(directory, "layout.json"), "rb") as f:
                 layout = json.loads(f.read())
@@ -508,50 +700,38 @@ class SlotFileStore(StoreTier):
                 or keys.shape != slots.shape or layout.get("rows") != keys.shape[0]:
             raise SnapshotError(
                 f"{self.name}: snapshot {directory!r} has layout {layout} and {keys.shape[0]} "
-                f"keys; this store needs a 'slots' snapshot of line_size={self.line_size}"
-            )
-        src = os.path.join(directory, ROWS_FILE)
+                f"keys; this store needs a 'slots' snapshot of line_size={self.line_size}")
+        src = os.path.join(directory, "rows.bin")
         self.clear()
-        self._broken = None  # the working file is rewritten from the snapshot
-        if (layout["rows_per_block"], layout["block_bytes"]) == (self.rows_per_block, self.block_bytes):
-            n_bytes = os.path.getsize(src)
-            try:
-                _restore_file(src, self.path, n_bytes)
-            except OSError as e:
-                raise StoreError(f"{self.name}: restoring rows from {src!r} failed: {e}") from None
-            self._n_blocks = 0
-            self._grow_to(max(_MIN_GROW_BLOCKS, n_bytes // self.block_bytes))
-            self._index.assign(keys, slots)
-            _mark(self._used, self._live, np.ascontiguousarray(slots, np.int64),
-                  self.rows_per_block, 1)
-            return
-        # written with another physical_block_size: re-pack row by row through the index
-        other = np.memmap(src, np.float32, "r")
-        view = np.ndarray((os.path.getsize(src) // layout["block_bytes"], layout["rows_per_block"],
-                           self.line_size), np.float32, buffer=other,
-                          strides=(layout["block_bytes"], 4 * self.line_size, 4))
+        rows = np.memmap(src, np.float32, "r")
+        rpb, bb = layout["rows_per_block"], layout["block_bytes"]
+        view = np.ndarray((os.path.getsize(src) // bb, rpb, self.line_size), np.float32,
+                          buffer=rows, strides=(bb, 4 * self.line_size, 4))
         for start in range(0, keys.shape[0], 1 << 16):
             s = slots[start:start + (1 << 16)]
-            lines = np.ascontiguousarray(view[s // layout["rows_per_block"], s % layout["rows_per_block"]])
-            self.insert_or_assign(keys[start:start + (1 << 16)], lines)
-        del view, other
-        _drop_cached(src)
+            self.insert_or_assign(keys[start:start + (1 << 16)],
+                                  np.ascontiguousarray(view[s // rpb, s % rpb]))
+        del view, rows
 
     def close(self) -> None:
+        """Close every segment; the live table is scratch (snapshots hold what was saved), so
+        segments no snapshot refers to are deleted."""
+        if self._io is None:
+            return
+        self._active = None
+        for seg in list(self._segments.values()):
+            self._forget(seg)
+        try:
+            self.collect_garbage()
+        except OSError:
+            pass
         self._read_buffer.release()
         self._write_buffer.release()
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
-        if self._file is not None and self._file.fd is not None:
-            mine = os.fstat(self._file.fd).st_ino
-            self._file.close()
-            try:  # scratch: the next open recreates it, snapshots hold the durable copy
-                if os.stat(self.path).st_ino == mine:  # not a newer store's file
-                    os.unlink(self.path)
-            except OSError:
-                pass
-        self._file = None
+        self._io.close()
+        self._io = None
 
     def __del__(self):
         try:
@@ -560,56 +740,8 @@ class SlotFileStore(StoreTier):
             pass
 
 
-def _drop_cached(path: str, fd: int | None = None) -> None:
-    """Ask the kernel to drop the clean page-cache pages of a file we read or wrote buffered
-    (a snapshot copy), so the table's RAM use stays what the caches account for."""
-    own = fd is None
+def _allocated(path: str) -> int:
     try:
-        if own:
-            fd = os.open(path, os.O_RDONLY)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    except OSError:  # advice only
-        pass
-    finally:
-        if own and fd is not None:
-            os.close(fd)
-
-
-def _copy_fd_range(src_path: str, dst_fd: int, n_bytes: int) -> None:
-    src = os.open(src_path, os.O_RDONLY)
-    try:
-        done = 0
-        while done < n_bytes:
-            got = _copy_range(src, dst_fd, n_bytes - done, done, done)
-            if got == 0:
-                raise OSError(f"{src_path!r} ended after {done} of {n_bytes} bytes")
-            done += got
-        _drop_cached(src_path, src)
-    finally:
-        os.close(src)
-
-
-def _copy_file(src_path: str, dst_path: str, n_bytes: int) -> None:
-    """Copy the first ``n_bytes`` of ``src_path`` (zero-padded if shorter) and fsync the copy."""
-    n_bytes = min(n_bytes, os.path.getsize(src_path))
-    fd = os.open(dst_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _copy_fd_range(src_path, fd, n_bytes)
-        os.fsync(fd)
-        _drop_cached(dst_path, fd)
-    finally:
-        os.close(fd)
-
-
-def _restore_file(src_path: str, dst_path: str, n_bytes: int) -> None:
-    """Replace the contents of the working file ``dst_path`` by the first ``n_bytes`` of
-    ``src_path``, through a buffered descriptor of its own (copy_file_range and O_DIRECT do not
-    mix); written back and dropped from the page cache before the O_DIRECT reads begin."""
-    fd = os.open(dst_path, os.O_WRONLY)
-    try:
-        os.ftruncate(fd, 0)
-        _copy_fd_range(src_path, fd, n_bytes)
-        os.fdatasync(fd)
-        _drop_cached(dst_path, fd)
-    finally:
-        os.close(fd)
+        return os.stat(path).st_blocks * 512
+    except OSError:
+        return 0
