@@ -1,35 +1,32 @@
-"""The "rocksdb" SSD engine: lines in RocksDB through ``rocksdict``.
+"""The "rocksdb" SSD engine: lines in RocksDB through ``rocksdict``, no key index in RAM.
 
 Keys are 8-byte big-endian uint64 (so RocksDB's byte order is the numeric order), values the raw
 float32 bytes of a line. Reads are batched multi-gets (``db.get(list)``, which releases the GIL,
 split over two threads for big batches); writes are one ``WriteBatch`` per call with the WAL off:
 the working DB is scratch and durability comes from snapshots. Options suit fixed-size,
-incompressible values: no compression, a 10-bit bloom filter, whole-key filtering, 64 MB write
-buffers.
+incompressible values: no compression, data blocks of at least 8 rows (4 KiB or more), a 10-bit
+bloom filter per key, index and filter blocks held by the table readers (not evicted from a
+cache, so a lookup of a key never stored reads nothing from the disk), reads with O_DIRECT
+where the file system allows it (the block cache is then the only RAM that holds rows).
 
-The engine also keeps the set of stored keys in a ``HashIndex`` (about 16-23 bytes a key) so that
-``len`` is exact and a lookup of a key never written skips RocksDB entirely.
+RAM per stored key is what RocksDB's table readers hold: 1.25 bytes of bloom filter and one
+index entry (~18 bytes) per data block, ~3 bytes a key for 384-byte lines. The row count needs no
+index either: a write asks RocksDB which of its keys it holds already (a multi-get whose bloom
+filters answer for new keys without reading the disk) and counts the others as new.
 
-Snapshot: ``db.flush()``, a full compaction (so the snapshot pins no overwritten versions), then
-a RocksDB checkpoint (hard links to the immutable SST files plus copies of the small metadata
-files) in ``<snapshot>/db/``, every file fsync'd, with ``keys.npy`` and ``rocksdb.json`` (the row
-count and the size of every ``db/`` file) beside it; the snapshot manifest covers all of them
-with CRC32s, checked before a load. Load: the working DB is replaced by a *copy* of exactly the
-files ``rocksdb.json`` lists.
-
-Snapshot and working DB share no file once the store is closed: a hard link is one inode in two
-folders, so a write into a leftover working SST would damage the snapshot too. ``close()``
-therefore deletes the working DB (scratch: every open discards it anyway), and a load copies
-instead of linking. Saving keeps its hard links: RocksDB never writes into an SST, and copying
-would double the disk held (measured on the bounded-disk test: 3.06-3.14x the live rows with
-copies, against a bound of 3x; 1.2-1.9x with links). What is left: a process killed after a
-save leaves working SSTs that share the newest snapshot's inodes until the next open deletes
-them; a write into one of those in that window is refused at load by the manifest's CRC32.
-Cost of the copy at load, 1M rows on this project's 2-core VM (ext4, busy): 0.25-0.34 s for
-138 MiB (line_size 32), 2.6-3.9 s for 508 MiB (line_size 128), against well under 0.3 s to link.
+Snapshot (incremental): ``db.flush()`` then a RocksDB checkpoint in ``<snapshot>/db/``: the SST
+files are hard links (RocksDB never writes into an SST after creating it, and deletes it only
+by name, so the inode stays valid while any snapshot or working DB links it); the small
+metadata files are copies. No compaction is forced, so a save writes what changed since the
+last one (the memtable) plus metadata. The CRC32 of each SST is computed once per inode (new
+SSTs only) and recorded in the manifest as a shared file. Load (reopen in place): the working
+DB is rebuilt from hard links to the snapshot's SSTs and copies of its metadata files (a copy
+where the file system cannot link). Deleting a snapshot removes its links; the SSTs go when the
+last link does: disk is reclaimed without a collector of our own.
 """
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -39,11 +36,26 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import SnapshotError, StoreError
-from ..tiers import HashIndex, StoreTier, empty_lines
-from .durable import copy_file, fsync_dir, fsync_path, read_array, write_array, write_bytes_atomic
+from ..tiers import StoreTier, empty_lines
+from .direct_io import probe_direct_io
+from .durable import copy_file, file_crc32, fsync_dir, fsync_path, write_bytes_atomic
+from .snapshots import read_manifest
 
 DB_DIR = "rocksdb"
+INFO_FILE = "rocksdb.json"
 _PARALLEL_KEYS = 1 << 13
+#: rows a data block holds at least (the index costs one entry, ~18 bytes, per block)
+MIN_ROWS_PER_BLOCK = 8
+#: blob files in the oldest quarter get their live values relocated when their keys compact ...
+BLOB_GC_AGE_CUTOFF = 0.25
+#: ... and a compaction is forced once half of those files' bytes are garbage
+BLOB_GC_FORCE_THRESHOLD = 0.5
+#: bytes a blob record adds to its value (key, header, checksum), for the live-size estimate
+BLOB_RECORD_OVERHEAD = 40
+#: a save compacts first when the DB takes more than this many times its live rows' bytes
+COMPACT_ABOVE = 1.5
+#: the immutable data files of a DB (shared by hard links); the rest are small metadata copies
+_SHARED_SUFFIXES = (".sst", ".blob")
 
 
 def _rocksdict():
@@ -60,7 +72,13 @@ def encode_keys(keys: np.ndarray) -> list[bytes]:
     return [raw[i:i + 8] for i in range(0, len(raw), 8)]
 
 
-def _db_options(rd, write_buffer_mb: int, block_cache_mb: int):
+def data_block_bytes(line_size: int) -> int:
+    """The data block size: the smallest power of two >= 4 KiB holding MIN_ROWS_PER_BLOCK rows."""
+    need = MIN_ROWS_PER_BLOCK * (4 * line_size + 16)
+    return max(4096, 1 << (need - 1).bit_length())
+
+
+def _db_options(rd, line_size: int, write_buffer_mb: int, block_cache_mb: int, direct: bool):
     opts = rd.Options(raw_mode=True)
     opts.create_if_missing(True)
     opts.set_compression_type(rd.DBCompressionType.none())
@@ -71,14 +89,25 @@ def _db_options(rd, write_buffer_mb: int, block_cache_mb: int):
     opts.set_level_compaction_dynamic_level_bytes(True)
     # every line is overwritten again and again: merge L0 early so old versions do not pile up
     opts.set_level_zero_file_num_compaction_trigger(2)
+    opts.set_use_direct_reads(direct)
     table = rd.BlockBasedOptions()
+    table.set_block_size(data_block_bytes(line_size))
     table.set_bloom_filter(10, False)
     table.set_block_cache(rd.Cache(block_cache_mb << 20))
-    table.set_cache_index_and_filter_blocks(True)
-    table.set_pin_l0_filter_and_index_blocks_in_cache(True)
+    table.set_cache_index_and_filter_blocks(False)
     opts.set_block_based_table_factory(table)
     opts.set_memtable_whole_key_filtering(True)
     opts.set_memtable_prefix_bloom_ratio(0.1)
+    # values in blob files (BlobDB): compaction then rewrites only the small key SSTs, so a
+    # snapshot's links pin little that compaction replaces; blob garbage is reclaimed by
+    # relocating the live values of the oldest quarter of blob files as their keys compact
+    opts.set_enable_blob_files(True)
+    opts.set_min_blob_size(0)
+    opts.set_blob_file_size(64 << 20)
+    opts.set_blob_compression_type(rd.DBCompressionType.none())
+    opts.set_enable_blob_gc(True)
+    opts.set_blob_gc_age_cutoff(BLOB_GC_AGE_CUTOFF)
+    opts.set_blob_gc_force_threshold(BLOB_GC_FORCE_THRESHOLD)
     return opts
 
 
@@ -86,30 +115,35 @@ class RocksDBStore(StoreTier):
     """Bottom tier on SSD: every key's line in the RocksDB at ``<directory>/rocksdb``."""
 
     def __init__(self, line_size: int, directory: str, threads: int = 2,
-                 write_buffer_mb: int = 64, block_cache_mb: int = 64, name: str = "ssd.rocksdb"):
+                 write_buffer_mb: int = 64, block_cache_mb: int = 64, name: str = "ssd.rocksdb",
+                 direct_io: bool = True):
         self._rd = _rocksdict()
         self.line_size = int(line_size)
         self.name = name
         self.threads = max(1, int(threads))
         self.path = os.path.join(directory, DB_DIR)
-        self._options = _db_options(self._rd, write_buffer_mb, block_cache_mb)
         self._write_options = self._rd.WriteOptions()
         self._write_options.disable_wal = True
         self._compact_options = self._rd.CompactOptions()
         self._compact_options.set_bottommost_level_compaction(
             self._rd.BottommostLevelCompaction.force())
-        self._index = HashIndex()
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self._db = None
+        self._rows = 0
+        #: CRC32 of the SSTs seen so far, by inode: (dev, ino) -> (size, crc32)
+        self._crcs: dict[tuple[int, int], tuple[int, int]] = {}
         try:
             os.makedirs(directory, exist_ok=True)
             # scratch state: whatever a killed process left here is discarded
             shutil.rmtree(self.path, ignore_errors=True)
+            self.direct_io = bool(direct_io) and probe_direct_io(directory)
         except OSError as e:
             raise StoreError(
                 f"cannot create the RocksDB folder under {directory!r} ({e.strerror or e}): "
                 "give a persistent_path this process can write"
             ) from None
+        self._options = _db_options(self._rd, self.line_size, write_buffer_mb, block_cache_mb,
+                                    self.direct_io)
         self._open()
 
     def _open(self) -> None:
@@ -123,57 +157,65 @@ class RocksDBStore(StoreTier):
             self._db.close()
             self._db = None
 
+    def _int_property(self, name: str) -> int:
+        try:
+            return int(self._db.property_int_value(name) or 0)
+        except Exception:
+            return 0
+
     # -- Tier -------------------------------------------------------------------------------
     def __len__(self) -> int:
-        return len(self._index)
+        return self._rows
 
     @property
     def memory_bytes(self) -> int:
-        return self._index.nbytes
+        """RocksDB's own RAM: table readers (index and filter blocks), memtables, block cache."""
+        if self._db is None:
+            return 0
+        return sum(self._int_property(p) for p in (
+            "rocksdb.estimate-table-readers-mem", "rocksdb.cur-size-all-mem-tables",
+            "rocksdb.block-cache-usage"))
 
     @property
     def disk_bytes(self) -> int:
         return tree_disk_bytes(self.path)
 
-    def _multi_get(self, keys: np.ndarray, out: np.ndarray | None = None,
-                   out_rows: np.ndarray | None = None) -> np.ndarray:
-        """keys: (n,) uint64, all present -> lines (n, line_size) float32, or into
-        ``out[out_rows]`` (one copy, from RocksDB's value bytes)."""
+    def space_amplification(self) -> float:
+        """Bytes of the DB's SST and blob files over the bytes its live rows need."""
+        live = self._rows * (4 * self.line_size + BLOB_RECORD_OVERHEAD)
+        used = self._int_property("rocksdb.total-blob-file-size") + \
+            self._int_property("rocksdb.live-sst-files-size")
+        return used / max(1, live)
+
+    def _multi_get(self, keys: np.ndarray) -> list:
+        """keys: (n,) uint64 -> n values (bytes, or None where absent)."""
         n = keys.shape[0]
-        if out is None:
-            out = np.empty((n, self.line_size), np.float32)
-            out_rows = slice(None)
         if n == 0:
-            return out
+            return []
         kb = encode_keys(keys)
         try:
             if self._pool is None or n < _PARALLEL_KEYS:
-                values = self._db.get(kb)
-            else:
-                step = -(-n // self.threads)
-                parts = self._pool.map(self._db.get, [kb[i:i + step] for i in range(0, n, step)])
-                values = [v for part in parts for v in part]
+                return self._db.get(kb)
+            step = -(-n // self.threads)
+            parts = self._pool.map(self._db.get, [kb[i:i + step] for i in range(0, n, step)])
+            return [v for part in parts for v in part]
         except Exception as e:
             raise StoreError(f"{self.name}: multi-get of {n} keys failed: {e}") from None
-        if any(v is None for v in values):
-            missing = [int(k) for k, v in zip(keys, values) if v is None][:5]
-            raise StoreError(
-                f"{self.name}: keys {missing} are indexed but absent from RocksDB at {self.path!r}: "
-                "the working DB was changed behind this process; reload a snapshot"
-            )
-        out[out_rows] = np.frombuffer(b"".join(values), np.float32).reshape(n, self.line_size)
-        return out
 
     def find(self, keys, out, out_rows):
         keys = np.ascontiguousarray(keys, np.uint64)
-        found = self._index.find(keys) >= 0
-        self._multi_get(keys[found], out, np.asarray(out_rows)[found])
+        values = self._multi_get(keys)
+        found = np.fromiter((v is not None for v in values), np.bool_, len(values))
+        if found.any():
+            raw = b"".join(v for v in values if v is not None)
+            out[np.asarray(out_rows)[found]] = np.frombuffer(raw, np.float32).reshape(-1, self.line_size)
         return np.flatnonzero(~found)
 
     def insert_or_assign(self, keys, lines):
         keys = np.ascontiguousarray(keys, np.uint64)
         n = keys.shape[0]
         if n:
+            new = sum(v is None for v in self._multi_get(keys))
             raw = np.ascontiguousarray(lines, np.float32).tobytes()
             row = 4 * self.line_size
             batch = self._rd.WriteBatch(raw_mode=True)
@@ -186,98 +228,155 @@ class RocksDBStore(StoreTier):
                     f"{self.name}: writing {n} rows to {self.path!r} failed ({e}); free disk space "
                     "or move persistent_path. The last snapshot is intact"
                 ) from None
-            self._index.find_or_insert(keys)  # only once the rows are in the DB
+            self._rows += new
         return empty_lines(self.line_size)
 
-    def sorted_keys(self) -> np.ndarray:
-        return np.sort(self._index.items()[0])
+    def erase(self, keys: np.ndarray) -> int:
+        """Delete keys (n,) uint64; returns how many were stored."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        held = [k for k, v in zip(encode_keys(keys), self._multi_get(keys)) if v is not None]
+        batch = self._rd.WriteBatch(raw_mode=True)
+        for k in held:
+            batch.delete(k)
+        self._db.write(batch, self._write_options)
+        self._rows -= len(held)
+        return len(held)
 
     def export_batches(self, batch_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        keys = self.sorted_keys()
-        for start in range(0, keys.shape[0], batch_rows):
-            part = keys[start:start + batch_rows]
-            yield part, self._multi_get(part)
+        """Every row in key order, read by iterating the DB (no key list in RAM). An iterator
+        that stops on an error (a block failing its checksum) raises, never ends early."""
+        it = self._db.iter()
+        it.seek_to_first()
+        while True:
+            keys, values = [], []
+            while it.valid() and len(keys) < batch_rows:
+                keys.append(it.key())
+                values.append(it.value())
+                it.next()
+            if not it.valid():
+                try:
+                    it.status()
+                except Exception as e:
+                    raise StoreError(f"{self.name}: reading {self.path!r} failed: {e}; load "
+                                     "another snapshot") from None
+            if keys:
+                yield (np.frombuffer(b"".join(keys), ">u8").astype(np.uint64),
+                       np.frombuffer(b"".join(values), np.float32).reshape(-1, self.line_size).copy())
+            if not it.valid():
+                return
 
     def clear(self) -> None:
         self._close_db()
         shutil.rmtree(self.path, ignore_errors=True)
-        self._index.clear()
+        self._rows = 0
         self._open()
 
     # -- snapshots --------------------------------------------------------------------------
-    def save_snapshot(self, directory: str) -> None:
-        """Write ``db/`` (a RocksDB checkpoint), ``keys.npy`` and ``rocksdb.json`` into
-        ``directory``, every file fsync'd. The checkpoint hard-links the SSTs: until compaction
-        replaces them or ``close()`` deletes the working DB, they are shared (RocksDB never
-        writes into an SST, it only creates and deletes them)."""
-        keys = self.sorted_keys()
+    def _sst_crc(self, path: str) -> int:
+        """CRC32 of an SST or blob file, computed once per inode (they never change)."""
+        st = os.stat(path)
+        known = self._crcs.get((st.st_dev, st.st_ino))
+        if known is not None and known[0] == st.st_size:
+            return known[1]
+        crc = file_crc32(path)
+        self._crcs[(st.st_dev, st.st_ino)] = (st.st_size, crc)
+        return crc
+
+    def save_snapshot(self, directory: str) -> dict:
+        """Write ``db/`` (a RocksDB checkpoint: SSTs hard-linked, metadata copied) and
+        ``rocksdb.json`` into ``directory``; returns the SSTs' sizes and CRC32s (shared files)."""
         target = os.path.join(directory, "db")
         try:
             self._db.flush()  # the WAL is off: the memtable must reach an SST first
-            # drop every overwritten version first, so the snapshot holds only live rows and
-            # does not pin garbage SSTs until the next snapshot (bounds disk use)
-            self._db.compact_range(None, None, self._compact_options)
+            if self.space_amplification() > COMPACT_ABOVE:
+                # most of the table changed since the last save (old versions outweigh the
+                # live rows): compacting now costs about what changed, and keeps the snapshot
+                # from pinning the garbage
+                self._db.compact_range(None, None, self._compact_options)
             self._rd.Checkpoint(self._db).create_checkpoint(target)
         except Exception as e:
             raise StoreError(f"{self.name}: RocksDB checkpoint into {target!r} failed: {e}") from None
         try:
-            files = {}
+            files, shared = {}, {}
             for entry in sorted(os.listdir(target)):
-                fsync_path(os.path.join(target, entry))
-                files[entry] = os.path.getsize(os.path.join(target, entry))
+                path = os.path.join(target, entry)
+                files[entry] = os.path.getsize(path)
+                if entry.endswith(_SHARED_SUFFIXES):
+                    shared[f"db/{entry}"] = {"bytes": files[entry], "crc32": self._sst_crc(path)}
+                else:
+                    fsync_path(path)
             fsync_dir(target)
-            write_array(os.path.join(directory, "keys.npy"), keys)
-            write_bytes_atomic(os.path.join(directory, "rocksdb.json"), json.dumps(
-                {"engine": "rocksdb", "line_size": self.line_size, "rows": int(keys.shape[0]),
-                 "db_files": files}
-            ).encode())
+            write_bytes_atomic(os.path.join(directory, INFO_FILE), json.dumps(
+                {"engine": "rocksdb", "line_size": self.line_size, "rows": self._rows,
+                 "db_files": files}).encode())
         except OSError as e:
             raise StoreError(
                 f"{self.name}: writing snapshot files into {directory!r} failed ({e.strerror or e}); "
                 "free disk space and save again. The previous snapshot of that name is intact"
             ) from None
+        return shared
 
-    def load_snapshot(self, directory: str) -> None:
-        """Replace the working DB by a copy of the snapshot's ``db/`` files (exactly those that
-        ``rocksdb.json`` lists, each of its recorded size: the manifest's checksums cover them)."""
-        source = os.path.join(directory, "db")
+    def _read_info(self, directory: str) -> dict:
         try:
-            with open(os.path.join(directory, "rocksdb.json"), "rb") as f:
+            with open(os.path.join(directory, INFO_FILE), "rb") as f:
                 info = json.loads(f.read())
-            keys = read_array(os.path.join(directory, "keys.npy"))
         except (OSError, ValueError) as e:
             raise SnapshotError(f"{self.name}: snapshot {directory!r} is unreadable: {e}") from None
         db_files = info.get("db_files") if isinstance(info, dict) else None
         if not isinstance(db_files, dict) or not db_files or info.get("engine") != "rocksdb" \
-                or info.get("line_size") != self.line_size or info.get("rows") != keys.shape[0]:
+                or info.get("line_size") != self.line_size or not isinstance(info.get("rows"), int):
             raise SnapshotError(
-                f"{self.name}: snapshot {directory!r} holds {info} with {keys.shape[0]} keys; this "
-                f"store needs a 'rocksdb' snapshot of line_size={self.line_size}"
-            )
+                f"{self.name}: snapshot {directory!r} holds {info}; this store needs a 'rocksdb' "
+                f"snapshot of line_size={self.line_size}")
         for entry, size in db_files.items():
-            fpath = os.path.join(source, entry)
+            fpath = os.path.join(directory, "db", entry)
             if os.path.basename(entry) != entry or not os.path.isfile(fpath) \
                     or os.path.getsize(fpath) != size:
                 raise SnapshotError(
                     f"{self.name}: snapshot {directory!r} is damaged: db/{entry} is missing or not "
-                    f"{size} bytes; load another snapshot"
-                )
+                    f"{size} bytes; load another snapshot")
+        return info
+
+    def load_snapshot(self, directory: str) -> None:
+        """Rebuild the working DB from the snapshot's ``db/`` files (exactly those that
+        ``rocksdb.json`` lists): SSTs hard-linked, the rest copied."""
+        info = self._read_info(directory)
+        source = os.path.join(directory, "db")
         self._close_db()
         shutil.rmtree(self.path, ignore_errors=True)
         try:
             os.mkdir(self.path)
-            for entry in db_files:
-                copy_file(os.path.join(source, entry), os.path.join(self.path, entry))
+            for entry in info["db_files"]:
+                src, dst = os.path.join(source, entry), os.path.join(self.path, entry)
+                if entry.endswith(_SHARED_SUFFIXES):
+                    _link_or_copy(src, dst)
+                else:
+                    copy_file(src, dst)
         except OSError as e:
             raise StoreError(f"{self.name}: restoring {source!r} into {self.path!r} failed: {e}") from None
         self._open()
-        self._index.clear()
-        self._index.find_or_insert(keys)
+        self._rows = int(info["rows"])
+        self._remember_checksums(directory)
+
+    def _remember_checksums(self, directory: str) -> None:
+        """Take the CRC32s the snapshot's manifest records of its SSTs (the working DB links the
+        same inodes), so the next save reads none of them again."""
+        try:
+            files = read_manifest(directory, os.path.basename(directory))["files"]
+        except (SnapshotError, KeyError, TypeError):
+            return  # a bare snapshot folder (no manifest): the next save computes them
+        for rel, entry in files.items():
+            if rel.startswith("db/") and rel.endswith(_SHARED_SUFFIXES):
+                try:
+                    st = os.stat(os.path.join(directory, rel))
+                except OSError:
+                    continue
+                if st.st_size == entry.get("bytes"):
+                    self._crcs[(st.st_dev, st.st_ino)] = (st.st_size, int(entry["crc32"]))
 
     def close(self) -> None:
-        """Close the DB and delete it: it is scratch (discarded by the next open anyway), and
-        its SSTs may still be hard links to a snapshot's, which a write into a leftover
-        working file would damage."""
+        """Close the DB and delete its folder: it is scratch (discarded by the next open
+        anyway); SSTs a snapshot links stay there."""
         self._close_db()
         shutil.rmtree(self.path, ignore_errors=True)
         if self._pool is not None:
@@ -289,6 +388,15 @@ class RocksDBStore(StoreTier):
             self.close()
         except Exception:
             pass
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        copy_file(src, dst)
 
 
 def tree_disk_bytes(path: str) -> int:
