@@ -40,6 +40,7 @@ from .errors import ConfigError, SnapshotError
 from .store.memory import MemoryStore
 from .store.rocksdb_store import RocksDBStore
 from .store.slot_file import SlotFileStore
+from .store.snapshots import lease
 from .tiers import StoreTier, Tier, TierCounters
 
 
@@ -129,10 +130,14 @@ class TierChain:
             self._write_from(0, keys, lines, self.launch is not None)
 
     def flush(self) -> None:
-        """Write every cache level down, top first, so the bottom store holds the newest lines."""
+        """Write every cache level down, top first, so the bottom store holds the newest lines.
+        A level that tracks dirty lines (``flush_batches``) writes only those, then holds them
+        clean; the others write every line they hold."""
         with self._lock, self._device_order():
             for level in range(len(self.tiers) - 1):
-                for keys, lines in self.tiers[level].export_batches():
+                tier = self.tiers[level]
+                batches = getattr(tier, "flush_batches", tier.export_batches)
+                for keys, lines in batches():
                     self._write_from(level + 1, keys, lines, self._on_device[level])
 
     def _write_from(self, level: int, keys, lines, on_device: bool = False) -> None:
@@ -256,19 +261,25 @@ class TierChain:
             for tier in self.tiers[:-1]:
                 tier.clear()
 
-    def save_snapshot(self, directory: str) -> None:
+    def save_snapshot(self, directory: str) -> dict | None:
         """Flush, then write the bottom store's whole state into ``directory``."""
         with self._lock:
             self.flush()
-            self.save_bottom(directory)
+            return self.save_bottom(directory)
 
-    def save_bottom(self, directory: str) -> None:
+    def save_bottom(self, directory: str) -> dict | None:
         """Write the bottom store's whole state into ``directory`` as it is (no flush); a device
-        store's copy to the host is counted."""
+        store's copy to the host is counted. Returns the store's shared-file checksums."""
         with self._lock, self._device_order():
-            self.bottom.save_snapshot(directory)
+            shared = self.bottom.save_snapshot(directory)
             if self._on_device[-1]:
                 self.transfers.to_host(self._bottom_bytes(), copies=2)
+            return shared
+
+    def collect_garbage(self) -> int:
+        """The bottom store's garbage collection (files no snapshot and no live row needs)."""
+        with self._lock:
+            return self.bottom.collect_garbage()
 
     def load_snapshot(self, directory: str) -> None:
         """Drop every cached line and restore the bottom store from ``directory``."""
@@ -416,8 +427,10 @@ def open_store_for_snapshot(engine: str, line_size: int, scratch: str,
 
 def read_snapshot_rows(folder: str, engine: str, line_size: int, batch_rows: int = 1 << 16):
     """Every (keys (k,) uint64, lines (k, line_size) float32) of the snapshot in ``folder``,
-    written by a store of kind ``engine``, read back through a private store of that kind."""
-    with tempfile.TemporaryDirectory(prefix="one_embedding_snapshot_") as scratch:
+    written by a store of kind ``engine``, read back through a private store of that kind. A
+    lease keeps the snapshot's files on disk while it is read, even if the process that owns
+    the path deletes the snapshot meanwhile."""
+    with lease(folder), tempfile.TemporaryDirectory(prefix="one_embedding_snapshot_") as scratch:
         store = open_store_for_snapshot(engine, line_size, scratch)
         try:
             store.load_snapshot(folder)

@@ -20,11 +20,17 @@ measured, an 8,192 MB budget holding 50k keys took 8.7-9.9 GB of RAM that way. :
     way_stamp  (n_sets, ways) int64      per block: clock of the last touch
     way_freq   (n_sets, ways) int64      per block: touches since the line came in (LFU only)
     way_row    (n_sets, ways) int64      per block: row of ``rows`` holding the way's line
+    way_dirty  (n_sets, ways) bool       per block: the line is newer than the copy below
     rows       (n_sets * ways, line_size) float32
     alloc      (2,) int64                blocks and rows handed out so far
 
 Where a line sits in memory does not change which set or way it belongs to, so hits, victims and
 evictions are exactly those of a cache indexed by set.
+
+A written line is *dirty*; ``flush_batches`` hands the dirty lines to the level below and marks
+them clean once it has them (a snapshot's flush). A clean line has an identical copy lower down,
+so evicting it writes nothing, and the next snapshot's flush writes only what changed since the
+last one, not the whole cache again.
 
 ``find`` never fills. ``insert_or_assign`` writes every key into the cache, in batch order; the
 line a new key displaces is copied out before it is overwritten and returned for the next tier
@@ -53,8 +59,8 @@ _LRU, _LFU = 0, 1
 
 
 @njit(cache=True, nogil=True)
-def _find(set_block, way_keys, way_used, way_stamp, way_freq, way_row, rows, keys, clock, out,
-          out_rows, missing):
+def _find(set_block, way_keys, way_used, way_stamp, way_freq, way_row, way_dirty, rows, keys,
+          clock, out, out_rows, missing):
     """out[out_rows[i]] = line of keys[i] for every hit (touched); misses go to ``missing``.
 
     Returns (clock, n_missing).
@@ -85,17 +91,19 @@ def _find(set_block, way_keys, way_used, way_stamp, way_freq, way_row, rows, key
 
 
 @njit(cache=True, nogil=True)
-def _insert(set_block, way_keys, way_used, way_stamp, way_freq, way_row, rows, alloc, policy,
-            keys, lines, clock, ev_keys, ev_lines):
-    """Write lines (n, line_size) of keys (n,) in order; evicted lines are copied to ev_*.
-    A set's first line takes the next free block, a way's first line the next free row
-    (``alloc``: blocks and rows handed out, updated in place).
+def _insert(set_block, way_keys, way_used, way_stamp, way_freq, way_row, way_dirty, rows, alloc,
+            policy, keys, lines, clock, ev_keys, ev_lines):
+    """Write lines (n, line_size) of keys (n,) in order; evicted dirty lines are copied to ev_*
+    (clean ones have a copy below and are dropped). A set's first line takes the next free
+    block, a way's first line the next free row (``alloc``: blocks and rows handed out, updated
+    in place).
 
-    Returns (clock, n_evicted, n_new).
+    Returns (clock, n_evicted_dirty, n_evicted, n_new).
     """
     n_sets = set_block.shape[0]
     ways = way_keys.shape[1]
     n_ev = 0
+    n_gone = 0
     n_new = 0
     for i in range(keys.shape[0]):
         k = keys[i]
@@ -136,16 +144,33 @@ def _insert(set_block, way_keys, way_used, way_stamp, way_freq, way_row, rows, a
                             target = w
                     elif way_stamp[b, w] < way_stamp[b, target]:
                         target = w
-                ev_keys[n_ev] = way_keys[b, target]
-                ev_lines[n_ev, :] = rows[way_row[b, target], :]
-                n_ev += 1
+                if way_dirty[b, target]:
+                    ev_keys[n_ev] = way_keys[b, target]
+                    ev_lines[n_ev, :] = rows[way_row[b, target], :]
+                    n_ev += 1
+                n_gone += 1
             way_keys[b, target] = k
             way_used[b, target] = True
             way_freq[b, target] = 1
         way_stamp[b, target] = clock
+        way_dirty[b, target] = True
         clock += 1
         rows[way_row[b, target], :] = lines[i, :]
-    return clock, n_ev, n_new
+    return clock, n_ev, n_gone, n_new
+
+
+@njit(cache=True, nogil=True)
+def _mark_clean(set_block, way_keys, way_used, way_dirty, keys):
+    """Mark the held lines of ``keys`` (n,) uint64 clean."""
+    n_sets = set_block.shape[0]
+    for i in range(keys.shape[0]):
+        b = set_block[np.int64(jit_mix64(keys[i]) % np.uint64(n_sets))]
+        if b < 0:
+            continue
+        for w in range(way_keys.shape[1]):
+            if way_used[b, w] and way_keys[b, w] == keys[i]:
+                way_dirty[b, w] = False
+                break
 
 
 def _keep_last(keys: np.ndarray, lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -201,6 +226,7 @@ class SetAssociativeCache(Tier):
             self._way_stamp = host_arrays.zeros(shape, np.int64)
             self._way_freq = host_arrays.zeros(shape, np.int64)
             self._way_row = host_arrays.zeros(shape, np.int64)
+            self._way_dirty = host_arrays.zeros(shape, np.bool_)
             self._rows = host_arrays.zeros((self.n_sets * self.ways, self.line_size), np.float32)
         except (MemoryError, OSError) as e:  # the address space for the budget was refused
             want_mb = self.n_sets * self.ways * (4 * self.line_size + 41) / 2**20
@@ -233,7 +259,7 @@ class SetAssociativeCache(Tier):
 
     def _arrays(self) -> tuple:
         return (self._way_keys, self._way_used, self._way_stamp, self._way_freq, self._way_row,
-                self._rows)
+                self._way_dirty, self._rows)
 
     def find(self, keys, out, out_rows):
         """keys: (n,) uint64; out: (N, line_size) float32; out_rows: (n,) int64 -> missing (m,)
@@ -248,9 +274,9 @@ class SetAssociativeCache(Tier):
     def insert_or_assign(self, keys, lines):
         """keys: (n,) uint64 unique, lines: (n, line_size) float32.
 
-        Returns the evicted (keys (m,) uint64 unique, lines (m, line_size) float32), m <= n, in
-        the order of their last eviction; a key evicted twice in one call leaves with its newer
-        line only.
+        Returns the evicted dirty lines (keys (m,) uint64 unique, lines (m, line_size)
+        float32), m <= n, in the order of their last eviction; a key evicted twice in one call
+        leaves with its newer line only. Evicted clean lines (identical below) are dropped.
         """
         keys = np.ascontiguousarray(keys, np.uint64)
         lines = np.ascontiguousarray(lines, np.float32)
@@ -259,17 +285,20 @@ class SetAssociativeCache(Tier):
             return empty_lines(self.line_size)
         ev_keys = np.empty(n, np.uint64)
         ev_lines = np.empty((n, self.line_size), np.float32)
-        self._clock, n_ev, n_new = _insert(
+        self._clock, n_ev, n_gone, n_new = _insert(
             self._set_block, *self._arrays(), self._alloc, self._policy_code, keys, lines,
             self._clock, ev_keys, ev_lines,
         )
-        self._size += n_new - n_ev
+        self._size += n_new - n_gone
         return _keep_last(ev_keys[:n_ev], ev_lines[:n_ev])
 
-    def _held(self) -> tuple[np.ndarray, np.ndarray]:
-        """(keys (k,) uint64 sorted, rows (k,) int64): every held key and the row of its line."""
+    def _held(self, dirty_only: bool = False) -> tuple[np.ndarray, np.ndarray]:
+        """(keys (k,) uint64 sorted, rows (k,) int64): every held key (or every dirty one) and
+        the row of its line."""
         blocks = int(self._alloc[0])
         used = self._way_used[:blocks]
+        if dirty_only:
+            used = used & self._way_dirty[:blocks]
         keys = self._way_keys[:blocks][used]
         order = np.argsort(keys, kind="stable")  # deterministic export order
         return keys[order], self._way_row[:blocks][used][order]
@@ -283,6 +312,17 @@ class SetAssociativeCache(Tier):
         for start in range(0, keys.shape[0], batch_rows):
             stop = start + batch_rows
             yield keys[start:stop], self._rows[row_ids[start:stop]]
+
+    def flush_batches(self, batch_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        """The dirty (keys (k,) uint64, lines (k, line_size) float32), sorted by key, in batches;
+        each batch is marked clean once the caller asks for the next one (a caller that fails
+        writing a batch down leaves it dirty)."""
+        keys, row_ids = self._held(dirty_only=True)
+        for start in range(0, keys.shape[0], batch_rows):
+            stop = start + batch_rows
+            yield keys[start:stop], self._rows[row_ids[start:stop]]
+            _mark_clean(self._set_block, self._way_keys, self._way_used, self._way_dirty,
+                        keys[start:stop])
 
     def clear(self) -> None:
         # blocks and rows are handed out afresh (``_insert`` resets a block when it hands it out)
