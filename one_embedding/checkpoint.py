@@ -216,14 +216,14 @@ def config_differences(saved: dict, current: dict, free: set) -> list[str]:
     return out
 
 
-def prune_checkpoints(rank_folder: str, keep: int, prefix: str = "step-") -> list[str]:
-    """Delete all but the ``keep`` newest checkpoints whose name starts with ``prefix`` in one
-    rank folder (others, such as the final one, are kept). Returns the names deleted."""
-    interval = [(s, n) for s, n in checkpoints(rank_folder) if n.startswith(prefix)]
+def prune_checkpoints(embedding, keep: int, prefix: str = "step-") -> list[str]:
+    """Delete all but the ``keep`` newest checkpoints whose name starts with ``prefix`` (others,
+    such as the final one, are kept) through ``embedding.delete_snapshot``, which reclaims the
+    disk only they used. Every rank calls it. Returns the names deleted."""
+    interval = [(s, n) for s, n in checkpoints(embedding._owner().path) if n.startswith(prefix)]
     doomed = [n for _, n in interval[:-keep]] if keep > 0 else []
-    snaps = SnapshotDirectory(rank_folder, create=False)
     for name in doomed:
-        snaps.delete(name)
+        embedding.delete_snapshot(name)
     return doomed
 
 

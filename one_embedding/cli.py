@@ -90,7 +90,7 @@ def cmd_inspect(args) -> int:
     exit status is 1, so a script notices, while the intact ones are still shown."""
     from .inspect_snapshot import inspect_path
 
-    found = inspect_path(args.path, args.name, args.rows)
+    found = inspect_path(args.path, args.name, args.rows, quick=args.quick)
     print(json.dumps(found, indent=1, default=str))
     damaged = [s for s in found if s["status"] == "damaged"]
     for s in damaged:
@@ -141,6 +141,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("path", help="the persistent_path (or its <rank>-<world> folder)")
     p.add_argument("--name", default=None, help="one snapshot (default: all)")
     p.add_argument("--rows", type=int, default=3, help="rows to print per snapshot")
+    p.add_argument("--quick", action="store_true",
+                   help="check the data a snapshot shares (SSTs, slot segments) by size and key "
+                        "checksums, as a load does, instead of reading every byte")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("plot", help="loss, AUC and samples/s against step from train --metrics "

@@ -447,6 +447,15 @@ class MultiTableMultiColumnEmbedding:
         self._last = None
         return manifest
 
+    def delete_snapshot(self, snapshot_name: str) -> bool:
+        """Delete snapshot ``snapshot_name`` (every rank its own part) and reclaim the disk that
+        only it used; an unknown name raises SnapshotError listing the snapshots there are.
+        Returns False when a reader in another process still holds the snapshot open: the name
+        is gone at once, its files stay until that reader lets go."""
+        gone = self._owner().delete_snapshot(snapshot_name)
+        self.comm.barrier()
+        return gone
+
     def snapshot_names(self) -> list[str]:
         return self._owner().snapshot_names()
 

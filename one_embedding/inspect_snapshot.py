@@ -1,10 +1,13 @@
 """``one-embedding inspect``: what a table path's snapshots hold (rows, dims, counters).
 
 Each snapshot is reopened through the engine that wrote it (named in its manifest) in a scratch
-folder, so the rows printed are the rows a ``load_snapshot`` would restore. A snapshot that fails
-its checks (a damaged manifest, a file failing its checksum) is listed with ``"status":
+folder, so the rows printed are the rows a ``load_snapshot`` would restore. Unlike a load, which
+checks what a snapshot shares with others (SSTs, slot segments) by size and key checksums only,
+inspect reads every byte against its CRC32 (``quick=True``: as a load does). A snapshot that
+fails its checks (a damaged manifest, a file failing its checksum) is listed with ``"status":
 "damaged"`` and the reason, and the others are still inspected: one bad folder must not hide the
-good ones a user would fall back to.
+good ones a user would fall back to. Each is read under a lease, so the training process that
+owns the path may delete it meanwhile without pulling its files from under the reader.
 """
 from __future__ import annotations
 
@@ -15,7 +18,7 @@ import numpy as np
 
 from .chain import open_store_for_snapshot
 from .errors import SnapshotError, StoreError
-from .store.snapshots import MANIFEST, SnapshotDirectory
+from .store.snapshots import MANIFEST, SnapshotDirectory, lease
 
 
 def _snapshot_roots(path: str) -> list[str]:
@@ -28,15 +31,17 @@ def _snapshot_roots(path: str) -> list[str]:
     return roots
 
 
-def inspect_path(path: str, name: str | None = None, rows: int = 3) -> list[dict]:
+def inspect_path(path: str, name: str | None = None, rows: int = 3,
+                 quick: bool = False) -> list[dict]:
     """One dict per snapshot under ``path`` (or only ``name``): ``"status"`` "ok" with its
-    manifest fields and ``rows`` sample lines, or "damaged" with ``"error"`` saying why."""
+    manifest fields and ``rows`` sample lines, or "damaged" with ``"error"`` saying why.
+    quick: check shared data by size and key checksums only (as a load does), not every byte."""
     out = []
     for root in _snapshot_roots(path):
         snaps = SnapshotDirectory(root, create=False)
         for snap in [name] if name else _published(snaps):
             try:
-                out.append(_inspect_one(root, snaps, snap, rows))
+                out.append(_inspect_one(root, snaps, snap, rows, quick))
             except SnapshotError as e:
                 if name and not os.path.isdir(snaps.path(name)):
                     raise  # no such snapshot: a usage error, not damage
@@ -54,31 +59,31 @@ def _published(snaps: SnapshotDirectory) -> list[str]:
                   if not e.startswith(".") and os.path.isdir(snaps.path(e)))
 
 
-def _inspect_one(root: str, snaps: SnapshotDirectory, snap: str, rows: int) -> dict:
+def _inspect_one(root: str, snaps: SnapshotDirectory, snap: str, rows: int, quick: bool) -> dict:
     manifest_path = os.path.join(snaps.path(snap), MANIFEST)
     if os.path.isdir(snaps.path(snap)) and not os.path.isfile(manifest_path):
         raise SnapshotError(f"snapshot {snap!r}: {manifest_path} is missing, so nothing in the "
                             "folder can be checked; load another snapshot")
-    folder, manifest = snaps.open(snap, {}, verify=True)
+    folder, manifest = snaps.open(snap, {}, verify=True if quick else "full")
     e = int(sum(manifest["embedding_dims"]))
-    with tempfile.TemporaryDirectory() as scratch:
+    with lease(folder), tempfile.TemporaryDirectory() as scratch:
         store = open_store_for_snapshot(manifest["engine"], manifest["line_size"], scratch)
         try:
+            store.verify_snapshot(folder, full=not quick)
             store.load_snapshot(folder)
-            keys = np.load(os.path.join(folder, "keys.npy"))[:rows]
-            lines = np.empty((keys.shape[0], manifest["line_size"]), np.float32)
-            missing = store.find(keys, lines, np.arange(keys.shape[0]))
+            keys, lines = next(store.export_batches(max(1, rows)),
+                               (np.empty(0, np.uint64), np.empty((0, manifest["line_size"]))))
+            referenced = store.referenced_bytes(folder)
         finally:
             store.close()
-    held = np.setdiff1d(np.arange(keys.shape[0]), missing)
-    sample = [{"key": int(keys[i]), "embedding": np.round(lines[i, :e], 6).tolist(),
-               "state": np.round(lines[i, e:], 6).tolist()} for i in held]
+    sample = [{"key": int(k), "embedding": np.round(v[:e], 6).tolist(),
+               "state": np.round(v[e:], 6).tolist()} for k, v in zip(keys[:rows], lines[:rows])]
     return {
         "path": root, "snapshot": snap, "status": "ok",
         **{k: manifest.get(k) for k in ("embedding_name", "store_kind", "engine", "key_type",
                                         "embedding_dims", "line_size", "row_count",
                                         "created_unix", "store_stats")},
-        "bytes_on_disk": _tree_bytes(folder),
+        "bytes_on_disk": _tree_bytes(folder) + referenced,
         "rows": sample,
     }
 

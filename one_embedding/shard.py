@@ -307,11 +307,23 @@ class EmbeddingShard:
                         "optimizer": self._optimizer}
 
             def write(folder):
-                self._chain.save_bottom(folder)
+                shared = self._chain.save_bottom(folder)
                 if extra_files is not None:
                     extra_files(folder)
+                return shared
 
             snaps.save(name, write, manifest)
+            self._chain.collect_garbage()  # what a replaced snapshot of that name held
+
+    def delete_snapshot(self, name: str) -> bool:
+        """Delete snapshot ``name`` and reclaim the disk only it used. Returns False when a
+        reader in another process still holds a lease on it: the name is gone, its files stay
+        until the reader lets go (a later save, delete or open reclaims them)."""
+        snaps = self._require_path("delete_snapshot")
+        with self._state:
+            gone = snaps.delete(name)
+            self._chain.collect_garbage()
+            return gone
 
     def load_snapshot(self, name: str, expected: dict) -> dict:
         """Clear the caches and restore exactly the rows saved under ``name``; the manifest must

@@ -16,11 +16,13 @@ load. A value is a whole stored line of ``storage_dim`` floats: the embedding fo
 optimizer's state (zeros for a fresh SGD / Adagrad / Adam row), exactly what OneFlow's persistent
 table holds.
 
-Rows pass through the real store classes: the writer fills a private store of the chosen engine
-in a scratch folder under each rank folder's ``snapshots/`` (deleted by the next ``recover`` if
-the process dies) and publishes it with ``SnapshotDirectory.save``, so a writer-made snapshot is
-complete or absent, like any other. The reader reads through ``chain.read_snapshot_rows``, so it
-reads snapshots of any engine, also those an embedding saved (export a trained table).
+Rows pass through the real store classes: the writer fills a store of the chosen engine (the
+slot engine's segments in the rank folder's own pool, where its snapshots refer to them; a
+RocksDB in a scratch folder under the rank folder's ``snapshots/``, deleted by the next
+``recover`` if the process dies) and publishes it with ``SnapshotDirectory.save``, so a
+writer-made snapshot is complete or absent, like any other. The reader reads through
+``chain.read_snapshot_rows`` under a lease, so it reads snapshots of any engine, also those an
+embedding saved (export a trained table), while that embedding's process may delete them.
 """
 from __future__ import annotations
 
@@ -157,7 +159,10 @@ class PersistentTableWriter:
                 os.mkdir(scratch)
                 self._snapshots.append(snaps)
                 self._scratch.append(scratch)
-                self._stores.append(open_store_for_snapshot(self.engine, self.storage_dim, scratch,
+                # the slot engine's segments go straight into the folder's pool (its snapshots
+                # refer to them there); RocksDB builds its DB in the scratch folder and links
+                home = folder if self.engine == ENGINES["slots"] else scratch
+                self._stores.append(open_store_for_snapshot(self.engine, self.storage_dim, home,
                                                             self.physical_block_size))
         except BaseException:
             self._discard()

@@ -373,7 +373,7 @@ class Trainer:
                 and self.cfg.persistent_path:
             self.save_checkpoint(f"step-{step}")
             # every rank has published step-N (save ends in a barrier): older ones may go
-            prune_checkpoints(self.embedding._owner().path, self.cfg.keep_snapshots)
+            prune_checkpoints(self.embedding, self.cfg.keep_snapshots)
 
     # --- checkpoints -------------------------------------------------------------------------
 
