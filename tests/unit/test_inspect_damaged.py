@@ -36,9 +36,12 @@ def damage(snaps, how):
         (snaps / "b" / "manifest.json").write_text(json.dumps(m))
     elif how == "manifest_deleted":
         (snaps / "b" / "manifest.json").unlink()
-    else:  # a data file flipped
+    else:  # a file of b's own flipped (not one it shares with a and c: see the test below)
+        shared = {k for k, v in json.loads((snaps / "b" / "manifest.json").read_text())["files"]
+                  .items() if v.get("shared")}
         f = next(p for p in sorted((snaps / "b").rglob("*"))
-                 if p.is_file() and p.name not in ("manifest.json",) and p.stat().st_size > 64)
+                 if p.is_file() and p.name not in ("manifest.json",) and p.stat().st_size > 64
+                 and str(p.relative_to(snaps / "b")) not in shared)
         data = bytearray(f.read_bytes())
         data[len(data) // 2] ^= 0x01
         f.write_bytes(bytes(data))
@@ -87,3 +90,22 @@ def test_inspect_leaves_unfinished_folders_alone(tmp_path):
     found = inspect_path(str(tmp_path), rows=1)
     assert [s["snapshot"] for s in found] == ["a", "b", "c"]
     assert all(s["status"] == "ok" for s in found)
+
+
+@pytest.mark.parametrize("engine", ["slots", "rocksdb"])
+def test_damage_in_data_that_snapshots_share_is_reported_in_each_of_them(tmp_path, engine):
+    """a, b and c were saved with nothing changed in between, so they refer to the same rows on
+    disk (shared segments or hard-linked SSTs): one flipped byte there damages all three."""
+    snaps = table(tmp_path, engine)
+    if engine == "slots":
+        layout = json.loads((snaps / "b" / "slots.json").read_text())
+        pool = snaps / "b" / layout["pool"]
+        target = pool / f"{layout['segments'][0]['id']:016x}.rows"
+    else:
+        target = next((snaps / "b" / "db").glob("*.sst"))
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    target.write_bytes(bytes(data))
+    found = {s["snapshot"]: s for s in inspect_path(str(tmp_path), rows=2)}
+    assert all(found[n]["status"] == "damaged" for n in "abc")
+    assert all(target.name in found[n]["error"] for n in "abc")

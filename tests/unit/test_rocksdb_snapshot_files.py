@@ -1,4 +1,6 @@
-"""RocksDB snapshots are files of their own: checked at load, independent of the working DB."""
+"""RocksDB snapshots share the DB's immutable data files (SSTs, blob files) by hard links, never
+copy them, and stay intact whatever the working DB does afterwards: RocksDB only creates and
+deletes data files, and the metadata it appends to (MANIFEST) is copied, not linked."""
 import json
 import os
 
@@ -6,6 +8,7 @@ import numpy as np
 import pytest
 
 import one_embedding as oe
+from one_embedding.inspect_snapshot import inspect_path
 
 
 def build(path):
@@ -63,28 +66,34 @@ def test_close_leaves_no_working_file_sharing_the_snapshot(tmp_path):
     assert all(os.stat(p).st_nlink == 1 for p in snapshot_db(tmp_path).iterdir())
 
 
-def test_a_loaded_working_db_is_a_copy_of_the_snapshot(tmp_path):
+def test_a_loaded_working_db_links_the_snapshots_data_files_and_copies_its_metadata(tmp_path):
     saved(tmp_path)
     emb = build(tmp_path)
     emb.load_snapshot("s")
     work = working_files(tmp_path)
-    assert any(p.suffix == ".sst" for p in work)
-    assert not inodes(work) & inodes(snapshot_db(tmp_path).iterdir())
+    data = [p for p in work if p.suffix in (".sst", ".blob")]
+    meta = [p for p in work if p.name.startswith(("MANIFEST", "CURRENT", "OPTIONS"))]
+    snap = list(snapshot_db(tmp_path).iterdir())
+    assert data and meta
+    assert inodes(data) <= inodes(snap)  # reopened in place: nothing copied
+    assert not inodes(meta) & inodes(snap)  # RocksDB appends to these: private copies
     emb.close()
 
 
-def test_damaging_a_working_db_restored_from_the_snapshot_leaves_it_intact(tmp_path):
+def test_training_on_a_reloaded_db_leaves_the_snapshot_intact(tmp_path):
+    """Flushes and compactions of the working DB (which links the snapshot's files) create and
+    delete files; none of them changes a linked one."""
     want = saved(tmp_path)
     emb = build(tmp_path)
-    emb.load_snapshot("s")  # the working DB is now made from the snapshot's files
-    damaged = 0
-    for p in working_files(tmp_path):  # overwrite every working file in place, same inode
-        with open(p, "r+b") as f:
-            size = os.fstat(f.fileno()).st_size
-            f.write(b"\xa5" * size)
-            damaged += size > 0
-    assert damaged
+    emb.load_snapshot("s")
+    before = {p.name: p.read_bytes() for p in snapshot_db(tmp_path).iterdir()}
+    for seed in range(4):
+        train(emb, 3, seed=10 + seed)
+        emb._owner()._chain.flush()
+        emb._owner()._chain.bottom._db.flush()
+    emb._owner()._chain.bottom._db.compact_range(None, None)
     emb.close()
+    assert {p.name: p.read_bytes() for p in snapshot_db(tmp_path).iterdir()} == before
     assert_loads_exactly(tmp_path, want)
 
 
@@ -99,18 +108,25 @@ def test_garbage_or_nothing_where_the_working_db_was_leaves_the_snapshot_intact(
     assert_loads_exactly(tmp_path, want)  # and with the working folder gone again
 
 
-def test_a_flipped_byte_in_a_snapshot_sst_is_refused_at_load_naming_the_file(tmp_path):
+@pytest.mark.parametrize("suffix", [".sst", ".blob"])
+def test_a_flipped_byte_in_a_data_file_is_an_error_naming_it_never_a_wrong_row(tmp_path, suffix):
+    """A load checks shared files by size (reading them all would cost the table); RocksDB
+    checks each block it reads, so the damage surfaces as an error on use, and a full check
+    (``one-embedding inspect``) names the file."""
     want = saved(tmp_path)
-    sst = sorted(snapshot_db(tmp_path).glob("*.sst"))[0]
-    data = bytearray(sst.read_bytes())
-    data[len(data) // 3] ^= 0x10
-    sst.write_bytes(bytes(data))
+    target = sorted(snapshot_db(tmp_path).glob("*" + suffix))[0]
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    target.write_bytes(bytes(data))
+    found = {s["snapshot"]: s for s in inspect_path(str(tmp_path))}
+    assert found["s"]["status"] == "damaged" and target.name in found["s"]["error"]
     emb = build(tmp_path)
-    with pytest.raises(oe.SnapshotError, match=rf"db/{sst.name}.*checksum"):
-        emb.load_snapshot("s")
+    emb.load_snapshot("s")
+    with pytest.raises(oe.StoreError, match="Corruption"):
+        emb.export()
     emb.close()
-    sst.write_bytes(bytes(data[:len(data) // 3]) + bytes([data[len(data) // 3] ^ 0x10])
-                    + bytes(data[len(data) // 3 + 1:]))  # repaired: loads again
+    target.write_bytes(bytes(data[:len(data) // 2]) + bytes([data[len(data) // 2] ^ 0x10])
+                       + bytes(data[len(data) // 2 + 1:]))  # repaired: loads again
     assert_loads_exactly(tmp_path, want)
 
 

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import one_embedding as oe
+from one_embedding.store.snapshots import SnapshotDirectory
 
 
 def trained(path, engine="rocksdb"):
@@ -49,15 +50,33 @@ def test_every_file_below_the_snapshot_is_checked(tmp_path):
     on_disk = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
                      if p.is_file() and p.name != "manifest.json")
     assert sorted(m["files"]) == on_disk
-    assert any(name.startswith("db/") and name.endswith(".sst") for name in m["files"])
-    sst = next(folder / name for name in m["files"] if name.endswith(".sst"))
-    data = bytearray(sst.read_bytes())
+    # the SSTs are shared (hard links): recorded with their CRC32, checked by size at load
+    ssts = [name for name in m["files"] if name.startswith("db/") and name.endswith(".sst")]
+    assert ssts and all(m["files"][name].get("shared") for name in ssts)
+    own = next(name for name in m["files"] if not m["files"][name].get("shared")
+               and name.startswith("db/MANIFEST"))
+    data = bytearray((folder / own).read_bytes())
     data[len(data) // 2] ^= 0x01
-    os.chmod(sst, 0o644)
-    sst.write_bytes(bytes(data))
-    with pytest.raises(oe.SnapshotError, match=r"\.sst.*checksum"):
+    (folder / own).write_bytes(bytes(data))
+    with pytest.raises(oe.SnapshotError, match=r"MANIFEST.*checksum"):
         emb.load_snapshot("a")
     emb.close()
+
+
+def test_a_flipped_byte_in_a_shared_file_is_found_by_a_full_check(tmp_path):
+    """Reading every shared byte at each load would cost the table; a full check (what
+    ``one-embedding inspect`` does) reads them, and names the file."""
+    emb = trained(tmp_path)
+    emb.close()
+    snaps = SnapshotDirectory(str(tmp_path / "0-1"), create=False)
+    m = json.loads((snapshot_dir(tmp_path, "a") / "manifest.json").read_text())
+    sst = snapshot_dir(tmp_path, "a") / next(n for n in m["files"] if n.endswith(".sst"))
+    data = bytearray(sst.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    sst.write_bytes(bytes(data))
+    snaps.open("a", {}, verify=True)  # sizes only for shared files
+    with pytest.raises(oe.SnapshotError, match=r"\.sst.*checksum"):
+        snaps.open("a", {}, verify="full")
 
 
 @pytest.mark.parametrize("saved,loaded", [("slots", "rocksdb"), ("rocksdb", "slots"),

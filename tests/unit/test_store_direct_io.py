@@ -1,6 +1,7 @@
 """The slot engine's block I/O: O_DIRECT and the buffered fallback agree byte for byte, the
-fallback warns once, partial-block writes keep their neighbours, parallel reads equal serial
-ones, snapshots of either path (and of the engine before O_DIRECT) load."""
+fallback warns once, rewrites of a segment's last block keep its earlier rows, writes never
+read, parallel reads equal serial ones, snapshots of either path (and of the engines before the
+segment format) load."""
 import errno
 import json
 import os
@@ -11,9 +12,10 @@ import pytest
 
 from one_embedding.config import TrainConfig
 from one_embedding.errors import StoreError
-from one_embedding.store import direct_io, slot_file
+from one_embedding.store import direct_io
 from one_embedding.store.direct_io import block_runs
 from one_embedding.store.slot_file import SlotFileStore, block_layout
+from one_embedding.store.snapshots import SnapshotDirectory
 from one_embedding.training import train
 
 import helpers
@@ -64,10 +66,20 @@ def workload(store, rng, n_keys=3000, rounds=6):
     return keys, seen
 
 
-def snapshot_files(store, folder):
-    os.makedirs(folder)
-    store.save_snapshot(folder)
-    return {name: open(os.path.join(folder, name), "rb").read() for name in sorted(os.listdir(folder))}
+def snapshot_files(store, name="snap"):
+    """Save ``store`` as snapshot ``name`` under its folder; returns (folder, {file: bytes}) of
+    the snapshot's own files and of every segment file it lists."""
+    snaps = SnapshotDirectory(store.directory)
+    snaps.save(name, store.save_snapshot, {})
+    folder = snaps.path(name)
+    files = {f: open(os.path.join(folder, f), "rb").read() for f in sorted(os.listdir(folder))
+             if f != "manifest.json"}  # the manifest holds a time stamp
+    layout = json.loads(files["slots.json"])
+    for seg in layout["segments"]:
+        for kind in ("rows", "keys"):
+            fname = f"{seg['id']:016x}.{kind}"
+            files[fname] = open(os.path.join(folder, layout["pool"], fname), "rb").read()
+    return folder, files
 
 
 # ---------------------------------------------------------------- the two I/O paths agree
@@ -81,12 +93,12 @@ def test_direct_and_buffered_give_identical_reads_writes_and_snapshots(line_size
     for (found_d, got_d), (found_b, got_b) in zip(seen_d, seen_b):
         np.testing.assert_array_equal(found_d, found_b)
         np.testing.assert_array_equal(got_d, got_b)
-    files_d = snapshot_files(direct, str(disk / "snap_d"))
-    files_b = snapshot_files(buffered, str(disk / "snap_b"))
-    assert set(files_d) == {"keys.npy", "slots.npy", "rows.bin", "layout.json"}
-    assert files_d == files_b  # byte for byte, rows.bin included
+    snap_d, files_d = snapshot_files(direct)
+    _, files_b = snapshot_files(buffered)
+    assert "slots.json" in files_d and any(f.endswith(".rows") for f in files_d)
+    assert files_d == files_b  # byte for byte, every segment's rows and keys included
     # and a snapshot of one path loads into the other
-    buffered.load_snapshot(str(disk / "snap_d"))
+    buffered.load_snapshot(snap_d)
     exported_b = list(buffered.export_batches())
     exported_d = list(direct.export_batches())
     for (kd, ld), (kb, lb) in zip(exported_d, exported_b):
@@ -98,11 +110,11 @@ def test_direct_and_buffered_give_identical_reads_writes_and_snapshots(line_size
 
 @pytest.mark.parametrize("find_between_writes", [False, True])
 def test_rows_read_back_equal_a_model_of_the_table(find_between_writes, disk):
-    """Many rounds of overwrites until free slots must be found in partly live blocks: every
-    key reads back its newest line. Without finds in between, those blocks are read before they
-    are rewritten; with them, blocks the last find read are rewritten from its bytes."""
+    """Many rounds of overwrites: garbage piles up in sealed segments until compaction appends
+    their live rows again and retires them; every key reads back its newest line throughout,
+    and the live segments stay within the garbage bound."""
     line_size = 32  # 128 B rows: 32 to a 4 KiB block
-    store = TierProbe(SlotFileStore(line_size, str(disk)))
+    store = TierProbe(SlotFileStore(line_size, str(disk), segment_rows=2048))
     rng = np.random.default_rng(0)
     n = 20_000
     keys = np.arange(n, dtype=np.uint64) * np.uint64(7919)
@@ -117,65 +129,53 @@ def test_rows_read_back_equal_a_model_of_the_table(find_between_writes, disk):
             found, got = store.find(keys[probe])
             assert found.all()
             np.testing.assert_array_equal(got, lines_for(keys[probe], line_size, salt[probe]))
-    # the slack ran out: blocks that keep other keys' rows were rewritten, from a read of
-    # their own or from the bytes the last find read
-    counts = store.io_counts
-    if find_between_writes:
-        assert counts["reused_read_blocks"] > counts["rmw_read_blocks"]
-    else:
-        assert counts["rmw_read_blocks"] > 0 and counts["reused_read_blocks"] == 0
-    rpb = store.rows_per_block
-    assert store._n_blocks <= max(64, -(-int(n * (1 + slot_file.SLACK)) // rpb)) + 1
+        d = store.describe()
+        # garbage above the ratio only until the next write compacts (plus the active segment)
+        assert d["garbage_rows"] <= 0.3 * d["slots_total"] + 2048
+    d = store.describe()
+    assert d["compactions"] > 0 and d["compacted_rows"] > 0 and d["deleted_segments"] > 0
     found, got = store.find(keys)
     assert found.all()
     np.testing.assert_array_equal(got, lines_for(keys, line_size, salt))
     store.close()
 
 
-def test_partial_block_writes_keep_neighbour_rows(disk):
+def test_rewrites_of_the_last_block_keep_its_earlier_rows(disk):
+    """Small batches share blocks: each write rewrites the segment's partly filled last block
+    with the rows it held. The bytes on disk agree with the directory."""
     line_size = 16  # 64 B rows, 64 to a block
     store = SlotFileStore(line_size, str(disk))
     rpb = store.rows_per_block
-    keys = np.arange(rpb * 70, dtype=np.uint64)  # exactly 70 full blocks, more than the 64 first allocated
-    store.insert_or_assign(keys, lines_for(keys, line_size))
-    # fill the file to the last slot so the next writes must land in blocks with live rows
-    spare = store._n_blocks * rpb - keys.shape[0]
-    extra = np.arange(10**6, 10**6 + spare, dtype=np.uint64)
-    store.insert_or_assign(extra, lines_for(extra, line_size))
-    assert int(store._live[:store._n_blocks].sum()) == store._n_blocks * rpb
-    before = store.io_counts["rmw_read_blocks"]
+    keys = np.arange(rpb * 5 + 11, dtype=np.uint64)
+    for start in range(0, keys.shape[0], 7):  # 7 rows at a time: most writes end mid-block
+        store.insert_or_assign(keys[start:start + 7], lines_for(keys[start:start + 7], line_size))
     every_third = keys[::3]
     store.insert_or_assign(every_third, lines_for(every_third, line_size, salt=5.0))
-    assert store.io_counts["rmw_read_blocks"] > before
-    # the same through blocks a find just read: no reads of their own
-    store.find(keys, np.empty((keys.shape[0], line_size), np.float32), np.arange(keys.shape[0]))
-    before = dict(store.io_counts)
-    store.insert_or_assign(every_third, lines_for(every_third, line_size, salt=5.0))
-    assert store.io_counts["rmw_read_blocks"] == before["rmw_read_blocks"]
-    assert store.io_counts["reused_read_blocks"] > before["reused_read_blocks"]
-    out = np.empty((keys.shape[0], line_size), np.float32)
-    assert store.find(keys, out, np.arange(keys.shape[0])).shape[0] == 0
     want = lines_for(keys, line_size)
     want[::3] = lines_for(every_third, line_size, salt=5.0)
+    out = np.empty((keys.shape[0], line_size), np.float32)
+    assert store.find(keys, out, np.arange(keys.shape[0])).shape[0] == 0
     np.testing.assert_array_equal(out, want)
-    # the bytes on disk agree with what the index says
-    raw = np.fromfile(store.path, np.uint8)
-    slots = store._index.find(keys)
-    for key, slot in zip(keys[::41], slots[::41]):
-        start = (slot // rpb) * store.block_bytes + (slot % rpb) * 4 * line_size
+    locs = store._index.find(keys, store._keys_of)
+    seg, slot = store._split(locs)
+    for key, s_, sl in zip(keys[::5], seg[::5], slot[::5]):
+        raw = np.fromfile(store.pool.path(store._segments[int(s_)].id, "rows"), np.uint8)
+        start = (sl // rpb) * store.block_bytes + (sl % rpb) * 4 * line_size
         np.testing.assert_array_equal(raw[start:start + 4 * line_size].view(np.float32),
                                       want[int(key)])
     store.close()
 
 
-def test_a_batch_that_rewrites_whole_blocks_reads_nothing(disk):
+def test_writes_never_read(disk):
+    """Rows are appended, never updated in place: overwriting every key reads no block and
+    writes one block per rows_per_block rows."""
     store = SlotFileStore(32, str(disk))
     keys = np.arange(32 * 100, dtype=np.uint64)
     store.insert_or_assign(keys, lines_for(keys, 32))
-    size = os.path.getsize(store.path)
+    before = dict(store.io_counts)
     store.insert_or_assign(keys, lines_for(keys, 32, salt=1.0))
-    assert store.io_counts["rmw_read_blocks"] == 0
-    assert os.path.getsize(store.path) == size
+    assert store.io_counts["read_blocks"] == before["read_blocks"]
+    assert store.io_counts["written_blocks"] - before["written_blocks"] <= 100 + 1
     store.close()
 
 
@@ -233,7 +233,7 @@ def test_fallback_warns_once_and_works(tmp_path, monkeypatch):
     mine = [w for w in caught if "O_DIRECT" in str(w.message)]
     assert len(mine) == 1, [str(w.message) for w in caught]
     text = str(mine[0].message)
-    assert os.path.join(str(tmp_path), "slots", "rows.bin") in text and "page cache" in text
+    assert os.path.join(str(tmp_path), "slots", "segments") in text and "page cache" in text
     assert "\n" not in text
 
 
@@ -274,8 +274,7 @@ def test_a_failed_write_is_a_store_error_until_a_snapshot_is_loaded(disk, monkey
     store = TierProbe(SlotFileStore(8, str(disk / "p")))
     keys = np.arange(1000, dtype=np.uint64)
     store.insert_or_assign(keys, lines_for(keys, 8))
-    snap = str(disk / "snap")
-    snapshot_files(store, snap)
+    snap, _ = snapshot_files(store)
 
     def failing(fd, buffers, offset):
         raise OSError(errno.EIO, os.strerror(errno.EIO))
@@ -371,20 +370,19 @@ def resident_pages(path):
 
 
 @pytest.mark.parametrize("direct", [True, False])
-def test_the_page_cache_holds_the_table_only_on_the_buffered_path(direct, disk):
+def test_the_page_cache_holds_the_rows_only_on_the_buffered_path(direct, disk):
     store = SlotFileStore(32, str(disk), direct_io=direct)
     keys = np.arange(50_000, dtype=np.uint64)
     store.insert_or_assign(keys, lines_for(keys, 32))
     out = np.empty((keys.shape[0], 32), np.float32)
     store.find(keys, out, np.arange(keys.shape[0]))
-    resident = resident_pages(store.path)
-    # a snapshot copies through the page cache (copy_file_range), then drops what it cached
-    os.makedirs(disk / "snap")
-    store.save_snapshot(str(disk / "snap"))
-    after_snapshot = resident_pages(store.path), resident_pages(str(disk / "snap" / "rows.bin"))
+    rows_files = [store.pool.path(s.id, "rows") for s in store._segments.values()]
+    resident = sum(resident_pages(p) for p in rows_files)
+    SnapshotDirectory(store.directory).save("s", store.save_snapshot, {})  # reads no row
+    after_snapshot = sum(resident_pages(p) for p in rows_files)
     store.close()
     if direct:
-        assert resident == 0 and after_snapshot == (0, 0)
+        assert resident == 0 and after_snapshot == 0
     else:
         assert resident >= 50_000 * 128 // 4096
 
