@@ -5,9 +5,10 @@ A segment is a numbered set of files in the pool folder ``<directory>/slots/segm
 - ``<id>.rows``: its rows, packed into blocks (``block_layout``): slot ``s`` is row ``s %
   rows_per_block`` of block ``s // rows_per_block``. Written by appending; only the last, partly
   filled block is written again (with the rows it already held) until it is full.
-- ``<id>.keys``: the key of every slot, raw little-endian uint64, written when the segment is
-  sealed. The engine's RAM directory holds no keys; it reads them here (through the page cache,
-  8 bytes a row) to confirm a tag match, to grow, and to rebuild itself when a snapshot loads.
+- ``<id>.keys``: the key of every slot, raw little-endian uint64, appended with the rows and
+  synced when the segment is sealed. The engine's RAM directory holds no keys; it reads them
+  here (mapped, so through the page cache, 8 bytes a row) to confirm a tag match, to grow, and
+  to rebuild itself when a snapshot loads.
 - ``<id>.sums``: a 64-bit checksum of every block of the rows file (``block_sums``), written when
   the segment is sealed (kept in RAM while it is active). Every block read is checked against
   it, so a damaged row is an error naming the file, never a silently wrong embedding.
@@ -129,8 +130,8 @@ class SegmentInfo:
 
 class Segment:
     """One segment of the live table. ``index``: its number in the directory's location space
-    (location = index * pool.segment_rows + slot); ``keys``: (slots,) uint64, a RAM buffer while
-    active, a read-only map of the keys file once sealed; ``live``: slots still current."""
+    (location = index * pool.segment_rows + slot); ``keys``: (n_slots,) uint64, a read-only map
+    of the keys file (``append_keys`` extends it while active); ``live``: slots still current."""
 
     def __init__(self, pool: "SegmentPool", seg_id: int, index: int, fd: int, sealed: bool,
                  keys: np.ndarray, n_slots: int, owned: bool, capacity: int):
@@ -144,15 +145,26 @@ class Segment:
         self.crc_blocks = 0        # ... how many of them (a prefix of the file)
         self.tail = None           # bytes of the partly filled last block (active only)
         self.sums = np.empty(0, np.uint64)  # block checksums: RAM while active, then mapped
+        self.keys_fd = None        # the keys file, open for appending while active
 
     @property
     def base(self) -> int:
         return self.index * self.pool.segment_rows
 
+    def append_keys(self, keys: np.ndarray) -> None:
+        """keys: (m,) uint64 of the rows just written at slots n_slots..n_slots+m-1."""
+        start = self.n_slots
+        data = np.ascontiguousarray(keys, np.uint64).tobytes()
+        done = 0
+        while done < len(data):
+            done += os.pwrite(self.keys_fd, data[done:], 8 * start + done)
+        self.keys = _map_array(self.pool.path(self.id, "keys"), start + keys.shape[0])
+
     def close(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        for fd in (self.fd, self.keys_fd):
+            if fd is not None:
+                os.close(fd)
+        self.fd = self.keys_fd = None
         self.keys = self.sums = None
 
 
@@ -215,9 +227,9 @@ class SegmentPool:
                 "move persistent_path to a bigger disk. The rows held so far are unchanged and "
                 "the last snapshot is intact") from None
         self.direct = direct
-        seg = Segment(self, seg_id, index, fd, False, np.empty(min(capacity, 4096), np.uint64),
-                      0, True, capacity)
+        seg = Segment(self, seg_id, index, fd, False, np.empty(0, np.uint64), 0, True, capacity)
         seg.sums = np.zeros(self.blocks_for(capacity), np.uint64)
+        seg.keys_fd = os.open(self.path(seg_id, "keys"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         return seg
 
     def seal(self, seg: Segment) -> SegmentInfo:
@@ -226,22 +238,23 @@ class SegmentPool:
         n_blocks = self.blocks_for(seg.n_slots)
         if seg.tail is not None:  # the partly filled last block is final now
             seg.rows_crc = zlib.crc32(seg.tail, seg.rows_crc)
-        keys = np.ascontiguousarray(seg.keys[:seg.n_slots])
         sums = np.ascontiguousarray(seg.sums[:n_blocks])
         dead = np.array(seg.dead, np.uint64).reshape(-1, 2)
         os.ftruncate(seg.fd, n_blocks * self.block_bytes)
         os.fdatasync(seg.fd)
-        _write_synced(self.path(seg.id, "keys"), keys.tobytes())
+        os.fsync(seg.keys_fd)
+        keys_crc = zlib.crc32(seg.keys[:seg.n_slots]) if seg.n_slots else 0
         _write_synced(self.path(seg.id, "sums"), sums.tobytes())
         if dead.shape[0]:
             _write_synced(self.path(seg.id, "dead"), dead.tobytes())
         fsync_dir(self.folder)
         seg.info = SegmentInfo(seg.id, seg.n_slots, n_blocks * self.block_bytes, seg.rows_crc,
-                               zlib.crc32(keys.tobytes()), zlib.crc32(sums.tobytes()),
+                               keys_crc, zlib.crc32(sums.tobytes()),
                                int(dead.shape[0]),
                                zlib.crc32(dead.tobytes()) if dead.shape[0] else 0)
         seg.sealed, seg.tail, seg.dead = True, None, []
-        seg.keys = _map_array(self.path(seg.id, "keys"), seg.n_slots)
+        os.close(seg.keys_fd)
+        seg.keys_fd = None
         seg.sums = _map_array(self.path(seg.id, "sums"), n_blocks)
         return seg.info
 

@@ -367,11 +367,7 @@ class SlotFileStore(StoreTier):
             if b1 == end_block:
                 seg.tail = raw[-1].tobytes() if s1 % rpb else None
         self.io_counts["written_blocks"] += end_block - first_block
-        if s1 > seg.keys.shape[0]:
-            grown = np.empty(min(seg.capacity, max(s1, 2 * seg.keys.shape[0])), np.uint64)
-            grown[:s0] = seg.keys[:s0]
-            seg.keys = grown
-        seg.keys[s0:s1] = keys
+        seg.append_keys(keys)
         seg.n_slots = s1
         self._slots_total += m
 
@@ -411,9 +407,10 @@ class SlotFileStore(StoreTier):
 
     @property
     def memory_bytes(self) -> int:
-        """The directory, the active segment's key buffer and the staging buffers."""
-        active_keys = 0 if self._active is None else self._active.keys.nbytes
-        return (self._index.nbytes + active_keys + self._read_buffer.nbytes
+        """The directory, the active segment's block checksums and the staging buffers (keys
+        are read from their files through the page cache)."""
+        active_sums = 0 if self._active is None else self._active.sums.nbytes
+        return (self._index.nbytes + active_sums + self._read_buffer.nbytes
                 + self._write_buffer.nbytes + 64 * len(self._segments))
 
     @property

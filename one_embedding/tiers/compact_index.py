@@ -11,8 +11,8 @@ a new id rarely touches the key files and never reads a row.
 Layout: bucketized cuckoo hashing, 4 entries a bucket, two candidate buckets a key (partial-key
 cuckoo: the second bucket ``(H(tag) - b1) mod n_buckets`` is computed from an entry's bucket and
 tag alone, so entries move without their keys). Any number of buckets works (the first bucket is
-``(h * n_buckets) >> 32``), so the table grows by 25 % at a time and its RAM follows the key count
-smoothly rather than doubling: between 0.74 and 0.92 load, 5.4-6.8 bytes a key. Growing needs the
+``(h * n_buckets) >> 32``), so the table grows by 15 % at a time and its RAM follows the key count
+smoothly rather than doubling: between 0.80 and 0.92 load, 5.4-6.3 bytes a key. Growing needs the
 keys again: ``keys_of`` is asked for every location, in location order (key files are read about
 sequentially). A small stash takes the rare entry that 500 kicks cannot place.
 
@@ -34,7 +34,7 @@ MAX_LOCATION = int(EMPTY) - 1
 WAYS = 4
 STASH = 64
 MAX_LOAD = 0.92
-GROWTH = 1.25
+GROWTH = 1.15
 MAX_KICKS = 500
 _MIN_BUCKETS = 64
 _TAG_SALT = np.uint64(0x9E3779B97F4A7C15)
