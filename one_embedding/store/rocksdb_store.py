@@ -9,10 +9,11 @@ bloom filter per key, index and filter blocks held by the table readers (not evi
 cache, so a lookup of a key never stored reads nothing from the disk), reads with O_DIRECT
 where the file system allows it (the block cache is then the only RAM that holds rows).
 
-RAM per stored key is what RocksDB's table readers hold: 1.25 bytes of bloom filter and one
-index entry (~18 bytes) per data block, ~3 bytes a key for 384-byte lines. The row count needs no
-index either: a write asks RocksDB which of its keys it holds already (a multi-get whose bloom
-filters answer for new keys without reading the disk) and counts the others as new.
+RAM per stored key is what RocksDB's table readers hold: a 10-bit bloom filter per key and one
+index entry per data block of keys, ~1.5 bytes a key. The row count needs no index either: every
+key is also written, with an empty value, to a ``keys`` column family, and a write asks it which
+of its keys are there already (a multi-get that its bloom filters answer for new keys without a
+disk read, and that never touches the values) and counts the others as new.
 
 Snapshot (incremental): ``db.flush()`` then a RocksDB checkpoint in ``<snapshot>/db/``: the SST
 files are hard links (RocksDB never writes into an SST after creating it, and deletes it only
@@ -30,6 +31,7 @@ import errno
 import json
 import os
 import shutil
+import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
@@ -43,17 +45,22 @@ from .snapshots import read_manifest
 
 DB_DIR = "rocksdb"
 INFO_FILE = "rocksdb.json"
+#: the column family of the stored keys (empty values): the row count's existence checks
+KEYS_CF = "keys"
 _PARALLEL_KEYS = 1 << 13
 #: rows a data block holds at least (the index costs one entry, ~18 bytes, per block)
 MIN_ROWS_PER_BLOCK = 8
-#: blob files in the oldest quarter get their live values relocated when their keys compact ...
-BLOB_GC_AGE_CUTOFF = 0.25
-#: ... and a compaction is forced once half of those files' bytes are garbage
-BLOB_GC_FORCE_THRESHOLD = 0.5
+#: the share of blob files, oldest first, whose live values a reclaiming save relocates
+BLOB_GC_AGE_CUTOFF = 0.1
+#: blob file size, the unit of garbage reclaim: about 1/64 of the table (``_size_blob_files``)
+#: within these bounds (small files reclaim finely; every file costs RAM and a descriptor)
+MIN_BLOB_FILE_MB, MAX_BLOB_FILE_MB = 8, 256
 #: bytes a blob record adds to its value (key, header, checksum), for the live-size estimate
 BLOB_RECORD_OVERHEAD = 40
-#: a save compacts first when the DB takes more than this many times its live rows' bytes
-COMPACT_ABOVE = 1.5
+#: a save reclaims garbage first when the DB takes more than this many times its live rows ...
+COMPACT_ABOVE = 1.25
+#: ... and the excess is at least this many bytes (a tiny table's SST overheads are no garbage)
+RECLAIM_MIN_BYTES = 8 << 20
 #: the immutable data files of a DB (shared by hard links); the rest are small metadata copies
 _SHARED_SUFFIXES = (".sst", ".blob")
 
@@ -78,8 +85,26 @@ def data_block_bytes(line_size: int) -> int:
     return max(4096, 1 << (need - 1).bit_length())
 
 
-def _db_options(rd, line_size: int, write_buffer_mb: int, block_cache_mb: int, direct: bool):
+def _keys_options(rd, direct: bool, cache):
+    """The ``keys`` column family: keys with empty values, bloom-filtered, small blocks, in the
+    rows' block cache (one budget for both)."""
     opts = rd.Options(raw_mode=True)
+    opts.set_compression_type(rd.DBCompressionType.none())
+    opts.set_write_buffer_size(16 << 20)
+    opts.set_level_compaction_dynamic_level_bytes(True)
+    opts.set_use_direct_reads(direct)
+    table = rd.BlockBasedOptions()
+    table.set_bloom_filter(10, False)
+    table.set_block_cache(cache)
+    table.set_cache_index_and_filter_blocks(False)
+    opts.set_block_based_table_factory(table)
+    opts.set_memtable_whole_key_filtering(True)
+    return opts
+
+
+def _db_options(rd, line_size: int, write_buffer_mb: int, cache, direct: bool):
+    opts = rd.Options(raw_mode=True)
+    opts.create_missing_column_families(True)
     opts.create_if_missing(True)
     opts.set_compression_type(rd.DBCompressionType.none())
     opts.set_write_buffer_size(write_buffer_mb << 20)
@@ -90,24 +115,23 @@ def _db_options(rd, line_size: int, write_buffer_mb: int, block_cache_mb: int, d
     # every line is overwritten again and again: merge L0 early so old versions do not pile up
     opts.set_level_zero_file_num_compaction_trigger(2)
     opts.set_use_direct_reads(direct)
+    # no bloom filter here: a read asks the keys column family (filtered) first and reaches the
+    # rows only for keys that are stored, where a filter would always say yes
     table = rd.BlockBasedOptions()
     table.set_block_size(data_block_bytes(line_size))
-    table.set_bloom_filter(10, False)
-    table.set_block_cache(rd.Cache(block_cache_mb << 20))
+    table.set_block_cache(cache)
     table.set_cache_index_and_filter_blocks(False)
     opts.set_block_based_table_factory(table)
-    opts.set_memtable_whole_key_filtering(True)
-    opts.set_memtable_prefix_bloom_ratio(0.1)
     # values in blob files (BlobDB): compaction then rewrites only the small key SSTs, so a
-    # snapshot's links pin little that compaction replaces; blob garbage is reclaimed by
-    # relocating the live values of the oldest quarter of blob files as their keys compact
+    # snapshot's links pin little that compaction replaces. Blob garbage is not relocated by
+    # the background compactions (they would rewrite the oldest quarter of the table whatever
+    # its garbage, and the snapshots would pin the old copy): a save reclaims it when the DB
+    # has grown past COMPACT_ABOVE times its live rows (``_reclaim``)
     opts.set_enable_blob_files(True)
     opts.set_min_blob_size(0)
-    opts.set_blob_file_size(64 << 20)
+    opts.set_blob_file_size(MIN_BLOB_FILE_MB << 20)
     opts.set_blob_compression_type(rd.DBCompressionType.none())
-    opts.set_enable_blob_gc(True)
-    opts.set_blob_gc_age_cutoff(BLOB_GC_AGE_CUTOFF)
-    opts.set_blob_gc_force_threshold(BLOB_GC_FORCE_THRESHOLD)
+    opts.set_enable_blob_gc(False)
     return opts
 
 
@@ -130,6 +154,7 @@ class RocksDBStore(StoreTier):
         self._pool = ThreadPoolExecutor(self.threads) if self.threads > 1 else None
         self._db = None
         self._rows = 0
+        self._blob_file_mb = MIN_BLOB_FILE_MB
         #: CRC32 of the SSTs seen so far, by inode: (dev, ino) -> (size, crc32)
         self._crcs: dict[tuple[int, int], tuple[int, int]] = {}
         try:
@@ -142,26 +167,38 @@ class RocksDBStore(StoreTier):
                 f"cannot create the RocksDB folder under {directory!r} ({e.strerror or e}): "
                 "give a persistent_path this process can write"
             ) from None
-        self._options = _db_options(self._rd, self.line_size, write_buffer_mb, block_cache_mb,
+        cache = self._rd.Cache(block_cache_mb << 20)  # one budget for both column families
+        self._options = _db_options(self._rd, self.line_size, write_buffer_mb, cache,
                                     self.direct_io)
+        self._keys_options = _keys_options(self._rd, self.direct_io, cache)
         self._open()
 
     def _open(self) -> None:
         try:
-            self._db = self._rd.Rdict(self.path, self._options)
+            self._db = self._rd.Rdict(self.path, self._options,
+                                      column_families={KEYS_CF: self._keys_options})
+            self._keys = self._db.get_column_family(KEYS_CF)
+            self._keys_handle = self._db.get_column_family_handle(KEYS_CF)
+            self._blob_file_mb = MIN_BLOB_FILE_MB
         except Exception as e:  # rocksdict raises plain Exception for I/O errors
             raise StoreError(f"{self.name}: cannot open RocksDB at {self.path!r}: {e}") from None
 
     def _close_db(self) -> None:
         if self._db is not None:
+            self._keys = self._keys_handle = None
             self._db.close()
             self._db = None
 
-    def _int_property(self, name: str) -> int:
-        try:
-            return int(self._db.property_int_value(name) or 0)
-        except Exception:
-            return 0
+    def _int_property(self, name: str, both: bool = False) -> int:
+        """A RocksDB integer property of the rows' column family (``both``: summed with the keys
+        column family's)."""
+        total = 0
+        for table in (self._db, self._keys) if both else (self._db,):
+            try:
+                total += int(table.property_int_value(name) or 0)
+            except Exception:
+                pass
+        return total
 
     # -- Tier -------------------------------------------------------------------------------
     def __len__(self) -> int:
@@ -172,55 +209,106 @@ class RocksDBStore(StoreTier):
         """RocksDB's own RAM: table readers (index and filter blocks), memtables, block cache."""
         if self._db is None:
             return 0
-        return sum(self._int_property(p) for p in (
-            "rocksdb.estimate-table-readers-mem", "rocksdb.cur-size-all-mem-tables",
-            "rocksdb.block-cache-usage"))
+        return sum(self._int_property(p, both=True) for p in (
+            "rocksdb.estimate-table-readers-mem", "rocksdb.cur-size-all-mem-tables")) + \
+            self._int_property("rocksdb.block-cache-usage")
 
     @property
     def disk_bytes(self) -> int:
         return tree_disk_bytes(self.path)
 
+    def _size_blob_files(self) -> None:
+        """New blob files of about 1/64 of the table (MIN..MAX_BLOB_FILE_MB): fine-grained
+        reclaim for a small table, few files for a large one."""
+        mb = self._rows * (4 * self.line_size + BLOB_RECORD_OVERHEAD) / 64 / 2**20
+        mb = int(min(MAX_BLOB_FILE_MB, max(MIN_BLOB_FILE_MB, mb)))
+        if mb != self._blob_file_mb:
+            self._db.set_options({"blob_file_size": str(mb << 20)})
+            self._blob_file_mb = mb
+
+    def flush(self, wait_idle: bool = False) -> None:
+        """Write both column families' memtables to SSTs; ``wait_idle``: then wait until no
+        flush or compaction runs (their writes and RAM have settled: what measurements want)."""
+        self._db.flush()
+        self._keys.flush()
+        busy = ("rocksdb.num-running-compactions", "rocksdb.num-running-flushes",
+                "rocksdb.compaction-pending")
+        while wait_idle and any(self._int_property(p, both=True) for p in busy):
+            time.sleep(0.02)
+
+    def _reclaim(self) -> None:
+        """Compact every key SST and relocate the live values of the oldest BLOB_GC_AGE_CUTOFF
+        of blob files (those hold the most overwritten versions); blob files left with no live
+        value are deleted. Costs at most that share of the table, once garbage has piled up to
+        COMPACT_ABOVE times the live rows."""
+        self._db.set_options({"enable_blob_garbage_collection": "true",
+                              "blob_garbage_collection_age_cutoff": str(BLOB_GC_AGE_CUTOFF)})
+        try:
+            self._db.compact_range(None, None, self._compact_options)
+        finally:
+            self._db.set_options({"enable_blob_garbage_collection": "false"})
+
+    def _live_bytes(self) -> int:
+        """What the live rows need in blob files."""
+        return self._rows * (4 * self.line_size + BLOB_RECORD_OVERHEAD)
+
+    def _garbage_bytes(self) -> int:
+        """Bytes of the DB's SST and blob files beyond what its live rows need."""
+        used = self._int_property("rocksdb.total-blob-file-size") + \
+            self._int_property("rocksdb.live-sst-files-size", both=True)
+        return used - self._live_bytes()
+
     def space_amplification(self) -> float:
         """Bytes of the DB's SST and blob files over the bytes its live rows need."""
-        live = self._rows * (4 * self.line_size + BLOB_RECORD_OVERHEAD)
-        used = self._int_property("rocksdb.total-blob-file-size") + \
-            self._int_property("rocksdb.live-sst-files-size")
-        return used / max(1, live)
+        return (self._garbage_bytes() + self._live_bytes()) / max(1, self._live_bytes())
 
-    def _multi_get(self, keys: np.ndarray) -> list:
-        """keys: (n,) uint64 -> n values (bytes, or None where absent)."""
+    def _multi_get(self, keys: np.ndarray, table=None) -> list:
+        """keys: (n,) uint64 -> n values of ``table`` (default: the rows; bytes, or None where
+        absent)."""
         n = keys.shape[0]
         if n == 0:
             return []
+        get = (self._db if table is None else table).get
         kb = encode_keys(keys)
         try:
             if self._pool is None or n < _PARALLEL_KEYS:
-                return self._db.get(kb)
+                return get(kb)
             step = -(-n // self.threads)
-            parts = self._pool.map(self._db.get, [kb[i:i + step] for i in range(0, n, step)])
+            parts = self._pool.map(get, [kb[i:i + step] for i in range(0, n, step)])
             return [v for part in parts for v in part]
         except Exception as e:
             raise StoreError(f"{self.name}: multi-get of {n} keys failed: {e}") from None
 
+    def _stored(self, keys: np.ndarray) -> np.ndarray:
+        """keys: (n,) uint64 -> (n,) bool, held here (from the keys column family)."""
+        return np.fromiter((v is not None for v in self._multi_get(keys, self._keys)), np.bool_,
+                           keys.shape[0])
+
     def find(self, keys, out, out_rows):
         keys = np.ascontiguousarray(keys, np.uint64)
-        values = self._multi_get(keys)
-        found = np.fromiter((v is not None for v in values), np.bool_, len(values))
+        found = self._stored(keys)  # new keys stop at the bloom filter: no disk read
         if found.any():
-            raw = b"".join(v for v in values if v is not None)
-            out[np.asarray(out_rows)[found]] = np.frombuffer(raw, np.float32).reshape(-1, self.line_size)
+            values = self._multi_get(keys[found])
+            if any(v is None for v in values):
+                raise StoreError(f"{self.name}: {self.path!r} lists keys without rows: the DB is "
+                                 "damaged; load another snapshot")
+            out[np.asarray(out_rows)[found]] = np.frombuffer(
+                b"".join(values), np.float32).reshape(-1, self.line_size)
         return np.flatnonzero(~found)
 
     def insert_or_assign(self, keys, lines):
         keys = np.ascontiguousarray(keys, np.uint64)
         n = keys.shape[0]
         if n:
-            new = sum(v is None for v in self._multi_get(keys))
+            stored = self._stored(keys)
+            new = int(n - stored.sum())
             raw = np.ascontiguousarray(lines, np.float32).tobytes()
             row = 4 * self.line_size
             batch = self._rd.WriteBatch(raw_mode=True)
             for i, k in enumerate(encode_keys(keys)):
                 batch.put(k, raw[i * row:(i + 1) * row])
+                if not stored[i]:
+                    batch.put(k, b"", self._keys_handle)
             try:
                 self._db.write(batch, self._write_options)
             except Exception as e:
@@ -229,29 +317,32 @@ class RocksDBStore(StoreTier):
                     "or move persistent_path. The last snapshot is intact"
                 ) from None
             self._rows += new
+            self._size_blob_files()
         return empty_lines(self.line_size)
 
     def erase(self, keys: np.ndarray) -> int:
         """Delete keys (n,) uint64; returns how many were stored."""
         keys = np.ascontiguousarray(keys, np.uint64)
-        held = [k for k, v in zip(encode_keys(keys), self._multi_get(keys)) if v is not None]
+        held = [k for k, s in zip(encode_keys(keys), self._stored(keys)) if s]
         batch = self._rd.WriteBatch(raw_mode=True)
         for k in held:
             batch.delete(k)
+            batch.delete(k, self._keys_handle)
         self._db.write(batch, self._write_options)
         self._rows -= len(held)
         return len(held)
 
     def export_batches(self, batch_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
-        """Every row in key order, read by iterating the DB (no key list in RAM). An iterator
-        that stops on an error (a block failing its checksum) raises, never ends early."""
-        it = self._db.iter()
+        """Every row in key order: the keys column family is iterated (small, sequential) and
+        each batch's lines come from one multi-get (RocksDB sorts its blob reads by file and
+        offset; iterating the rows themselves reads blob after blob, ~15x slower here). An
+        iterator that stops on an error raises, never ends early."""
+        it = self._keys.iter()
         it.seek_to_first()
         while True:
-            keys, values = [], []
-            while it.valid() and len(keys) < batch_rows:
-                keys.append(it.key())
-                values.append(it.value())
+            raw = []
+            while it.valid() and len(raw) < batch_rows:
+                raw.append(it.key())
                 it.next()
             if not it.valid():
                 try:
@@ -259,9 +350,13 @@ class RocksDBStore(StoreTier):
                 except Exception as e:
                     raise StoreError(f"{self.name}: reading {self.path!r} failed: {e}; load "
                                      "another snapshot") from None
-            if keys:
-                yield (np.frombuffer(b"".join(keys), ">u8").astype(np.uint64),
-                       np.frombuffer(b"".join(values), np.float32).reshape(-1, self.line_size).copy())
+            if raw:
+                keys = np.frombuffer(b"".join(raw), ">u8").astype(np.uint64)
+                values = self._multi_get(keys)
+                if any(v is None for v in values):
+                    raise StoreError(f"{self.name}: {self.path!r} lists keys without rows: the DB "
+                                     "is damaged; load another snapshot")
+                yield keys, np.frombuffer(b"".join(values), np.float32).reshape(-1, self.line_size).copy()
             if not it.valid():
                 return
 
@@ -287,12 +382,10 @@ class RocksDBStore(StoreTier):
         ``rocksdb.json`` into ``directory``; returns the SSTs' sizes and CRC32s (shared files)."""
         target = os.path.join(directory, "db")
         try:
-            self._db.flush()  # the WAL is off: the memtable must reach an SST first
-            if self.space_amplification() > COMPACT_ABOVE:
-                # most of the table changed since the last save (old versions outweigh the
-                # live rows): compacting now costs about what changed, and keeps the snapshot
-                # from pinning the garbage
-                self._db.compact_range(None, None, self._compact_options)
+            self._size_blob_files()
+            self.flush()  # the WAL is off: the memtables must reach SSTs first
+            if self._garbage_bytes() > max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * self._live_bytes()):
+                self._reclaim()
             self._rd.Checkpoint(self._db).create_checkpoint(target)
         except Exception as e:
             raise StoreError(f"{self.name}: RocksDB checkpoint into {target!r} failed: {e}") from None
