@@ -1,4 +1,4 @@
-"""``one-embedding train | bench | convert | inspect | plot`` (also ``python -m one_embedding``)."""
+"""``one-embedding train | bench | convert | inspect | plan | plot`` (also ``python -m one_embedding``)."""
 from __future__ import annotations
 
 import argparse
@@ -98,6 +98,28 @@ def cmd_inspect(args) -> int:
     return 1 if damaged else 0
 
 
+def _count(text: str) -> int:
+    """A row count as typed: 2000000, 2_000_000, 2e6, 1.5e9."""
+    try:
+        value = float(str(text).replace("_", ""))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of rows (e.g. 2e6)") from None
+    if value < 1 or value != int(value):
+        raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number of rows")
+    return int(value)
+
+
+def cmd_plan(args) -> int:
+    """RAM per tier and disk of a table, from the constants the stores use."""
+    from .plan import format_plan, plan_capacity, plan_json
+
+    p = plan_capacity(args.rows, args.embedding_dim, args.optimizer, args.store, args.cache_mb,
+                      args.host_cache_mb, args.engine, args.keep_snapshots,
+                      args.changed_per_snapshot, args.world, args.physical_block_size)
+    print(plan_json(p) if args.json else format_plan(p))
+    return 0
+
+
 def cmd_plot(args) -> int:
     """Loss, AUC and samples/s against step for each metrics file; one JSON line on stdout."""
     from .plot import plot_runs
@@ -145,6 +167,26 @@ def build_parser() -> argparse.ArgumentParser:
                    help="check the data a snapshot shares (SSTs, slot segments) by size and key "
                         "checksums, as a load does, instead of reading every byte")
     p.set_defaults(func=cmd_inspect)
+
+    p = sub.add_parser("plan", help="RAM per tier and disk (live, steady, peak with K retained "
+                                    "snapshots) of a table before it exists")
+    p.add_argument("--rows", type=_count, required=True, help="keys over all ranks, e.g. 2e9")
+    p.add_argument("--embedding-dim", type=int, required=True)
+    p.add_argument("--optimizer", default="sgd",
+                   choices=("sgd", "momentum", "adagrad", "adam", "ftrl"),
+                   help="the row optimizer: its states make up the line (adam: 3x the dim)")
+    p.add_argument("--store", default="cached_ssd",
+                   choices=("device_mem", "cached_host_mem", "cached_ssd"))
+    p.add_argument("--engine", default="slots", choices=("slots", "rocksdb"))
+    p.add_argument("--cache-mb", type=float, default=0.0, help="device cache per rank")
+    p.add_argument("--host-cache-mb", type=float, default=0.0, help="host cache per rank")
+    p.add_argument("--keep-snapshots", type=int, default=0, help="retained snapshots")
+    p.add_argument("--changed-per-snapshot", type=float, default=0.01,
+                   help="share of the rows changed between snapshots (default 0.01)")
+    p.add_argument("--world", type=int, default=1, help="ranks the table is spread over")
+    p.add_argument("--physical-block-size", type=int, default=4096)
+    p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
+    p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("plot", help="loss, AUC and samples/s against step from train --metrics "
                                     "files (several runs overlaid) into a PNG")

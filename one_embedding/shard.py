@@ -313,7 +313,8 @@ class EmbeddingShard:
                 return shared
 
             snaps.save(name, write, manifest)
-            self._chain.collect_garbage()  # what a replaced snapshot of that name held
+            snaps.reap_deleted()  # deleted snapshots whose readers have let go since
+            self._chain.collect_garbage()  # what a replaced or deleted snapshot alone held
 
     def delete_snapshot(self, name: str) -> bool:
         """Delete snapshot ``name`` and reclaim the disk only it used. Returns False when a
@@ -322,6 +323,7 @@ class EmbeddingShard:
         snaps = self._require_path("delete_snapshot")
         with self._state:
             gone = snaps.delete(name)
+            snaps.reap_deleted()  # and those earlier deletes left to readers that are done now
             self._chain.collect_garbage()
             return gone
 

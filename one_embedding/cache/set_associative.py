@@ -257,6 +257,15 @@ class SetAssociativeCache(Tier):
         """Bytes reserved for the whole budget (only the part in use is backed by RAM)."""
         return sum(a.nbytes for a in self._arrays()) + self._set_block.nbytes
 
+    @staticmethod
+    def bytes_for(rows: int, ways: int, line_size: int) -> int:
+        """``memory_bytes`` of a cache of ``rows`` lines (rounded down to whole sets) of
+        ``line_size`` floats: per way its line, key, stamp, frequency and row (8 bytes each),
+        used and dirty flags; per set its block number (the capacity planner's figure)."""
+        ways = min(int(ways), int(rows))
+        n_sets = int(rows) // ways
+        return n_sets * ways * (4 * int(line_size) + 4 * 8 + 2) + n_sets * 8
+
     def _arrays(self) -> tuple:
         return (self._way_keys, self._way_used, self._way_stamp, self._way_freq, self._way_row,
                 self._way_dirty, self._rows)

@@ -1,0 +1,192 @@
+"""``one-embedding plan``: RAM per tier and disk of a table before it exists.
+
+    one-embedding plan --rows 1e9 --embedding-dim 128 --optimizer adam --store cached_ssd \\
+        --cache-mb 8192 --keep-snapshots 3
+
+Every figure comes from the constants and formulas the stores themselves use (imported, not
+copied): the line layout (``size_factor`` from the optimizer's states), the cache's reserved bytes
+(``SetAssociativeCache.bytes_for``), the slot engine's block packing, key files, block checksums,
+directory (``CompactIndex``: 5-byte entries at 0.80-0.92 load) and staging buffers, its garbage
+bound (``GARBAGE_RATIO``) and compaction target; RocksDB's blob records, key SSTs, bloom filters,
+block cache and write buffers, and the space amplification at which a save reclaims garbage.
+
+Disk is given three ways: the live table right after a snapshot with no garbage; the steady state
+the garbage bound allows; and the peak with ``keep_snapshots`` retained snapshots, each taken after
+``changed_per_snapshot`` of the rows changed (retained snapshots pin the old copies of the rows
+compaction moved while they were current). ``tests/unit/test_plan.py`` checks the plan against
+measured stores.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+
+from .cache.set_associative import SetAssociativeCache
+from .errors import ConfigError
+from .store import rocksdb_store as rdb
+from .store import slot_file
+from .store.direct_io import MAX_RUN_BYTES  # noqa: F401  (the I/O unit, shown in docs)
+from .store.segments import block_layout, default_segment_rows
+from .tiers.compact_index import MAX_LOAD, GROWTH, WAYS
+
+#: row optimizer -> states per element (a line is 1 + states blocks of E floats)
+OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adagrad": 1, "adam": 2, "ftrl": 2}
+#: bytes of a CompactIndex entry (8-bit tag + 32-bit location)
+INDEX_ENTRY_BYTES = 5
+#: the directory's mean load: it grows by GROWTH when it reaches MAX_LOAD
+INDEX_MEAN_LOAD = (MAX_LOAD + MAX_LOAD / GROWTH) / 2
+#: HashIndex (host memory stores): 16 bytes a bucket, at most 0.7 full, a power of two
+HASH_BUCKET_BYTES, HASH_MAX_LOAD = 16, 0.7
+#: RocksDB key SST bytes per key: internal key (8 + 8), blob index (~10), block overhead
+ROCKSDB_KEY_SST_BYTES = 32
+#: RocksDB table readers per key: 10-bit bloom filter + index entries of key SST blocks
+ROCKSDB_TABLE_READER_BYTES = 1.25 + 0.25
+#: measured (tests/unit/test_store_scale.py, bench_scale): a garbage reclaim relocates up to
+#: this share of the table, which snapshots taken before it keep pinned until deleted
+ROCKSDB_RECLAIM_SHARE = 0.45
+
+
+@dataclass
+class TierPlan:
+    tier: str
+    rows: int
+    ram_bytes: int
+    disk_bytes: int = 0
+    note: str = ""
+
+
+@dataclass
+class CapacityPlan:
+    rows: int
+    rows_per_rank: int
+    line_size: int
+    line_bytes: int
+    tiers: list = field(default_factory=list)
+    ram_bytes: int = 0
+    disk_live_bytes: int = 0
+    disk_steady_bytes: int = 0
+    disk_peak_bytes: int = 0
+    keep_snapshots: int = 0
+    changed_per_snapshot: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cache(name: str, budget_mb: float, line_size: int, rows: int, ways: int = 32) -> TierPlan:
+    cache_rows = int(budget_mb * 2**20 // (4 * line_size))
+    if cache_rows < 1:
+        raise ConfigError(f"{name}: {budget_mb} MB holds no line of {4 * line_size} bytes: raise it")
+    held = min(cache_rows, rows)
+    return TierPlan(name, held, SetAssociativeCache.bytes_for(cache_rows, ways, line_size),
+                    note=f"{cache_rows:,} lines reserved")
+
+
+def _memory_store(name: str, rows: int, line_size: int) -> TierPlan:
+    buckets = 16
+    while buckets * HASH_MAX_LOAD < rows:
+        buckets *= 2
+    return TierPlan(name, rows, rows * 4 * line_size + buckets * HASH_BUCKET_BYTES)
+
+
+def _slots(rows: int, line_size: int, physical_block_size: int) -> tuple[TierPlan, int]:
+    rpb, block_bytes = block_layout(line_size, physical_block_size)
+    blocks = -(-rows // rpb)
+    live = blocks * block_bytes + rows * 8 + blocks * 8  # rows, key files, block checksums
+    index = rows * INDEX_ENTRY_BYTES / INDEX_MEAN_LOAD
+    # the active segment's block checksums, two staging buffers
+    fixed = 2 * slot_file.IO_CHUNK_BYTES + default_segment_rows(line_size) // rpb * 8
+    return TierPlan("ssd.slots", rows, int(index + fixed), live,
+                    note=f"directory {INDEX_ENTRY_BYTES / INDEX_MEAN_LOAD:.1f} B/key"), live
+
+
+def _rocksdb(rows: int, line_size: int) -> tuple[TierPlan, int]:
+    live = rows * (4 * line_size + rdb.BLOB_RECORD_OVERHEAD + ROCKSDB_KEY_SST_BYTES)
+    fixed = (64 + 3 * 64) << 20  # block cache, up to 3 write buffers (the store's defaults)
+    return TierPlan("ssd.rocksdb", rows, int(rows * ROCKSDB_TABLE_READER_BYTES + fixed), live,
+                    note=f"table readers {ROCKSDB_TABLE_READER_BYTES:.1f} B/key"), live
+
+
+def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
+                  store: str = "cached_ssd", cache_mb: float = 0.0, host_cache_mb: float = 0.0,
+                  engine: str = "slots", keep_snapshots: int = 0,
+                  changed_per_snapshot: float = 0.01, world: int = 1,
+                  physical_block_size: int = 4096) -> CapacityPlan:
+    """RAM per tier and disk of a table of ``rows`` keys (over all ranks; figures are per rank)."""
+    if optimizer not in OPTIMIZER_STATES:
+        raise ConfigError(f"optimizer={optimizer!r}: choose one of {sorted(OPTIMIZER_STATES)}")
+    for name, value in (("rows", rows), ("embedding_dim", embedding_dim), ("world", world)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ConfigError(f"{name}={value!r} must be a positive integer")
+    if not 0.0 <= changed_per_snapshot <= 1.0:
+        raise ConfigError(f"changed_per_snapshot={changed_per_snapshot!r} must be in [0, 1]")
+    if keep_snapshots < 0:
+        raise ConfigError(f"keep_snapshots={keep_snapshots!r} must be >= 0")
+    line_size = (1 + OPTIMIZER_STATES[optimizer]) * embedding_dim
+    per_rank = -(-rows // world)
+    out = CapacityPlan(rows, per_rank, line_size, 4 * line_size, keep_snapshots=keep_snapshots,
+                       changed_per_snapshot=changed_per_snapshot)
+    k, f = keep_snapshots, changed_per_snapshot
+    if store in ("device_mem", "cached_host_mem"):
+        if store == "cached_host_mem":
+            out.tiers.append(_cache("device.lru", cache_mb, line_size, per_rank))
+        bottom = _memory_store("host.full" if store == "cached_host_mem" else "device.full",
+                               per_rank, line_size)
+        out.tiers.append(bottom)
+        snapshot = per_rank * (8 + 4 * line_size)  # keys.npy + lines.npy: a copy each
+        out.disk_live_bytes = out.disk_steady_bytes = snapshot
+        out.disk_peak_bytes = max(1, k) * snapshot
+    elif store == "cached_ssd":
+        out.tiers.append(_cache("device.lru", cache_mb, line_size, per_rank))
+        if host_cache_mb:
+            out.tiers.append(_cache("host.lru", host_cache_mb, line_size, per_rank))
+        if engine == "slots":
+            tier, live = _slots(per_rank, line_size, physical_block_size)
+            steady = live / (1 - slot_file.GARBAGE_RATIO)
+            # each interval's compaction retires about f / GARBAGE_RATIO of the table (victims
+            # hold ~GARBAGE_RATIO garbage); the k retained snapshots keep what it retired
+            pinned = k * live * min(1.0, f / slot_file.GARBAGE_RATIO)
+        elif engine == "rocksdb":
+            tier, live = _rocksdb(per_rank, line_size)
+            steady = live * rdb.COMPACT_ABOVE
+            pinned = live * (k * f + (ROCKSDB_RECLAIM_SHARE if k else 0.0))
+        else:
+            raise ConfigError(f"engine={engine!r} must be 'slots' or 'rocksdb'")
+        out.tiers.append(tier)
+        out.disk_live_bytes, out.disk_steady_bytes = int(live), int(steady)
+        out.disk_peak_bytes = int(steady + pinned)
+    else:
+        raise ConfigError(f"store={store!r} must be device_mem, cached_host_mem or cached_ssd")
+    out.ram_bytes = sum(t.ram_bytes for t in out.tiers)
+    for t in out.tiers:
+        t.disk_bytes = int(t.disk_bytes)
+    return out
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(n) < 1024 or unit == "PiB":
+            return f"{n:,.1f} {unit}" if unit != "B" else f"{int(n):,} B"
+        n /= 1024
+    return str(n)
+
+
+def format_plan(p: CapacityPlan) -> str:
+    """The plan as a markdown table and a few lines of totals."""
+    lines = [f"{p.rows:,} rows ({p.rows_per_rank:,} per rank), lines of {p.line_size} floats "
+             f"({p.line_bytes} B). Per rank:", "",
+             "| tier | rows | RAM | disk | note |", "|---|---|---|---|---|"]
+    for t in p.tiers:
+        lines.append(f"| {t.tier} | {t.rows:,} | {_size(t.ram_bytes)} | "
+                     f"{_size(t.disk_bytes) if t.disk_bytes else '-'} | {t.note} |")
+    lines += ["", f"RAM in all: {_size(p.ram_bytes)}",
+              f"disk, live table after a snapshot: {_size(p.disk_live_bytes)}",
+              f"disk, steady state (garbage at its bound): {_size(p.disk_steady_bytes)}",
+              f"disk, peak with {p.keep_snapshots} retained snapshot(s) of "
+              f"{p.changed_per_snapshot:.1%} changed rows each: {_size(p.disk_peak_bytes)} "
+              f"({p.disk_peak_bytes / max(1, p.disk_live_bytes):.2f}x the live table)"]
+    return "\n".join(lines)
+
+
+def plan_json(p: CapacityPlan) -> str:
+    return json.dumps(p.as_dict())
