@@ -158,3 +158,143 @@ def test_kill9_twelve_times_both_engines(tmp_path):
     during_save, verified = kill_loop(tmp_path, ["slots", "rocksdb"], kills=12, seed=7)
     assert verified == 12
     assert during_save >= 3
+
+
+# ---------------------------------------------------------------- kills during delete and GC
+GC_WORKER = textwrap.dedent(
+    """
+    import hashlib, json, os, sys
+    import numpy as np
+    import one_embedding as oe
+
+    path, engine, side, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    kill_after, before = int(sys.argv[5]), sys.argv[6] == "before"
+    opts = oe.make_cached_ssd_store_options(0.25, path, engine=engine, size_factor=2)
+    emb = oe.MultiTableEmbedding("c", 8, np.float32, np.int64, None, opts, seed=1)
+    opt = oe.Optimizer(oe.optim.Adagrad(lr=0.1), embeddings=[emb])
+    state = {"hashes": {}, "n": 0, "phase": "train", "target": []}
+
+    # kill -9 this process at the kill_after-th file removal of a delete_snapshot (the rename,
+    # the reap of the folder, the garbage collection of segments), before or after it
+    unlinks, real_unlink = [0], os.unlink
+
+    def unlink_then_maybe_die(*args, **kwargs):
+        unlinks[0] += 1
+        if unlinks[0] == kill_after and before:
+            os.kill(os.getpid(), 9)
+        try:
+            real_unlink(*args, **kwargs)
+        finally:  # (a file already gone raises, and is a removal all the same)
+            if unlinks[0] == kill_after:
+                os.kill(os.getpid(), 9)
+    if os.path.exists(side):
+        with open(side) as f:
+            state = json.load(f)
+    names = sorted(emb.snapshot_names(), key=lambda s: int(s[1:]))
+    if names:
+        emb.load_snapshot(names[-1])
+
+    def record(phase, target):
+        state.update(phase=phase, target=target, run=seed)
+        with open(side + ".tmp", "w") as f:
+            json.dump(state, f)
+        os.replace(side + ".tmp", side)
+
+    rng = np.random.default_rng(seed)
+    while True:
+        ids = rng.integers(0, 40000, size=(4096, 2))
+        out = emb(ids)
+        emb.backward(rng.standard_normal(out.shape).astype(np.float32))
+        opt.step()
+        opt.zero_grad()
+        state["n"] += 1
+        name = f"s{state['n']}"
+        keys, lines = emb.export()
+        state["hashes"][name] = hashlib.sha256(keys.tobytes() + lines.tobytes()).hexdigest()
+        record("saving", [name])
+        emb.save_snapshot(name)
+        names = sorted(emb.snapshot_names(), key=lambda s: int(s[1:]))
+        record("deleting", names[:-2])
+        os.unlink = unlink_then_maybe_die
+        for doomed in names[:-2]:  # each delete ends in a garbage collection
+            emb.delete_snapshot(doomed)
+        os.unlink = real_unlink
+        record("train", [])
+    """
+)
+
+
+def referenced_segments(rank_folder):
+    ids = set()
+    snaps = os.path.join(rank_folder, "snapshots")
+    for entry in os.listdir(snaps):
+        layout = os.path.join(snaps, entry, "slots.json")
+        if os.path.isfile(layout):
+            with open(layout) as f:
+                ids |= {s["id"] for s in json.load(f)["segments"]}
+    return ids
+
+
+def check_after_kill(path, engine, state):
+    """Reopen (recovery + garbage collection) and load every snapshot: each is exactly what was
+    saved under its name; only a snapshot being saved may be missing, only ones being deleted
+    may be gone; no segment is left that nothing refers to."""
+    opts = oe.make_cached_ssd_store_options(0.25, path, engine=engine, size_factor=2)
+    emb = oe.MultiTableEmbedding("c", 8, np.float32, np.int64, None, opts, seed=1)
+    try:
+        folder = os.path.join(path, "0-1")
+        assert not [e for e in os.listdir(os.path.join(folder, "snapshots")) if e.startswith(".")]
+        present = set(emb.snapshot_names())
+        saved = set(state["hashes"])
+        in_flight = set(state["target"]) if state["phase"] in ("saving", "deleting") else set()
+        assert present <= saved, present - saved
+        for name in present:
+            emb.load_snapshot(name)
+            keys, lines = emb.export()
+            digest = hashlib.sha256(keys.tobytes() + lines.tobytes()).hexdigest()
+            assert digest == state["hashes"][name], f"{name} is not what was saved under it"
+        newest = sorted(saved, key=lambda s: int(s[1:]))[-2:]
+        missing = set(newest) - present
+        assert missing <= in_flight, f"{missing} vanished without being deleted or saved"
+        if engine == "slots":
+            pool = os.path.join(folder, "slots", "segments")
+            on_disk = {int(f[:16], 16) for f in os.listdir(pool)}
+            assert on_disk <= referenced_segments(folder), "garbage left after the reopen"
+    finally:
+        emb.close()
+
+
+def gc_kill_loop(tmp_path, engines, kills, seed):
+    """Each run kills itself with SIGKILL at a random file removal inside delete_snapshot (the
+    reap of the folder or the garbage collection after it); the path must then reopen cleanly."""
+    rnd = random.Random(seed)
+    worker = tmp_path / "gc_worker.py"
+    worker.write_text(GC_WORKER)
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    phases = []
+    for i in range(kills):
+        engine = engines[i % len(engines)]
+        path, side = str(tmp_path / engine), str(tmp_path / f"{engine}.json")
+        when = rnd.choice(["before", "after"])
+        proc = subprocess.Popen([sys.executable, str(worker), path, engine, side, str(i),
+                                 str(rnd.randint(1, 40)), when], env=env)
+        try:
+            proc.wait(timeout=120)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        assert proc.returncode == -signal.SIGKILL, f"worker exited with {proc.returncode}"
+        state = read_side(side)
+        phases.append(state["phase"])
+        check_after_kill(path, engine, state)
+    return phases
+
+
+def test_kill9_during_delete_snapshot_and_gc_reopens_cleanly(tmp_path):
+    assert gc_kill_loop(tmp_path, ["slots"], kills=2, seed=3) == ["deleting"] * 2
+
+
+@pytest.mark.slow
+def test_kill9_during_delete_and_gc_ten_times_both_engines(tmp_path):
+    assert gc_kill_loop(tmp_path, ["slots", "rocksdb"], kills=10, seed=11) == ["deleting"] * 10

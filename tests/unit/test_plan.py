@@ -1,0 +1,107 @@
+"""``one-embedding plan`` against stores built and measured: RAM per tier and disk within 10 %."""
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import one_embedding as oe
+from one_embedding.plan import plan_capacity
+from one_embedding.store.rocksdb_store import tree_disk_bytes
+
+import helpers
+
+ROOT = str(helpers.ROOT)
+ROWS, DIM, CACHE_MB = 200_000, 32, 4
+
+
+def trained(path, engine, host_mb=0.0):
+    opts = oe.make_cached_ssd_store_options(CACHE_MB, str(path), engine=engine, size_factor=3,
+                                            host_cache_budget_mb=host_mb)
+    emb = oe.MultiTableEmbedding("t", DIM, np.float32, np.int64, None, opts, seed=0)
+    opt = oe.Optimizer(oe.optim.Adam(lr=1e-3), embeddings=[emb])
+    for start in range(0, ROWS, 50_000):
+        out = emb(np.arange(start, start + 50_000))
+        emb.backward(np.full(out.shape, 0.01, np.float32))
+        opt.step()
+        opt.zero_grad()
+    return emb, opt
+
+
+def within(measured, planned, tol=0.10):
+    return abs(measured - planned) <= tol * planned
+
+
+@pytest.mark.parametrize("engine", ["slots", "rocksdb"])
+def test_plan_matches_a_measured_table(tmp_path, engine):
+    emb, opt = trained(tmp_path, engine, host_mb=2.0)
+    emb.save_snapshot("s0")
+    plan = plan_capacity(ROWS, DIM, "adam", "cached_ssd", CACHE_MB, 2.0, engine,
+                         keep_snapshots=3, changed_per_snapshot=0.01)
+    stats = emb.store_stats()
+    assert [s["tier"] for s in stats] == [t.tier for t in plan.tiers]
+    for tier, measured in zip(plan.tiers[:2], stats[:2]):  # the caches: reserved bytes, exactly
+        assert measured["memory_bytes"] == tier.ram_bytes, tier.tier
+    ssd, planned = stats[-1], plan.tiers[-1]
+    if engine == "slots":
+        assert within(ssd["memory_bytes"], planned.ram_bytes), (ssd["memory_bytes"], planned)
+    else:  # RocksDB's per-key RAM (its caches and write buffers are fixed budgets)
+        readers = emb._owner()._chain.bottom._int_property("rocksdb.estimate-table-readers-mem",
+                                                           both=True)
+        assert within(readers, ROWS * 1.5, 0.25), readers / ROWS
+    disk = tree_disk_bytes(str(tmp_path))
+    assert within(disk, plan.disk_live_bytes), (disk, plan.disk_live_bytes)
+    # three retained snapshots of 1 %-changed tables stay under the planned peak
+    rng = np.random.default_rng(0)
+    names, worst = ["s0"], disk
+    for r in range(1, 9):
+        ids = rng.choice(ROWS, ROWS // 100, replace=False)
+        out = emb(ids)
+        emb.backward(np.full(out.shape, 0.01, np.float32))
+        opt.step()
+        opt.zero_grad()
+        emb.save_snapshot(f"s{r}")
+        names.append(f"s{r}")
+        while len(names) > 3:
+            emb.delete_snapshot(names.pop(0))
+        worst = max(worst, tree_disk_bytes(str(tmp_path)))
+    assert worst <= plan.disk_peak_bytes, (worst / disk, plan.disk_peak_bytes / disk)
+    assert plan.disk_peak_bytes <= 2.0 * plan.disk_live_bytes
+    emb.close()
+
+
+def test_memory_presets_plan_the_full_table_and_a_copy_per_snapshot(tmp_path):
+    opts = oe.make_device_mem_store_options(str(tmp_path), capacity=ROWS)
+    emb = oe.MultiTableEmbedding("t", DIM, np.float32, np.int64, None, opts)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    out = emb(np.arange(ROWS))
+    emb.backward(np.ones_like(out))
+    opt.step()
+    emb.save_snapshot("a")
+    plan = plan_capacity(ROWS, DIM, "sgd", "device_mem", keep_snapshots=1)
+    assert within(emb.store_stats()[0]["memory_bytes"], plan.tiers[0].ram_bytes)
+    assert within(tree_disk_bytes(str(tmp_path)), plan.disk_peak_bytes)
+    emb.close()
+
+
+def test_plan_command_prints_a_table_or_json_and_refuses_bad_input():
+    env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
+
+    def run(*args):
+        return subprocess.run([sys.executable, "-m", "one_embedding", "plan", *args],
+                              capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+
+    r = run("--rows", "1e9", "--embedding-dim", "128", "--optimizer", "adam", "--store",
+            "cached_ssd", "--cache-mb", "8192", "--keep-snapshots", "3")
+    assert r.returncode == 0, r.stderr
+    assert "| ssd.slots | 1,000,000,000 |" in r.stdout and "peak with 3 retained" in r.stdout
+    j = run("--rows", "2e6", "--embedding-dim", "32", "--optimizer", "adam", "--cache-mb", "16",
+            "--engine", "rocksdb", "--json")
+    plan = json.loads(j.stdout)
+    assert plan["line_size"] == 96 and plan["tiers"][-1]["tier"] == "ssd.rocksdb"
+    bad = run("--rows", "-5", "--embedding-dim", "8", "--cache-mb", "1")
+    assert bad.returncode == 2 and "--rows" in bad.stderr and "Traceback" not in bad.stderr
+    no_cache = run("--rows", "10", "--embedding-dim", "8")
+    assert no_cache.returncode == 2 and "raise it" in no_cache.stderr
