@@ -117,14 +117,21 @@ def engine_reads(args, root, line_size):
     for s in range(0, n, 1 << 16):
         slots.insert_or_assign(keys[s:s + CHUNK], lines[s:s + CHUNK])
     probe = rng.choice(keys, size=args.read_batch, replace=False)
-    slot_ids = slots._index.find(probe)
-    plain = np.memmap(slots.path, np.float32, "r")
+    seg_of, slot_of = slots._split(slots._index.find(probe, slots._keys_of))
     rpb, bb = slots.rows_per_block, slots.block_bytes
-    plain_view = np.ndarray((os.path.getsize(slots.path) // bb, rpb, line_size), np.float32,
-                            buffer=plain, strides=(bb, 4 * line_size, 4))
+    views = {}  # segment index -> (blocks, rows_per_block, line_size) view of its rows file
+    for index, seg in slots._segments.items():
+        path = slots.pool.path(seg.id, "rows")
+        views[index] = np.ndarray((os.path.getsize(path) // bb, rpb, line_size), np.float32,
+                                  buffer=np.memmap(path, np.float32, "r"),
+                                  strides=(bb, 4 * line_size, 4))
+    groups = [(np.flatnonzero(seg_of == i), views[int(i)]) for i in np.unique(seg_of)]
 
     def memmap_gather():
-        return plain_view[slot_ids // rpb, slot_ids % rpb]
+        out = np.empty((probe.shape[0], line_size), np.float32)
+        for rows, view in groups:
+            out[rows] = view[slot_of[rows] // rpb, slot_of[rows] % rpb]
+        return out
 
     found, got = find_all(slots, probe)
     assert found.all() and np.array_equal(got, memmap_gather())
@@ -150,7 +157,8 @@ def engine_reads(args, root, line_size):
         eng = time.perf_counter() - t
         assert found.all() and np.array_equal(got, memmap_gather())
         blocks = slots.io_counts["read_blocks"] - before
-        raw = raw_random_reads(slots.path, 16, 3.0)
+        biggest = max(slots._segments.values(), key=lambda seg: seg.n_slots)
+        raw = raw_random_reads(slots.pool.path(biggest.id, "rows"), 16, 3.0)
         out.append({"read": "slots find, O_DIRECT, 16 I/O threads",
                     "rows_per_s": args.read_batch / eng, "blocks_per_s": blocks / eng,
                     "baseline": "raw 4 KiB O_DIRECT reads/s, 16 threads",
