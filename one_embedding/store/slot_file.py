@@ -27,12 +27,11 @@ the page cache to confirm tag matches. A lookup of a key that was never stored m
   behind (everything after its last snapshot), which the next open collects.
 
 Snapshots of this engine live under ``<directory>/snapshots/``, where garbage collection sees
-them. A snapshot written by the earlier format (``keys.npy``, ``slots.npy``, ``rows.bin``) still
-loads; its rows are copied into segments.
+them (``slot_snapshots.py``). A snapshot written by the earlier format (``keys.npy``,
+``slots.npy``, ``rows.bin``) still loads; its rows are copied into segments.
 """
 from __future__ import annotations
 
-import json
 import os
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -41,20 +40,18 @@ from typing import Iterator
 import numpy as np
 from numba import njit
 
-from ..errors import SnapshotError, StoreError
+from ..errors import StoreError
 from ..tiers import StoreTier, empty_lines
 from ..tiers.compact_index import MAX_LOCATION, CompactIndex
 from . import segments as seg_files
 from .direct_io import AlignedBuffer, IOPool
-from .durable import read_array, write_bytes_atomic
-from .segments import (SegmentInfo, SegmentPool, block_layout, block_sums, default_segment_rows,
+from .segments import (SegmentPool, block_layout, block_sums, default_segment_rows,
                        first_bad_block)
+from .slot_snapshots import SlotSnapshots
 from .snapshots import SnapshotDirectory
 
 __all__ = ["SlotFileStore", "block_layout"]
 
-LAYOUT_FILE = "slots.json"
-FORMAT = 2
 _PARALLEL_ROWS = 1 << 14  # below this a second copy thread costs more than it saves
 #: the staging buffers: blocks of one read or write pass (explicit RAM, not page cache)
 IO_CHUNK_BYTES = 32 << 20
@@ -89,7 +86,7 @@ def _scatter(view, pos, within, lines, line_rows, start, stop):
             view[b, r, c] = lines[o, c]
 
 
-class SlotFileStore(StoreTier):
+class SlotFileStore(SlotSnapshots, StoreTier):
     """Bottom tier on SSD: every key's line in the segments under ``<directory>/slots/``.
 
     threads: CPU threads of the row copies between the staging buffers and the caller's lines;
@@ -541,174 +538,6 @@ class SlotFileStore(StoreTier):
                 self._active.dead.extend((int(k), at) for k in dead[gone, 0])
         self.io_counts["compactions"] += 1
         self._forget(seg)
-
-    # -- garbage collection ---------------------------------------------------------------
-    def _pinned_ids(self) -> set[int]:
-        """Segment ids that a folder under ``<directory>/snapshots/`` refers to."""
-        ids: set[int] = set()
-        for folder in self._snapshots.folders():
-            path = os.path.join(folder, LAYOUT_FILE)
-            try:
-                with open(path, "rb") as f:
-                    layout = json.loads(f.read())
-                if os.path.realpath(os.path.join(folder, layout["pool"])) == \
-                        os.path.realpath(self.pool.folder):
-                    ids.update(int(s["id"]) for s in layout["segments"])
-            except (OSError, ValueError, KeyError, TypeError):
-                continue  # no layout (another engine, or half written: not published)
-        return ids
-
-    def collect_garbage(self) -> int:
-        """Delete the segment files that neither the live table nor a snapshot folder (deleted
-        ones a reader still leases included) refers to. Returns how many segments went."""
-        if os.path.isdir(self._snapshots.root):
-            self._snapshots.reap_deleted()
-        keep = self._pinned_ids() | {s.id for s in self._segments.values() if s.owned}
-        doomed = self.pool.ids_on_disk() - keep
-        for seg_id in sorted(doomed):
-            self.pool.delete(seg_id)
-        self.io_counts["deleted_segments"] += len(doomed)
-        return len(doomed)
-
-    # -- snapshots ------------------------------------------------------------------------
-    def _check_snapshot_folder(self, directory: str) -> None:
-        parent = os.path.realpath(os.path.dirname(os.path.abspath(directory)))
-        if parent != os.path.realpath(self._snapshots.root):
-            raise SnapshotError(
-                f"{self.name}: a snapshot of this store shares its segments, so it must live in "
-                f"{self._snapshots.root!r} (where garbage collection sees it), not in "
-                f"{os.path.dirname(os.path.abspath(directory))!r}")
-
-    def save_snapshot(self, directory: str) -> None:
-        self._check()
-        self._check_snapshot_folder(directory)
-        try:
-            self._seal_active()
-            live = sorted(self._segments.values(), key=lambda s: s.id)
-            layout = {"engine": "slots", "format": FORMAT, "line_size": self.line_size,
-                      "rows": len(self._index), "rows_per_block": self.pool.rows_per_block,
-                      "block_bytes": self.pool.block_bytes,
-                      "segment_rows": self.pool.segment_rows,
-                      "pool": os.path.relpath(self.pool.folder, directory),
-                      "segments": [s.info.as_dict() for s in live]}
-            write_bytes_atomic(os.path.join(directory, LAYOUT_FILE), json.dumps(layout).encode())
-        except OSError as e:
-            raise StoreError(
-                f"{self.name}: writing snapshot files into {directory!r} failed "
-                f"({e.strerror or e}); free disk space and save again. The previous snapshot "
-                "of that name is intact"
-            ) from None
-
-    def verify_snapshot(self, directory: str, full: bool = False) -> None:
-        """Raise SnapshotError unless every segment the snapshot in ``directory`` lists is there
-        with its sizes and key CRC32s (``full``: the CRC32 of every row block too)."""
-        layout, infos, pool_dir = self._read_layout(directory)
-        for info in infos:
-            self.pool.check(info, pool_dir, layout["block_bytes"], full)
-
-    def referenced_bytes(self, directory: str) -> int:
-        """Bytes of the segment files the snapshot in ``directory`` lists."""
-        _, infos, _ = self._read_layout(directory)
-        return sum(i.rows_bytes + 8 * i.slots + 16 * i.dead for i in infos)
-
-    def _read_layout(self, directory: str):
-        try:
-            with open(os.path.join(directory, LAYOUT_FILE), "rb") as f:
-                layout = json.loads(f.read())
-            infos = [SegmentInfo.from_dict(d) for d in layout["segments"]]
-            pool_dir = os.path.normpath(os.path.join(directory, layout["pool"]))
-        except (OSError, ValueError, KeyError, TypeError) as e:
-            raise SnapshotError(f"{self.name}: snapshot {directory!r} is unreadable: {e}") from None
-        if layout.get("engine") != "slots" or layout.get("line_size") != self.line_size \
-                or layout.get("format") != FORMAT:
-            raise SnapshotError(
-                f"{self.name}: snapshot {directory!r} has layout "
-                f"{ {k: layout.get(k) for k in ('engine', 'format', 'line_size')} }; this store "
-                f"needs a 'slots' snapshot of format {FORMAT} and line_size={self.line_size}")
-        return layout, sorted(infos, key=lambda i: i.id), pool_dir
-
-    def load_snapshot(self, directory: str) -> None:
-        if not os.path.isfile(os.path.join(directory, LAYOUT_FILE)) and \
-                os.path.isfile(os.path.join(directory, "layout.json")):
-            return self._load_legacy(directory)
-        layout, infos, pool_dir = self._read_layout(directory)
-        own = os.path.realpath(pool_dir) == os.path.realpath(self.pool.folder)
-        for info in infos:  # refuse a damaged snapshot before the live table changes
-            self.pool.check(info, pool_dir, layout["block_bytes"])
-        by_id = {s.id: s for s in self._segments.values() if s.sealed and s.owned and own}
-        old = [s for s in self._segments.values() if s.id not in {i.id for i in infos} or not own]
-        self._active = None
-        for seg in old:
-            self._forget(seg)
-        self.pool.adopt(layout["rows_per_block"], layout["block_bytes"], layout["segment_rows"])
-        self._index.clear()
-        self._broken = None
-        try:
-            for info in infos:
-                if info.id not in by_id:
-                    seg = self.pool.open_sealed(info, self._take_index(), pool_dir, own)
-                    self._add(seg)
-                    by_id[info.id] = seg
-                seg = by_id[info.id]
-                seg.live = 0
-                self._replay(seg, self.pool.read_dead(info, pool_dir))
-        except BaseException:
-            self.clear()
-            raise
-        if len(self._index) != layout["rows"]:
-            replayed = len(self._index)
-            self.clear()
-            raise SnapshotError(f"{self.name}: snapshot {directory!r} replays to {replayed} rows, "
-                                f"not the {layout['rows']} it recorded: damaged")
-        self._count_live(self._index.locations(), 1)
-        self._next_id = max(self._next_id, 1 + max((i.id for i in infos), default=0))
-        self.collect_garbage()
-
-    def _replay(self, seg, dead: np.ndarray) -> None:
-        """Apply the rows of ``seg`` to the directory in slot order (the last row of a key wins)
-        and each tombstone ``(key, position)`` before the row at ``position``."""
-        start = 0
-        for cut in np.unique(dead[:, 1]).tolist():
-            self._replay_rows(seg, start, int(cut))
-            gone = np.unique(dead[dead[:, 1] == np.uint64(cut), 0])
-            self._index.erase_at(self._index.positions(gone, self._keys_of))
-            start = int(cut)
-        self._replay_rows(seg, start, seg.n_slots)
-
-    def _replay_rows(self, seg, start: int, stop: int) -> None:
-        if stop <= start:
-            return
-        keys = np.asarray(seg.keys[start:stop])
-        uniq, last_rev = np.unique(keys[::-1], return_index=True)  # each key's last row
-        locs = seg.base + start + (keys.shape[0] - 1 - last_rev)
-        self._index.upsert(uniq, locs, self._keys_of)
-
-    def _load_legacy(self, directory: str) -> None:
-        """A snapshot of format 1 (``keys.npy`` + ``slots.npy`` + a copy of ``rows.bin``): its
-        rows are copied into segments."""
-        try:
-            with open(os.path.join(directory, "layout.json"), "rb") as f:
-                layout = json.loads(f.read())
-            keys = read_array(os.path.join(directory, "keys.npy"))
-            slots = read_array(os.path.join(directory, "slots.npy"))
-        except (OSError, ValueError) as e:
-            raise SnapshotError(f"{self.name}: snapshot {directory!r} is unreadable: {e}") from None
-        if layout.get("engine") != "slots" or layout.get("line_size") != self.line_size \
-                or keys.shape != slots.shape or layout.get("rows") != keys.shape[0]:
-            raise SnapshotError(
-                f"{self.name}: snapshot {directory!r} has layout {layout} and {keys.shape[0]} "
-                f"keys; this store needs a 'slots' snapshot of line_size={self.line_size}")
-        src = os.path.join(directory, "rows.bin")
-        self.clear()
-        rows = np.memmap(src, np.float32, "r")
-        rpb, bb = layout["rows_per_block"], layout["block_bytes"]
-        view = np.ndarray((os.path.getsize(src) // bb, rpb, self.line_size), np.float32,
-                          buffer=rows, strides=(bb, 4 * self.line_size, 4))
-        for start in range(0, keys.shape[0], 1 << 16):
-            s = slots[start:start + (1 << 16)]
-            self.insert_or_assign(keys[start:start + (1 << 16)],
-                                  np.ascontiguousarray(view[s // rpb, s % rpb]))
-        del view, rows
 
     def close(self) -> None:
         """Close every segment; the live table is scratch (snapshots hold what was saved), so
