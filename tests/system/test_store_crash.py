@@ -1,4 +1,5 @@
-"""kill -9 at random moments, some during save_snapshot: the path reopens to the last snapshot.
+"""kill -9 at random moments, some inside save_snapshot (at a chosen fsync, rename or link of it),
+some during delete_snapshot and garbage collection: the path reopens to the last snapshot.
 
 A worker process trains a cached_ssd embedding and saves snapshot "ckpt" every few steps. Before
 each save it records the SHA-256 of the table it is about to save ("pending") in a side file, and
@@ -34,6 +35,7 @@ WORKER = textwrap.dedent(
     import one_embedding as oe
 
     path, engine, side, seed = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+    kill_at = int(sys.argv[5]) if len(sys.argv) > 5 else 0
     opts = oe.make_cached_ssd_store_options(0.25, path, engine=engine, size_factor=2,
                                             host_cache_budget_mb=0.5)
     emb = oe.MultiTableEmbedding("c", 8, np.float32, np.int64, None, opts, seed=1)
@@ -49,7 +51,20 @@ WORKER = textwrap.dedent(
         state["run"] = seed
         with open(side + ".tmp", "w") as f:
             json.dump(state, f)
-        os.replace(side + ".tmp", side)
+        real["replace"](side + ".tmp", side)
+
+    # kill_at > 0: SIGKILL this process at the kill_at-th durability step (fsync, fdatasync,
+    # rename, replace, link) inside save_snapshot, so kills land inside saves however fast
+    real = {name: getattr(os, name) for name in ("fsync", "fdatasync", "rename", "replace", "link")}
+    calls = [0]
+
+    def counted(name):
+        def call(*args, **kwargs):
+            calls[0] += 1
+            if calls[0] == kill_at:
+                os.kill(os.getpid(), 9)
+            return real[name](*args, **kwargs)
+        return call
 
     rng = np.random.default_rng(seed)
     step = 0
@@ -65,7 +80,12 @@ WORKER = textwrap.dedent(
             state["pending"] = hashlib.sha256(keys.tobytes() + lines.tobytes()).hexdigest()
             state["phase"] = "saving"
             record()
+            if kill_at:
+                for name in real:
+                    setattr(os, name, counted(name))
             emb.save_snapshot("ckpt")
+            for name in real:
+                setattr(os, name, real[name])
             state["done"], state["pending"], state["phase"] = state["pending"], None, "train"
             record()
     """
@@ -110,7 +130,10 @@ def kill_loop(tmp_path, engines, kills, seed):
     for i in range(kills):
         engine = engines[i % len(engines)]
         path, side = str(tmp_path / engine), str(tmp_path / f"{engine}.json")
-        proc = subprocess.Popen([sys.executable, str(worker), path, engine, side, str(i)], env=env)
+        inside_save = (i // len(engines)) % 2 == 0
+        kill_at = rnd.randint(1, 25) if inside_save else 0
+        proc = subprocess.Popen([sys.executable, str(worker), path, engine, side, str(i),
+                                 str(kill_at)], env=env)
         try:
             def this_run(phase=None):
                 if not os.path.exists(side):
@@ -118,16 +141,17 @@ def kill_loop(tmp_path, engines, kills, seed):
                 st = read_side(side)
                 return st.get("run") == i and (phase is None or st["phase"] == phase)
 
-            if (i // len(engines)) % 2 == 0:  # kill inside save_snapshot
-                assert wait_for(lambda: proc.poll() is not None or this_run("saving")), "never saved"
-                time.sleep(rnd.uniform(0.0, 0.08))
+            if inside_save:  # the worker kills itself at a durability step of a save
+                proc.wait(timeout=300)
+                assert proc.returncode == -signal.SIGKILL, f"worker exited with {proc.returncode}"
+                at_kill = read_side(side)
             else:  # kill anywhere once this run has trained a step
                 assert wait_for(lambda: proc.poll() is not None or this_run())
                 time.sleep(rnd.uniform(0.0, 1.0))
-            assert proc.poll() is None, f"worker exited with {proc.returncode}"
-            at_kill = read_side(side)
-            proc.send_signal(signal.SIGKILL)
-            proc.wait()
+                assert proc.poll() is None, f"worker exited with {proc.returncode}"
+                at_kill = read_side(side)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait()
         finally:
             if proc.poll() is None:
                 proc.kill()
