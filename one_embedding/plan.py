@@ -102,7 +102,7 @@ def _slots(rows: int, line_size: int, physical_block_size: int) -> tuple[TierPla
 
 def _rocksdb(rows: int, line_size: int) -> tuple[TierPlan, int]:
     live = rows * (4 * line_size + rdb.BLOB_RECORD_OVERHEAD + ROCKSDB_KEY_SST_BYTES)
-    fixed = (64 + 3 * 64) << 20  # block cache, up to 3 write buffers (the store's defaults)
+    fixed = (rdb.BLOCK_CACHE_MB + 3 * 64) << 20  # block cache, up to 3 write buffers of 64 MB
     return TierPlan("ssd.rocksdb", rows, int(rows * ROCKSDB_TABLE_READER_BYTES + fixed), live,
                     note=f"table readers {ROCKSDB_TABLE_READER_BYTES:.1f} B/key"), live
 

@@ -50,6 +50,9 @@ KEYS_CF = "keys"
 _PARALLEL_KEYS = 1 << 13
 #: rows a data block holds at least (the index costs one entry, ~18 bytes, per block)
 MIN_ROWS_PER_BLOCK = 8
+#: RocksDB's block cache (key blocks of both column families; rows are cached by the tiers
+#: above): small and fixed, so the RAM a stored key costs is the table readers' alone
+BLOCK_CACHE_MB = 8
 #: the share of blob files, oldest first, whose live values a reclaiming save relocates
 BLOB_GC_AGE_CUTOFF = 0.1
 #: blob file size, the unit of garbage reclaim: about 1/64 of the table (``_size_blob_files``)
@@ -139,7 +142,8 @@ class RocksDBStore(StoreTier):
     """Bottom tier on SSD: every key's line in the RocksDB at ``<directory>/rocksdb``."""
 
     def __init__(self, line_size: int, directory: str, threads: int = 2,
-                 write_buffer_mb: int = 64, block_cache_mb: int = 64, name: str = "ssd.rocksdb",
+                 write_buffer_mb: int = 64, block_cache_mb: int = BLOCK_CACHE_MB,
+                 name: str = "ssd.rocksdb",
                  direct_io: bool = True):
         self._rd = _rocksdict()
         self.line_size = int(line_size)

@@ -33,6 +33,7 @@ them (``slot_snapshots.py``). A snapshot written by the earlier format (``keys.n
 from __future__ import annotations
 
 import os
+import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
@@ -131,6 +132,8 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         #: blocks read by finds, blocks written, rows copied by compaction, segments deleted
         self.io_counts = {"read_blocks": 0, "written_blocks": 0, "compacted_rows": 0,
                           "compactions": 0, "deleted_segments": 0}
+        #: wall seconds spent waiting for block reads (their rate: read_blocks / read_seconds)
+        self.read_seconds = 0.0
         self._next_id = 1 + max(self.pool.ids_on_disk() | self._pinned_ids(), default=0)
         self.collect_garbage()  # a killed process's segments after its last snapshot
 
@@ -255,8 +258,10 @@ class SlotFileStore(SlotSnapshots, StoreTier):
             c1 = min(c0 + chunk, blocks.shape[0])
             r0, r1 = np.searchsorted(pos, [c0, c1])
             buf, view, raw = self._staging(self._read_buffer, c1 - c0)
+            t0 = time.perf_counter()
             try:
                 self._io.read(fds[c0:c1], blocks[c0:c1], self.pool.block_bytes, buf)
+                self.read_seconds += time.perf_counter() - t0
             except OSError as e:
                 raise StoreError(f"{self.name}: reading a segment under {self.pool.folder!r} "
                                  f"failed ({e.strerror or e}); check the disk, then load the last "
@@ -345,9 +350,15 @@ class SlotFileStore(SlotSnapshots, StoreTier):
             b1 = min(b0 + chunk, end_block)
             r0, r1 = np.searchsorted(block, [b0, b1])
             buf, view, raw = self._staging(self._write_buffer, b1 - b0)
-            raw[:] = 0  # deterministic bytes in free slots (the same file on both I/O paths)
+            # every byte written is deterministic (the same file on both I/O paths): the rows
+            # fill the blocks, the partly filled first block comes whole from its last image,
+            # and only the block padding and the free rows of a partly filled last block are
+            # zeroed (not the whole buffer: a step writes tens of MB)
+            raw[:, rpb * 4 * self.line_size:] = 0
             if b0 == first_block and seg.tail is not None:
                 raw[0] = np.frombuffer(seg.tail, np.uint8)
+            if b1 == end_block and s1 % rpb:
+                view[-1, s1 % rpb:] = 0
             self._copy(_scatter, view, block[r0:r1] - b0, within[r0:r1], lines, line_rows[r0:r1])
             block_sums(raw.view(np.uint64), seg.sums[b0:b1])
             try:
@@ -418,12 +429,12 @@ class SlotFileStore(SlotSnapshots, StoreTier):
                    if s.owned for k in seg_files.KINDS)
 
     def describe(self) -> dict:
-        live = [s for s in self._segments.values()]
         pool_bytes = sum(_allocated(os.path.join(self.pool.folder, e))
                          for e in os.listdir(self.pool.folder))
         disk = self.disk_bytes
         return {**super().describe(), "direct_io": self.direct_io, **self.io_counts,
-                "segments": len(live), "slots_total": self._slots_total,
+                "read_seconds": round(self.read_seconds, 6),
+                "segments": len(self._segments), "slots_total": self._slots_total,
                 "garbage_rows": self._slots_total - len(self._index),
                 "pinned_disk_bytes": max(0, pool_bytes - disk)}
 
