@@ -2,9 +2,6 @@
 the library, reading what it wrote, and the /proc and disk readers the measurements use."""
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import gc
 import json
 import os
 import subprocess
@@ -32,25 +29,17 @@ def _proc_field(path: str, field: str) -> int:
     return 0
 
 
-def _trim_heap() -> None:
-    gc.collect()
-    name = ctypes.util.find_library("c")
-    if name:
-        try:
-            ctypes.CDLL(name).malloc_trim(0)
-        except (OSError, AttributeError):
-            pass
-
-
 def proc_tools():
-    """(rss_anon, trim_heap, bytes_written) from ``one_embedding.procstats`` where the code under
-    test has it, else this module's readers of the same /proc fields; and which one it is."""
-    try:
-        from one_embedding import procstats
-        return procstats.rss_anon, procstats.trim_heap, procstats.bytes_written, "procstats"
-    except ImportError:
-        return (lambda: 1024 * _proc_field("/proc/self/status", "RssAnon:"), _trim_heap,
-                lambda: _proc_field("/proc/self/io", "write_bytes:"), "bench_scale")
+    """(rss_anon, trim_heap, bytes_written, where from): ``one_embedding.procstats`` of this
+    checkout, loaded from its file (it imports nothing of the package), so the baseline code,
+    which has no such module, is measured with the very same readers."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_scale_procstats", os.path.join(ROOT, "one_embedding", "procstats.py"))
+    procstats = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(procstats)
+    return procstats.rss_anon, procstats.trim_heap, procstats.bytes_written, "procstats"
 
 
 def peak_rss() -> int:
