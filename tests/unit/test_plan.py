@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import one_embedding as oe
-from one_embedding.plan import plan_capacity
+from one_embedding.plan import ROCKSDB_TABLE_READER_BYTES, plan_capacity
 from one_embedding.store.rocksdb_store import tree_disk_bytes
 
 import helpers
@@ -50,7 +50,7 @@ def test_plan_matches_a_measured_table(tmp_path, engine):
     else:  # RocksDB's per-key RAM (its caches and write buffers are fixed budgets)
         readers = emb._owner()._chain.bottom._int_property("rocksdb.estimate-table-readers-mem",
                                                            both=True)
-        assert within(readers, ROWS * 1.5, 0.25), readers / ROWS
+        assert within(readers, ROWS * ROCKSDB_TABLE_READER_BYTES), readers / ROWS
     disk = tree_disk_bytes(str(tmp_path))
     assert within(disk, plan.disk_live_bytes), (disk, plan.disk_live_bytes)
     # three retained snapshots of 1 %-changed tables stay under the planned peak
