@@ -1,29 +1,28 @@
 """The "rocksdb" SSD engine: lines in RocksDB through ``rocksdict``, no key index in RAM.
 
 Keys are 8-byte big-endian uint64 (so RocksDB's byte order is the numeric order), values the raw
-float32 bytes of a line. Reads are batched multi-gets (``db.get(list)``, which releases the GIL,
-split over two threads for big batches); writes are one ``WriteBatch`` per call with the WAL off:
-the working DB is scratch and durability comes from snapshots. Options suit fixed-size,
-incompressible values: no compression, data blocks of at least 8 rows (4 KiB or more), a 10-bit
-bloom filter per key, index and filter blocks held by the table readers (not evicted from a
-cache, so a lookup of a key never stored reads nothing from the disk), reads with O_DIRECT
-where the file system allows it (the block cache is then the only RAM that holds rows).
+float32 bytes of a line, kept in blob files (BlobDB): the SSTs hold only keys and blob
+references, so compaction rewrites little. Reads are batched multi-gets (``db.get(list)``,
+which releases the GIL, split over two threads for big batches), with O_DIRECT where the file
+system allows it; writes are one ``WriteBatch`` per call with the WAL off: the working DB is
+scratch and durability comes from snapshots.
 
-RAM per stored key is what RocksDB's table readers hold: a 10-bit bloom filter per key and one
-index entry per data block of keys, ~1.5 bytes a key. The row count needs no index either: every
-key is also written, with an empty value, to a ``keys`` column family, and a write asks it which
-of its keys are there already (a multi-get that its bloom filters answer for new keys without a
-disk read, and that never touches the values) and counts the others as new.
+RAM per stored key is what RocksDB's table readers hold, ~1.3 bytes: every key is also written,
+with an empty value, to a ``keys`` column family whose 10-bit bloom filters stay in RAM. A write
+asks it which of its keys are there already (a multi-get its filters answer for new keys without
+a disk read, and that never touches a value) for an exact row count; a read asks it first, so a
+key never stored reads nothing and the rows' family needs no filter. The block cache (key blocks
+of both families) is a fixed BLOCK_CACHE_MB.
 
-Snapshot (incremental): ``db.flush()`` then a RocksDB checkpoint in ``<snapshot>/db/``: the SST
-files are hard links (RocksDB never writes into an SST after creating it, and deletes it only
-by name, so the inode stays valid while any snapshot or working DB links it); the small
-metadata files are copies. No compaction is forced, so a save writes what changed since the
-last one (the memtable) plus metadata. The CRC32 of each SST is computed once per inode (new
-SSTs only) and recorded in the manifest as a shared file. Load (reopen in place): the working
-DB is rebuilt from hard links to the snapshot's SSTs and copies of its metadata files (a copy
-where the file system cannot link). Deleting a snapshot removes its links; the SSTs go when the
-last link does: disk is reclaimed without a collector of our own.
+Snapshot (incremental): both memtables flushed, then a RocksDB checkpoint in
+``<snapshot>/db/``: the SST and blob files are hard links (RocksDB never writes into one after
+creating it, and deletes it only by name, so the inode stays valid while any snapshot or working
+DB links it); the small metadata files are copies. The CRC32 of each data file is computed once
+per inode (new files only) and recorded in the manifest as a shared file. Compaction is forced
+only when garbage has piled up (``_reclaim``: past COMPACT_ABOVE times the live rows). Load
+(reopen in place): the working DB is rebuilt from hard links to the snapshot's data files and
+copies of its metadata (a copy where the file system cannot link). Deleting a snapshot removes
+its links; a file goes when its last link does: disk is reclaimed without a collector of our own.
 """
 from __future__ import annotations
 
@@ -48,8 +47,6 @@ INFO_FILE = "rocksdb.json"
 #: the column family of the stored keys (empty values): the row count's existence checks
 KEYS_CF = "keys"
 _PARALLEL_KEYS = 1 << 13
-#: rows a data block holds at least (the index costs one entry, ~18 bytes, per block)
-MIN_ROWS_PER_BLOCK = 8
 #: RocksDB's block cache (key blocks of both column families; rows are cached by the tiers
 #: above): small and fixed, so the RAM a stored key costs is the table readers' alone
 BLOCK_CACHE_MB = 8
@@ -82,12 +79,6 @@ def encode_keys(keys: np.ndarray) -> list[bytes]:
     return [raw[i:i + 8] for i in range(0, len(raw), 8)]
 
 
-def data_block_bytes(line_size: int) -> int:
-    """The data block size: the smallest power of two >= 4 KiB holding MIN_ROWS_PER_BLOCK rows."""
-    need = MIN_ROWS_PER_BLOCK * (4 * line_size + 16)
-    return max(4096, 1 << (need - 1).bit_length())
-
-
 def _keys_options(rd, direct: bool, cache):
     """The ``keys`` column family: keys with empty values, bloom-filtered, small blocks, in the
     rows' block cache (one budget for both)."""
@@ -105,7 +96,7 @@ def _keys_options(rd, direct: bool, cache):
     return opts
 
 
-def _db_options(rd, line_size: int, write_buffer_mb: int, cache, direct: bool):
+def _db_options(rd, write_buffer_mb: int, cache, direct: bool):
     opts = rd.Options(raw_mode=True)
     opts.create_missing_column_families(True)
     opts.create_if_missing(True)
@@ -120,8 +111,7 @@ def _db_options(rd, line_size: int, write_buffer_mb: int, cache, direct: bool):
     opts.set_use_direct_reads(direct)
     # no bloom filter here: a read asks the keys column family (filtered) first and reaches the
     # rows only for keys that are stored, where a filter would always say yes
-    table = rd.BlockBasedOptions()
-    table.set_block_size(data_block_bytes(line_size))
+    table = rd.BlockBasedOptions()  # 4 KiB blocks of keys and blob references
     table.set_block_cache(cache)
     table.set_cache_index_and_filter_blocks(False)
     opts.set_block_based_table_factory(table)
@@ -172,7 +162,7 @@ class RocksDBStore(StoreTier):
                 "give a persistent_path this process can write"
             ) from None
         cache = self._rd.Cache(block_cache_mb << 20)  # one budget for both column families
-        self._options = _db_options(self._rd, self.line_size, write_buffer_mb, cache,
+        self._options = _db_options(self._rd, write_buffer_mb, cache,
                                     self.direct_io)
         self._keys_options = _keys_options(self._rd, self.direct_io, cache)
         self._open()
@@ -292,13 +282,16 @@ class RocksDBStore(StoreTier):
         keys = np.ascontiguousarray(keys, np.uint64)
         found = self._stored(keys)  # new keys stop at the bloom filter: no disk read
         if found.any():
-            values = self._multi_get(keys[found])
-            if any(v is None for v in values):
-                raise StoreError(f"{self.name}: {self.path!r} lists keys without rows: the DB is "
-                                 "damaged; load another snapshot")
-            out[np.asarray(out_rows)[found]] = np.frombuffer(
-                b"".join(values), np.float32).reshape(-1, self.line_size)
+            out[np.asarray(out_rows)[found]] = self._lines_of(keys[found])
         return np.flatnonzero(~found)
+
+    def _lines_of(self, keys: np.ndarray) -> np.ndarray:
+        """keys: (n,) uint64 the keys family holds -> their lines (n, line_size) float32."""
+        values = self._multi_get(keys)
+        if any(v is None for v in values):
+            raise StoreError(f"{self.name}: {self.path!r} lists keys without rows: the DB is "
+                             "damaged; load another snapshot")
+        return np.frombuffer(b"".join(values), np.float32).reshape(-1, self.line_size)
 
     def insert_or_assign(self, keys, lines):
         keys = np.ascontiguousarray(keys, np.uint64)
@@ -356,11 +349,7 @@ class RocksDBStore(StoreTier):
                                      "another snapshot") from None
             if raw:
                 keys = np.frombuffer(b"".join(raw), ">u8").astype(np.uint64)
-                values = self._multi_get(keys)
-                if any(v is None for v in values):
-                    raise StoreError(f"{self.name}: {self.path!r} lists keys without rows: the DB "
-                                     "is damaged; load another snapshot")
-                yield keys, np.frombuffer(b"".join(values), np.float32).reshape(-1, self.line_size).copy()
+                yield keys, self._lines_of(keys).copy()
             if not it.valid():
                 return
 
@@ -371,7 +360,7 @@ class RocksDBStore(StoreTier):
         self._open()
 
     # -- snapshots --------------------------------------------------------------------------
-    def _sst_crc(self, path: str) -> int:
+    def _data_file_crc(self, path: str) -> int:
         """CRC32 of an SST or blob file, computed once per inode (they never change)."""
         st = os.stat(path)
         known = self._crcs.get((st.st_dev, st.st_ino))
@@ -399,7 +388,7 @@ class RocksDBStore(StoreTier):
                 path = os.path.join(target, entry)
                 files[entry] = os.path.getsize(path)
                 if entry.endswith(_SHARED_SUFFIXES):
-                    shared[f"db/{entry}"] = {"bytes": files[entry], "crc32": self._sst_crc(path)}
+                    shared[f"db/{entry}"] = {"bytes": files[entry], "crc32": self._data_file_crc(path)}
                 else:
                     fsync_path(path)
             fsync_dir(target)

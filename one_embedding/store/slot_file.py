@@ -176,19 +176,23 @@ class SlotFileStore(SlotSnapshots, StoreTier):
 
     def _keys_of(self, locs: np.ndarray) -> np.ndarray:
         """locations (n,) int64 -> their keys (n,) uint64, from the segments' key files."""
-        out = np.empty(locs.shape[0], np.uint64)
-        if locs.shape[0] == 0:
+        return self._per_segment("keys", *self._split(locs))
+
+    def _per_segment(self, field: str, seg: np.ndarray, idx: np.ndarray) -> np.ndarray:
+        """seg, idx: (n,) int64 -> (n,) uint64: each live segment's ``field`` ("keys" per slot,
+        "sums" per block) at ``idx``, gathered one segment at a time."""
+        out = np.empty(seg.shape[0], np.uint64)
+        if seg.shape[0] == 0:
             return out
-        seg, slot = self._split(locs)
         first = int(seg[0])
         if (seg == first).all():
-            out[:] = self._segments[first].keys[slot]
+            out[:] = getattr(self._segments[first], field)[idx]
             return out
         order = np.argsort(seg, kind="stable")
         sorted_seg = seg[order]
         cuts = np.flatnonzero(sorted_seg[1:] != sorted_seg[:-1]) + 1
         for part in np.split(order, cuts):
-            out[part] = self._segments[int(seg[part[0]])].keys[slot[part]]
+            out[part] = getattr(self._segments[int(seg[part[0]])], field)[idx[part]]
         return out
 
     def _take_index(self) -> int:
@@ -273,11 +277,8 @@ class SlotFileStore(SlotSnapshots, StoreTier):
 
     def _check_sums(self, raw: np.ndarray, segs: np.ndarray, blocks: np.ndarray) -> None:
         """Blocks just read (raw: (k, block_bytes) uint8; their segment indices and block
-        numbers, (k,) int64 grouped by segment) against the checksums written with them."""
-        expected = np.empty(blocks.shape[0], np.uint64)
-        cuts = np.flatnonzero(segs[1:] != segs[:-1]) + 1
-        for a, b in zip(np.concatenate([[0], cuts]), np.concatenate([cuts, [segs.shape[0]]])):
-            expected[a:b] = self._segments[int(segs[a])].sums[blocks[a:b]]
+        numbers, (k,) int64) against the checksums written with them."""
+        expected = self._per_segment("sums", segs, blocks)
         bad = first_bad_block(raw.view(np.uint64), expected)
         if bad >= 0:
             seg = self._segments[int(segs[bad])]
