@@ -256,6 +256,20 @@ class TierChain:
             keys, lines = ev_keys, ev_lines
         raise AssertionError("unreachable: the bottom tier is a store and never evicts")
 
+    def erase(self, keys: np.ndarray) -> int:
+        """Remove keys (n,) uint64 (host) from every tier, caches and store alike (an evicted
+        feature); returns how many the bottom store held. Nothing is written down: a dirty
+        cached line of an erased key is dropped."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        with self._lock, self._device_order():
+            device_keys = None
+            held = 0
+            for tier, on_device in zip(self.tiers, self._on_device):
+                if on_device and device_keys is None:
+                    device_keys = self._to_device(keys)
+                held = tier.erase(device_keys if on_device else keys)
+            return int(held)
+
     def clear_caches(self) -> None:
         with self._lock, self._device_order():
             for tier in self.tiers[:-1]:

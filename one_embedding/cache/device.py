@@ -291,6 +291,22 @@ class DeviceFullStore(_OnDevice, StoreTier):
     def clear(self) -> None:
         self._index.clear()
 
+    def erase(self, keys) -> int:
+        """Drop keys (n,) uint64. The device index has no erase: the store is rebuilt from the
+        rows it keeps (O(rows), as often as a lifecycle sweep, which reads them all anyway)."""
+        xp = self._xp
+        keys = device_ops.device_array(self._launch, "keys", keys, np.uint64, ndim=1)
+        held_keys, slots = self._sorted_items()
+        gone = xp.isin(held_keys, keys)
+        n = int(xp.count_nonzero(gone))
+        if n:
+            keep = xp.flatnonzero(~gone)
+            rows = self._rows[slots[keep]]
+            self._index.clear()
+            self._index.assign(held_keys[keep], xp.arange(keep.shape[0], dtype=xp.int64))
+            self._rows[: keep.shape[0]] = rows
+        return n
+
     def save_snapshot(self, directory: str) -> None:
         """keys.npy + lines.npy sorted by key, fsync'd: MemoryStore's files, so either loads them."""
         keys, slots = self._sorted_items()
@@ -468,6 +484,20 @@ class DeviceCache(_OnDevice, Tier):
         for start in range(0, keys.shape[0], batch_rows):
             stop = start + batch_rows
             yield keys[start:stop], self._rows[row_ids[start:stop]]
+
+    def erase(self, keys) -> int:
+        """Drop the lines of keys (n,) uint64 (their ways become empty)."""
+        xp = self._xp
+        keys = device_ops.device_array(self._launch, "keys", keys, np.uint64, ndim=1)
+        if keys.shape[0] == 0:
+            return 0
+        sets = (mix64(xp, keys) % xp.uint64(self.n_sets)).astype(xp.int64)
+        match = (self._way_keys[sets] == keys[:, None]) & (self._way_stamp[sets] >= 0)
+        rows, ways = xp.nonzero(match)
+        self._way_stamp[sets[rows], ways] = -1
+        n = int(rows.shape[0])
+        self._size -= n
+        return n
 
     def clear(self) -> None:
         self._way_stamp.fill(-1)

@@ -173,6 +173,25 @@ def _mark_clean(set_block, way_keys, way_used, way_dirty, keys):
                 break
 
 
+@njit(cache=True, nogil=True)
+def _erase(set_block, way_keys, way_used, way_dirty, keys):
+    """Free the ways holding ``keys`` (n,) uint64 (their rows stay with the way for its next
+    line); returns how many were held."""
+    n_sets = set_block.shape[0]
+    n = 0
+    for i in range(keys.shape[0]):
+        b = set_block[np.int64(jit_mix64(keys[i]) % np.uint64(n_sets))]
+        if b < 0:
+            continue
+        for w in range(way_keys.shape[1]):
+            if way_used[b, w] and way_keys[b, w] == keys[i]:
+                way_used[b, w] = False
+                way_dirty[b, w] = False
+                n += 1
+                break
+    return n
+
+
 def _keep_last(keys: np.ndarray, lines: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Drop all but the last eviction of each key, keeping the order of the last ones.
 
@@ -332,6 +351,13 @@ class SetAssociativeCache(Tier):
             yield keys[start:stop], self._rows[row_ids[start:stop]]
             _mark_clean(self._set_block, self._way_keys, self._way_used, self._way_dirty,
                         keys[start:stop])
+
+    def erase(self, keys) -> int:
+        """Drop the lines of keys (n,) uint64, dirty or not (nothing goes down)."""
+        n = _erase(self._set_block, self._way_keys, self._way_used, self._way_dirty,
+                   np.ascontiguousarray(keys, np.uint64))
+        self._size -= n
+        return int(n)
 
     def clear(self) -> None:
         # blocks and rows are handed out afresh (``_insert`` resets a block when it hands it out)

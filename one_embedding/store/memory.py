@@ -98,6 +98,10 @@ class MemoryStore(StoreTier):
     def clear(self) -> None:
         self._index.clear()
 
+    def erase(self, keys) -> int:
+        """Drop keys (n,) uint64; their rows are reused by later keys."""
+        return int((self._index.erase(keys) >= 0).sum())
+
     # -- snapshots: keys.npy + lines.npy, sorted by key --------------------------------------
     def save_snapshot(self, directory: str) -> None:
         keys, slots = self._sorted_items()

@@ -230,17 +230,32 @@ class RocksDBStore(StoreTier):
         while wait_idle and any(self._int_property(p, both=True) for p in busy):
             time.sleep(0.02)
 
-    def _reclaim(self) -> None:
-        """Compact every key SST and relocate the live values of the oldest BLOB_GC_AGE_CUTOFF
-        of blob files (those hold the most overwritten versions); blob files left with no live
+    def _reclaim(self, age_cutoff: float = BLOB_GC_AGE_CUTOFF) -> None:
+        """Compact every key SST and relocate the live values of the oldest ``age_cutoff`` of
+        blob files (those hold the most overwritten versions); blob files left with no live
         value are deleted. Costs at most that share of the table, once garbage has piled up to
         COMPACT_ABOVE times the live rows."""
         self._db.set_options({"enable_blob_garbage_collection": "true",
-                              "blob_garbage_collection_age_cutoff": str(BLOB_GC_AGE_CUTOFF)})
+                              "blob_garbage_collection_age_cutoff": str(age_cutoff)})
         try:
             self._db.compact_range(None, None, self._compact_options)
         finally:
             self._db.set_options({"enable_blob_garbage_collection": "false"})
+
+    def collect_garbage(self) -> int:
+        """Reclaim what erased rows (an eviction sweep) left behind: once garbage passes
+        COMPACT_ABOVE times the live rows, compact and relocate the oldest blob files, as many
+        as the garbage's share of the DB, all of them once it is over half (erased rows are
+        spread over every file). Returns 1
+        when it reclaimed, else 0. Files a snapshot links stay until it is deleted."""
+        self.flush()
+        garbage, live = self._garbage_bytes(), self._live_bytes()
+        if garbage <= max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * live):
+            return 0
+        share = garbage / max(1, garbage + live)
+        # more garbage than rows: relocating every live row costs less than the garbage it frees
+        self._reclaim(1.0 if share > 0.5 else max(BLOB_GC_AGE_CUTOFF, share))
+        return 1
 
     def _live_bytes(self) -> int:
         """What the live rows need in blob files."""

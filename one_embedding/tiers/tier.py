@@ -9,6 +9,7 @@ The verbs say what happens on hit and miss:
 - ``insert_or_assign(keys, lines)``: write; an evicting tier returns the whole lines it pushed
   out, which the chain writes into the tier below.
 - ``export_batches()``: every (key, line) held, for flushing down and for snapshots.
+- ``erase(keys)``: drop the lines of keys (an evicted feature leaves every tier).
 
 Tiers do not count: the chain that drives them owns one ``TierCounters`` per level and counts
 each call once (hits, misses, writes, evictions), whatever the tier kind.
@@ -90,6 +91,11 @@ class Tier(ABC):
     @abstractmethod
     def clear(self) -> None:
         """Drop every line."""
+
+    def erase(self, keys: np.ndarray) -> int:
+        """Drop the lines of keys (n,) uint64 (absent ones are ignored; arrays of the tier's
+        module); returns how many were held. Eviction of a feature removes it from every tier."""
+        raise NotImplementedError(f"tier {self.name!r} cannot erase keys")
 
     @abstractmethod
     def __len__(self) -> int:

@@ -152,6 +152,10 @@ def test_device_full_store_matches_memory_store(launch, tmp_path):
                                           cpu.find(probe, out_cpu, out_rows))
             np.testing.assert_array_equal(out_dev, out_cpu)
             assert len(dev) == len(cpu)
+            if step in (3, 6):  # erased keys leave both; later keys reuse the room
+                gone = probe[:40]
+                assert dev.erase(gone) == cpu.erase(gone) > 0
+                assert len(dev) == len(cpu)
     for (k1, l1), (k2, l2) in zip(dev.export_batches(50), cpu.export_batches(50), strict=True):
         np.testing.assert_array_equal(k1, k2)
         np.testing.assert_array_equal(l1, l2)
@@ -182,7 +186,10 @@ def _compare_caches(dev, cpu, rng, universe, steps, max_batch, line):
                                rng.integers(0, universe.size, size - size // 2)])
         keys = np.unique(universe[draw])
         rng.shuffle(keys)
-        if step % 3 == 1:
+        if step % 7 == 6:  # an eviction sweep's erase: the freed ways are reused alike
+            gone = keys[: keys.size // 3]
+            assert dev.erase(gone) == cpu.erase(gone)
+        elif step % 3 == 1:
             out_dev = np.full((keys.size + 2, line), np.nan, np.float32)
             out_cpu = out_dev.copy()
             out_rows = rng.permutation(keys.size + 2)[: keys.size].astype(np.int64)

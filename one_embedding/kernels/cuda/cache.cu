@@ -121,7 +121,6 @@ __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way
   for (oe::i64 g = oe::grid_warp(); g < n_groups; g += oe::grid_warps()) {
     const oe::i64 base = set_ids[g] * ways;
     oe::cache::load_set(s, way_keys, way_stamp, way_freq, base, ways, lane);
-    int used = __popc(__ballot_sync(oe::FULL_WARP, lane < ways && s.stamp[lane] >= 0));
     const oe::i64 group_begin = starts[g];
     for (oe::i64 j = group_begin; j < starts[g + 1]; ++j) {
       const oe::i64 p = order[j];
@@ -130,10 +129,12 @@ __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way
       const unsigned hits = __ballot_sync(oe::FULL_WARP, mine);
       int w;
       bool evict = false;
+      // the first empty way (erased ways leave holes anywhere in the set)
+      const unsigned empty = __ballot_sync(oe::FULL_WARP, lane < ways && s.stamp[lane] < 0);
       if (hits) {
         w = __ffs((int)hits) - 1;
-      } else if (used < ways) {
-        w = used++;
+      } else if (empty) {
+        w = __ffs((int)empty) - 1;
       } else {
         __syncwarp();  // every owner's update of an earlier key is visible to the scan
         w = oe::cache::victim(s, ways, policy);
