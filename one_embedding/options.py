@@ -166,6 +166,94 @@ make_table = make_table_options
 
 # ---------------------------------------------------------------- store options
 
+# ---------------------------------------------------------------- feature lifecycle
+
+
+def _count(name: str, value, low: int, flag: str, meaning: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value \
+            or value < low:
+        raise ConfigError(f"{name}={value!r} ({flag}) must be an integer >= {low}{meaning}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class LifecycleOptions:
+    """Which ids get a stored row and how long it stays (``lifecycle.py`` runs the rules).
+
+    admit_min_count: an id gets a row once it has appeared in that many training steps (1:
+    at first sight); until then a lookup returns the initializer's value and its gradient is
+    dropped. Counted per owner rank in a count-min sketch of ``sketch_mb`` MiB (``sketch_depth``
+    rows of 16-bit counters; counts are never under-estimated, so an id is never admitted late,
+    and is admitted early only when all its counters collide).
+    steps_to_live: a stored row not looked up in training for that many steps is evicted (0:
+    never); ``evict_interval`` steps between sweeps (0: ``max(1, steps_to_live // 4)``).
+    max_rows: the table's limit over all ranks (0: none); past it, the least frequently used rows
+    (frequency halved every ``frequency_half_life`` steps; 0: no decay) are evicted down to
+    ``low_water`` of it.
+    """
+
+    admit_min_count: int = 1
+    steps_to_live: int = 0
+    max_rows: int = 0
+    sketch_mb: float = 8.0
+    sketch_depth: int = 4
+    evict_interval: int = 0
+    frequency_half_life: int = 1000
+    low_water: float = 0.9
+
+    def __post_init__(self):
+        set_ = lambda k, v: object.__setattr__(self, k, v)  # noqa: E731 (frozen)
+        set_("admit_min_count", _count("admit_min_count", self.admit_min_count, 1,
+                                       "--admit-min-count", " (1: every id is stored at first sight)"))
+        set_("steps_to_live", _count("steps_to_live", self.steps_to_live, 0, "--steps-to-live",
+                                     " (0: rows never expire)"))
+        set_("max_rows", _count("max_rows", self.max_rows, 0, "--max-rows", " (0: no limit)"))
+        set_("evict_interval", _count("evict_interval", self.evict_interval, 0,
+                                      "--evict-interval", " (0: steps_to_live // 4)"))
+        set_("frequency_half_life", _count("frequency_half_life", self.frequency_half_life, 0,
+                                           "--frequency-half-life", " (0: no decay)"))
+        set_("sketch_depth", _count("sketch_depth", self.sketch_depth, 1, "sketch_depth", ""))
+        if self.admit_min_count > 0xFFFF:
+            raise ConfigError(f"admit_min_count={self.admit_min_count} (--admit-min-count) is "
+                              "beyond the sketch's 16-bit counters: use at most 65535")
+        mb = _finite("sketch_mb", self.sketch_mb)
+        if not mb > 0:
+            raise ConfigError(f"sketch_mb={self.sketch_mb!r} (--admit-sketch-mb) must be > 0")
+        set_("sketch_mb", mb)
+        low = _finite("low_water", self.low_water)
+        if not 0 < low <= 1:
+            raise ConfigError(f"low_water={self.low_water!r} must be in (0, 1]: the share of "
+                              "max_rows left after an eviction sweep")
+        set_("low_water", low)
+
+    @property
+    def admits_all(self) -> bool:
+        return self.admit_min_count <= 1
+
+    @property
+    def evicts(self) -> bool:
+        """Rows carry a last-seen step and a frequency (two more floats per line)."""
+        return self.steps_to_live > 0 or self.max_rows > 0
+
+    @property
+    def active(self) -> bool:
+        return not self.admits_all or self.evicts
+
+    @property
+    def sweep_interval(self) -> int:
+        """Steps between time-to-live sweeps (0: none)."""
+        if not self.steps_to_live:
+            return 0
+        return self.evict_interval or max(1, self.steps_to_live // 4)
+
+
+def make_lifecycle_options(admit_min_count: int = 1, steps_to_live: int = 0, max_rows: int = 0,
+                           **more) -> LifecycleOptions:
+    """Admission and eviction rules for ``make_*_store_options(..., lifecycle=...)``; ``more``:
+    the other ``LifecycleOptions`` fields (sketch_mb, evict_interval, frequency_half_life, ...)."""
+    return LifecycleOptions(admit_min_count, steps_to_live, max_rows, **more)
+
+
 STORE_KINDS = ("device_mem", "cached_host_mem", "cached_ssd")
 CACHE_POLICIES = ("full", "lru", "lfu")
 SSD_ENGINES = ("slots", "rocksdb")
@@ -212,8 +300,12 @@ class StoreOptions:
     physical_block_size: int = 4096
     caches: tuple[CacheOptions, ...] = field(default_factory=tuple)
     engine: str | None = None  # bottom SSD engine for cached_ssd: "slots" or "rocksdb"
+    #: admission and eviction (None: every id stored at first sight, kept for ever)
+    lifecycle: LifecycleOptions | None = None
 
     def __post_init__(self):
+        if self.lifecycle is not None and not isinstance(self.lifecycle, LifecycleOptions):
+            raise ConfigError(f"lifecycle={self.lifecycle!r}: build it with make_lifecycle_options(...)")
         if self.kind not in STORE_KINDS:
             raise ConfigError(f"store kind {self.kind!r} is not one of {STORE_KINDS}")
         if self.capacity is not None and (int(self.capacity) != self.capacity or self.capacity <= 0):
@@ -243,11 +335,12 @@ def make_device_mem_store_options(
     size_factor: int = 1,
     storage_dim: int = -1,
     physical_block_size: int = 4096,
+    lifecycle: LifecycleOptions | None = None,
 ) -> StoreOptions:
     """One "full" (never evicting) cache in device memory (RAM on CPU) holding every key."""
     return StoreOptions(
         "device_mem", persistent_path, capacity, size_factor, storage_dim, physical_block_size,
-        caches=(CacheOptions("full", "device"),),
+        caches=(CacheOptions("full", "device"),), lifecycle=lifecycle,
     )
 
 
@@ -259,11 +352,13 @@ def make_cached_host_mem_store_options(
     storage_dim: int = -1,
     physical_block_size: int = 4096,
     cache_policy: str = "lru",
+    lifecycle: LifecycleOptions | None = None,
 ) -> StoreOptions:
     """An LRU cache in device memory over a full store in host memory."""
     return StoreOptions(
         "cached_host_mem", persistent_path, capacity, size_factor, storage_dim, physical_block_size,
         caches=(CacheOptions(cache_policy, "device", cache_budget_mb), CacheOptions("full", "host")),
+        lifecycle=lifecycle,
     )
 
 
@@ -277,6 +372,7 @@ def make_cached_ssd_store_options(
     host_cache_budget_mb: float = 0,
     engine: str = "slots",
     cache_policy: str = "lru",
+    lifecycle: LifecycleOptions | None = None,
 ) -> StoreOptions:
     """An LRU cache in device memory [over an LRU host cache] over an SSD table.
 
@@ -288,5 +384,5 @@ def make_cached_ssd_store_options(
         caches.append(CacheOptions(cache_policy, "host", host_cache_budget_mb))
     return StoreOptions(
         "cached_ssd", persistent_path, capacity, size_factor, storage_dim, physical_block_size,
-        caches=tuple(caches), engine=engine,
+        caches=tuple(caches), engine=engine, lifecycle=lifecycle,
     )

@@ -31,6 +31,8 @@ from .chain import build_chain, read_snapshot_rows
 from .errors import ConfigError, InputError, SnapshotError
 from .initializers import fill_initial_values
 from .kernels import device_ops
+from .lifecycle import Lifecycle, StepPlan, check_step
+from .options import LifecycleOptions
 from .parallel.shuffle import owner_rank
 from .parallel.unique import first_occurrence, segment_sum, unique_ids
 from .step import LineLayout, OwnerRows
@@ -88,8 +90,13 @@ class EmbeddingShard:
         if self.path:
             self._snapshots = SnapshotDirectory(self.path)
             self._snapshots.recover()
-        self._chain = build_chain(store_options, layout.line_size, layout.embedding_dim, self.path,
-                                  world, launch)
+        self._chain = build_chain(store_options, layout.stored_size, layout.embedding_dim,
+                                  self.path, world, launch)
+        #: admission, eviction and their counters (the defaults: every key stored at first
+        #: sight, kept for ever)
+        self._lifecycle = Lifecycle(store_options.lifecycle or LifecycleOptions(),
+                                    layout.line_size, world)
+        self._rows = len(self._chain)  # rows stored, kept by the puts and sweeps
         self._state = threading.Lock()  # version, generation, log, outstanding
         self._version = 0  # puts so far
         self._generation = 0  # snapshot loads so far
@@ -137,15 +144,9 @@ class EmbeddingShard:
                 missing = None
                 newer = [(k, v) for version, k, v in self._log if version > rows.version]
                 if newer and self.launch is not None:
-                    _patch_on_device(self.xp, rows, newer)
+                    missing = _patch_on_device(self.xp, rows, newer)
                 elif newer:
-                    index = HashIndex(rows.keys.shape[0])
-                    index.assign(rows.keys, np.arange(rows.keys.shape[0], dtype=np.int64))
-                    for put_keys, put_lines in newer:
-                        slots = index.find(put_keys)
-                        hit = slots >= 0
-                        rows.lines[slots[hit]] = put_lines[hit]
-                        rows.found[slots[hit]] = True
+                    missing = _patch(rows, newer)
             rows.version, rows.generation = self._version, self._generation
         if missing is not None and bool(missing.any()):
             self._initialize(rows.lines, missing, rows.keys, rows.table_ids)
@@ -164,8 +165,8 @@ class EmbeddingShard:
         self._log = [e for e in self._log if e[0] > oldest]
 
     def _initialize(self, lines, missing, keys, table_ids) -> None:
-        """Initial embedding values into ``lines[missing]``; state columns start at 0 and get the
-        optimizer's initial values when the optimizer first updates the row."""
+        """Initial embedding values into ``lines[missing]``; state (and lifecycle) columns start
+        at 0 and get the optimizer's initial values when the optimizer first updates the row."""
         if self.launch is not None:
             return self._initialize_on_device(lines, missing, keys, table_ids)
         idx = np.flatnonzero(missing)
@@ -198,15 +199,41 @@ class EmbeddingShard:
         return self.put(*self.stage_update(keys, lines, found, grads, optimizer, step))
 
     def stage_update(self, keys: np.ndarray, lines: np.ndarray, found: np.ndarray,
-                     grads: np.ndarray, optimizer, step: int) -> tuple[np.ndarray, np.ndarray]:
-        """Apply the row optimizer to ``lines`` in place, nothing stored yet. keys: (v,) uint64
-        unique; lines: (v, line_size) float32, current (refreshed); found: (v,) bool (a new key's
-        state starts at the optimizer's initial values); grads: (v, E) float32.
+                     grads: np.ndarray, optimizer, step: int):
+        """Apply the row optimizer to ``lines``, nothing stored yet. keys: (v,) uint64 unique;
+        lines: (v, stored_size) float32, current (refreshed); found: (v,) bool (a new key's state
+        starts at the optimizer's initial values); grads: (v, E) float32.
 
-        Returns (keys, lines) for ``put``. Raises InputError, storing nothing, when the update
-        made a line non-finite."""
+        With admission, the rows of keys not admitted yet are left out (their gradient is
+        dropped); with eviction, the lifecycle columns record ``step``. Returns (keys, lines,
+        plan) for ``put`` (the lines updated in place when no row was left out). Raises
+        InputError, storing nothing, when the update made a line non-finite."""
+        keys, lines, found, grads, plan = self._admit(keys, lines, found, grads, step)
         if self.launch is not None:
-            return self._stage_on_device(keys, lines, found, grads, optimizer, step)
+            self._stage_on_device(keys, lines, found, grads, optimizer, step)
+        else:
+            self._stage(keys, lines, found, grads, optimizer, step)
+        self._lifecycle.touch(self.xp, lines, step)
+        return keys, lines, plan
+
+    def _admit(self, keys, lines, found, grads, step: int):
+        """The admission rule on a step's rows -> (keys, lines, found, grads) of the rows to
+        update, and the step's ``StepPlan``."""
+        xp, lifecycle = self.xp, self._lifecycle
+        if lifecycle.sketch is None:  # every key admitted: only the new rows are counted
+            if lifecycle.meta is not None:
+                check_step(step)
+            return keys, lines, found, grads, StepPlan(step, int(xp.count_nonzero(~found)))
+        to_host = self.launch.to_host if self.launch is not None else np.asarray
+        keep, plan = lifecycle.admit(to_host(keys), to_host(~found), step)
+        if not keep.all():
+            idx = np.flatnonzero(keep)
+            if self.launch is not None:
+                idx = self.launch.to_device(idx)
+            keys, lines, found, grads = keys[idx], lines[idx], found[idx], grads[idx]
+        return keys, lines, found, grads, plan
+
+    def _stage(self, keys, lines, found, grads, optimizer, step: int) -> None:
         if not found.all():
             self.layout.reset_states(lines, ~found, optimizer)
         optimizer.update(self.layout.embedding(lines), self.layout.states(lines, optimizer.n_states),
@@ -214,7 +241,6 @@ class EmbeddingShard:
         finite = np.isfinite(lines).all(axis=1)
         if not finite.all():
             self._refuse_update(keys, grads, finite, optimizer, step)
-        return keys, lines
 
     def _stage_on_device(self, keys, lines, found, grads, optimizer, step: int):
         """``stage_update`` on device arrays: one fused optimizer kernel over the whole lines
@@ -227,7 +253,6 @@ class EmbeddingShard:
         if not bool(finite.all()):
             self._refuse_update(*(self.launch.to_host(a) for a in (keys, grads, finite)),
                                 optimizer, step)
-        return keys, lines
 
     @staticmethod
     def _refuse_update(keys, grads, finite, optimizer, step: int):
@@ -239,10 +264,38 @@ class EmbeddingShard:
             " nothing was stored; lower the learning rate or check the loss"
         )
 
-    def put(self, keys: np.ndarray, lines: np.ndarray) -> int:
-        """Store updated lines (v, line_size) of keys (v,) uint64; returns v."""
+    def put(self, keys: np.ndarray, lines: np.ndarray, plan: StepPlan | None = None) -> int:
+        """Store updated lines (v, stored_size) of keys (v,) uint64; returns v. ``plan`` (from
+        ``stage_update``): the step's lifecycle decisions, recorded now, and the eviction sweep
+        when one is due after this step."""
         self._put(keys, lines)
+        if plan is not None:
+            self._lifecycle.commit(plan)
+            self._rows += plan.new_rows
+            if self._lifecycle.sweep_due(plan.step, self._rows):
+                self._sweep(plan.step)
         return keys.shape[0]
+
+    def _sweep(self, step: int) -> None:
+        """Evict what the lifecycle's rules select at ``step`` from every tier, then reclaim the
+        disk no snapshot needs. Lookups made before (prefetched) see the rows gone at refresh."""
+        lifecycle = self._lifecycle
+        meta = slice(lifecycle.meta, lifecycle.meta + 2)
+
+        def read():
+            for keys, lines in self._chain.export_batches():
+                yield keys, lines[:, meta]
+
+        with self._state:
+            keys, by_ttl, by_rows, total = lifecycle.select(read, step)
+            lifecycle.record_sweep(by_ttl, by_rows)
+            self._rows = total
+            if keys.shape[0]:
+                self._version += 1
+                if self._outstanding and min(self._outstanding) < self._version:
+                    self._log.append((self._version, keys, None))  # None: erased
+                self._rows -= self._chain.erase(keys)
+                self._chain.collect_garbage()
 
     def _put(self, keys: np.ndarray, lines: np.ndarray) -> None:
         with self._state:
@@ -303,11 +356,15 @@ class EmbeddingShard:
         with self._state:
             self._chain.flush()
             manifest = {**self.manifest_fields(), **fields, "row_count": len(self._chain.bottom),
-                        "store_kind": self.store_options.kind, "store_stats": self._chain.stats(),
+                        "store_kind": self.store_options.kind, "store_stats": self.stats(),
                         "optimizer": self._optimizer}
+            if self.layout.meta_size:
+                manifest["lifecycle_columns"] = self.layout.meta_size
+            manifest["lifecycle"] = self._lifecycle.manifest()
 
             def write(folder):
                 shared = self._chain.save_bottom(folder)
+                self._lifecycle.save(folder)
                 if extra_files is not None:
                     extra_files(folder)
                 return shared
@@ -347,10 +404,12 @@ class EmbeddingShard:
         if name in snaps.names() or not self._other_world_sources(name):
             folder, manifest = snaps.open(name, {**want, "engine": engine})
             self._check_optimizer(manifest.get("optimizer"), self._optimizer, f"snapshot {name!r}")
+            self._check_lifecycle_columns(manifest, name)
             with self._state:
                 self._generation += 1
                 self._log.clear()
                 self._chain.load_snapshot(folder)
+                self._load_lifecycle([(folder, manifest)], resharded=False)
             self._loaded_optimizer = manifest.get("optimizer")
             return {**manifest, "folder": folder}
         return self._import_snapshot(name, self._other_world_sources(name), want)
@@ -361,18 +420,37 @@ class EmbeddingShard:
         opened = [SnapshotDirectory(root, create=False).open(name, want) for root in roots]
         for _, manifest in opened:
             self._check_optimizer(manifest.get("optimizer"), self._optimizer, f"snapshot {name!r}")
+            self._check_lifecycle_columns(manifest, name)
         with self._state:
             self._generation += 1
             self._log.clear()
             self._chain.clear()
             for folder, manifest in opened:
                 for keys, lines in read_snapshot_rows(folder, manifest["engine"],
-                                                      self.layout.line_size):
+                                                      self.layout.stored_size):
                     mine = owner_rank(keys, self.world) == self.rank
                     if mine.any():
                         self._chain.restore(keys[mine], lines[mine])
+            self._load_lifecycle(opened, resharded=roots != [self.path])
         self._loaded_optimizer = opened[0][1].get("optimizer")
         return {**opened[0][1], "folder": opened[0][0]}
+
+    def _check_lifecycle_columns(self, manifest: dict, name: str) -> None:
+        saved = int(manifest.get("lifecycle_columns", 0))
+        if saved != self.layout.meta_size:
+            have = "with" if saved else "without"
+            fix = ("turn eviction on (steps_to_live or max_rows) to load it"
+                   if saved else "turn eviction off (steps_to_live=0, max_rows=0) to load it")
+            raise SnapshotError(
+                f"snapshot {name!r} was saved {have} eviction's per-row columns (last-seen step, "
+                f"frequency: lifecycle_columns={saved}) but this embedding has "
+                f"lifecycle_columns={self.layout.meta_size}: {fix}, or start a new table")
+
+    def _load_lifecycle(self, sources: list, resharded: bool) -> None:
+        """After a load (caller holds ``_state``): the lifecycle's sketch and counters from the
+        snapshot, and the row count from the store."""
+        self._lifecycle.load(sources, resharded)
+        self._rows = len(self._chain)
 
     def _other_world_sources(self, name: str) -> list[str]:
         """The rank folders ``<base>/<r>-<P>`` of the newest complete set (every r of some P
@@ -399,7 +477,11 @@ class EmbeddingShard:
 
     # ---------------------------------------------------------------- inspection / lifetime
     def stats(self) -> list[dict]:
-        return self._chain.stats()
+        """The chain's per-tier stats; the bottom tier's entry (the table) also holds the
+        lifecycle's ``admitted_rows``, ``not_admitted_lookups`` and ``evicted_rows``."""
+        stats = self._chain.stats()
+        stats[-1].update(self._lifecycle.stats())
+        return stats
 
     def __len__(self) -> int:
         return len(self._chain)
@@ -408,7 +490,7 @@ class EmbeddingShard:
         """Every stored (keys (n,) uint64 sorted, lines (n, line_size) float32), after a flush."""
         parts = list(self._chain.export_batches())
         if not parts:
-            return np.empty(0, np.uint64), np.empty((0, self.layout.line_size), np.float32)
+            return np.empty(0, np.uint64), np.empty((0, self.layout.stored_size), np.float32)
         keys = np.concatenate([k for k, _ in parts])
         lines = np.concatenate([v for _, v in parts])
         order = np.argsort(keys, kind="stable")
@@ -423,18 +505,51 @@ class EmbeddingShard:
             self._lock = None
 
 
-def _patch_on_device(xp, rows: OwnerRows, newer: list) -> None:
-    """The write-log patch of ``refresh`` on device arrays: each put's lines (oldest first) into
-    the rows of the same keys, found by binary search in the sorted keys of ``rows`` (the
-    device's sort-based stand-in for the CPU hash index; keys are unique within each)."""
+def _patch(rows: OwnerRows, newer: list):
+    """The write-log patch of ``refresh``: each put's lines (oldest first) into the rows of the
+    same keys; an erase (lines None) marks its keys not found. Returns (v,) bool: the rows
+    erased and not put again since (to initialise), or None."""
+    index = HashIndex(rows.keys.shape[0])
+    index.assign(rows.keys, np.arange(rows.keys.shape[0], dtype=np.int64))
+    erased = None
+    for put_keys, put_lines in newer:
+        slots = index.find(put_keys)
+        hit = slots >= 0
+        slots = slots[hit]
+        if put_lines is None:
+            erased = np.zeros(rows.keys.shape[0], np.bool_) if erased is None else erased
+            erased[slots] = True
+            rows.found[slots] = False
+            continue
+        rows.lines[slots] = put_lines[hit]
+        rows.found[slots] = True
+        if erased is not None:
+            erased[slots] = False
+    return erased
+
+
+def _patch_on_device(xp, rows: OwnerRows, newer: list):
+    """``_patch`` on device arrays: the keys of each put or erase found by binary search in the
+    sorted keys of ``rows`` (the device's sort-based stand-in for the CPU hash index; keys are
+    unique within each)."""
     v = rows.keys.shape[0]
     if v == 0:
-        return
+        return None
     order = xp.argsort(rows.keys)
     sorted_keys = rows.keys[order]
+    erased = None
     for put_keys, put_lines in newer:
+        put_keys = xp.asarray(put_keys)
         pos = xp.minimum(xp.searchsorted(sorted_keys, put_keys), v - 1)
         hit = xp.flatnonzero(sorted_keys[pos] == put_keys)
         slots = order[pos[hit]]
+        if put_lines is None:
+            erased = xp.zeros(v, dtype=xp.bool_) if erased is None else erased
+            erased[slots] = True
+            rows.found[slots] = False
+            continue
         rows.lines[slots] = put_lines[hit]
         rows.found[slots] = True
+        if erased is not None:
+            erased[slots] = False
+    return erased

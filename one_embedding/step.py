@@ -4,7 +4,9 @@ A line is ``[column_0 | column_1 | ... | state_1 | state_2 | ... | unused]`` in 
 embedding columns (``E = sum(column_dims)`` floats) followed by the row optimizer's states, one
 block of E floats each (REFERENCE.md "Line = embedding + optimizer state"). ``line_size`` comes
 from the store options: ``size_factor * E``, or ``storage_dim`` when given. ``LineLayout`` is the
-one place that derives and checks it.
+one place that derives and checks it. With eviction on (``store_options.lifecycle``), the tiers
+hold ``stored_size = line_size + 2`` floats: the lifecycle's last-seen step and frequency follow
+the line (``lifecycle.py``).
 
 A ``StepState`` is created by the front end's ``prepare`` (ID shuffle + owner lookup), read by
 ``embed`` (rows out), ``backward`` (gradients in) and the optimizer step (row update + put).
@@ -28,6 +30,9 @@ class LineLayout:
     column_dims: tuple[int, ...]
     line_size: int
     setting: str
+    #: floats stored behind the line for the feature lifecycle (``lifecycle.META_COLUMNS``
+    #: when rows can be evicted, else 0): tiers and snapshots hold ``stored_size`` floats
+    meta_size: int = 0
 
     @classmethod
     def from_store_options(cls, column_dims, store_options) -> "LineLayout":
@@ -43,7 +48,13 @@ class LineLayout:
         else:
             line_size = int(store_options.size_factor) * e
             setting = f"size_factor={store_options.size_factor}"
-        return cls(dims, line_size, setting)
+        lifecycle = getattr(store_options, "lifecycle", None)
+        return cls(dims, line_size, setting, 2 if lifecycle is not None and lifecycle.evicts else 0)
+
+    @property
+    def stored_size(self) -> int:
+        """Floats per line as the tiers hold it: the line, then the lifecycle's columns."""
+        return self.line_size + self.meta_size
 
     @property
     def embedding_dim(self) -> int:

@@ -62,6 +62,7 @@ def touches(imports: set[str], package: str) -> bool:
     ("chain.py", ["shard", "embedding", "parallel"]),
     ("shard.py", ["embedding"]),
     ("step.py", ["store", "cache", "chain", "shard", "embedding"]),
+    ("lifecycle.py", ["cache", "tiers", "chain", "shard", "embedding", "parallel"]),
 ])
 def test_dependencies_point_one_way(module, forbidden):
     imports = imports_of(module)
