@@ -43,7 +43,7 @@ DEVICES = ("cpu", "cuda")
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
 
 #: argparse groups, in the order --help shows them
-GROUPS = ("model", "data", "store", "training", "checkpoints")
+GROUPS = ("model", "data", "store", "lifecycle", "training", "checkpoints")
 
 
 def option(default=dataclasses.MISSING, *, group: str, help: str = "", choices=None,
@@ -140,6 +140,25 @@ class TrainConfig:
     overwrite: bool = option(False, group="checkpoints",
                              help="start over on a --persistent-path that holds checkpoints, "
                                   "deleting them")
+    admit_min_count: int = option(1, group="lifecycle", at_least=1, at_most=0xFFFF,
+                                  help="an id gets a stored row once it has appeared in this many "
+                                       "training steps (1: at first sight); before that its lookup "
+                                       "gives the initializer's value and its gradient is dropped")
+    admit_sketch_mb: float = option(8.0, group="lifecycle", above=0.0,
+                                    help="MiB per rank of the count-min sketch that counts ids not "
+                                         "admitted yet (4 rows of 16-bit counters)")
+    steps_to_live: int = option(0, group="lifecycle", at_least=0,
+                                help="evict a row not looked up in training for this many steps "
+                                     "(0: never)")
+    max_rows: int = option(0, group="lifecycle", at_least=0,
+                           help="rows over all ranks; past it the least frequently used rows "
+                                "(frequency with decay) are evicted down to 90%% of it (0: no "
+                                "limit)")
+    evict_interval: int = option(0, group="lifecycle", at_least=0,
+                                 help="steps between time-to-live sweeps (0: steps_to_live / 4)")
+    frequency_half_life: int = option(1000, group="lifecycle", at_least=0,
+                                      help="steps over which a row's use frequency halves, for "
+                                           "--max-rows (0: no decay)")
     exchange_dtype: str | None = option(None, group="store", choices=EXCHANGE_DTYPES,
                                         help="how rows and gradients cross ranks (default fp32; "
                                              "int8 when ONEFLOW_ONE_EMBEDDING_ENABLE_QUANTIZED_"

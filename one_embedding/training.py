@@ -57,6 +57,7 @@ from .options import (
     make_cached_host_mem_store_options,
     make_cached_ssd_store_options,
     make_device_mem_store_options,
+    make_lifecycle_options,
 )
 
 __all__ = ["TrainConfig", "Trainer", "train", "evaluate", "MODELS", "OPTIMIZERS", "STORES"]
@@ -69,17 +70,29 @@ FILE_SPARSE_FEATURES = 26
 TRAIN_RECORD_EVERY = 10
 
 
+def lifecycle_options_for(cfg: TrainConfig):
+    """The admission / eviction rules of ``cfg`` (None when it stores every id for ever)."""
+    options = make_lifecycle_options(cfg.admit_min_count, cfg.steps_to_live, cfg.max_rows,
+                                     sketch_mb=cfg.admit_sketch_mb,
+                                     evict_interval=cfg.evict_interval,
+                                     frequency_half_life=cfg.frequency_half_life)
+    return options if options.active else None
+
+
 def store_options_for(cfg: TrainConfig, size_factor: int, total_keys: int | None):
     """The store preset ``cfg.store`` asks for, sized for ``total_keys`` unless cfg.capacity."""
     path, capacity = cfg.persistent_path, cfg.capacity or total_keys
+    lifecycle = lifecycle_options_for(cfg)
     if cfg.store == "device_mem":
-        return make_device_mem_store_options(path, capacity=capacity, size_factor=size_factor)
+        return make_device_mem_store_options(path, capacity=capacity, size_factor=size_factor,
+                                             lifecycle=lifecycle)
     if cfg.store == "cached_host_mem":
         return make_cached_host_mem_store_options(cfg.cache_mb, path, capacity=capacity,
-                                                  size_factor=size_factor)
+                                                  size_factor=size_factor, lifecycle=lifecycle)
     return make_cached_ssd_store_options(cfg.cache_mb, path, capacity=capacity,
                                          size_factor=size_factor,
-                                         host_cache_budget_mb=cfg.host_cache_mb, engine=cfg.engine)
+                                         host_cache_budget_mb=cfg.host_cache_mb, engine=cfg.engine,
+                                         lifecycle=lifecycle)
 
 
 def make_loaders(cfg: TrainConfig):
@@ -198,6 +211,8 @@ class MetricsWriter:
 
 
 PHASES = ("wait", "embedding", "dense", "update")
+#: the feature lifecycle's counters in the final record, summed over the ranks
+LIFECYCLE_FIELDS = ("admitted_rows", "not_admitted_lookups", "evicted_rows")
 
 #: config fields a resumed run may change: they change how long it runs, what it reports, and how
 #: fast, never its results (every store and cache size trains bit-identically)
@@ -503,6 +518,8 @@ class Trainer:
         stats = self.embedding.store_stats()
         scaler = self.optimizer.loss_scaler
         rows_stored = int(self.comm.allreduce_sum(np.array([len(self.embedding)], np.int64))[0])
+        lifecycle = {k: int(v) for k, v in zip(LIFECYCLE_FIELDS, self.comm.allreduce_sum(
+            np.array([stats[-1].get(k, 0) for k in LIFECYCLE_FIELDS], np.int64)))}
         top = stats[0]
         lookups = top["hits"] + top["misses"]
         return {
@@ -514,7 +531,7 @@ class Trainer:
             "samples_per_s_all": p.samples / p.train_seconds if p.train_seconds else float("nan"),
             "loss_first_10pct": head, "loss_last_10pct": tail, **final,
             "top_tier_hit_rate": top["hits"] / lookups if lookups else float("nan"),
-            "rows_stored": rows_stored, "store_stats": stats,
+            "rows_stored": rows_stored, **lifecycle, "store_stats": stats,
             "skipped_lines": self.train_loader.skipped,
             "world_size": self.comm.world, "exchange_dtype": self.embedding.exchange_dtype,
             "exchange_bytes": self.embedding.traffic.exchange_bytes,
