@@ -65,24 +65,28 @@ def _inspect_one(root: str, snaps: SnapshotDirectory, snap: str, rows: int, quic
         raise SnapshotError(f"snapshot {snap!r}: {manifest_path} is missing, so nothing in the "
                             "folder can be checked; load another snapshot")
     folder, manifest = snaps.open(snap, {}, verify=True if quick else "full")
-    e = int(sum(manifest["embedding_dims"]))
+    e, line = int(sum(manifest["embedding_dims"])), int(manifest["line_size"])
+    stored = line + int(manifest.get("lifecycle_columns", 0))  # + last-seen step, frequency
     with lease(folder), tempfile.TemporaryDirectory() as scratch:
-        store = open_store_for_snapshot(manifest["engine"], manifest["line_size"], scratch)
+        store = open_store_for_snapshot(manifest["engine"], stored, scratch)
         try:
             store.verify_snapshot(folder, full=not quick)
             store.load_snapshot(folder)
             keys, lines = next(store.export_batches(max(1, rows)),
-                               (np.empty(0, np.uint64), np.empty((0, manifest["line_size"]))))
+                               (np.empty(0, np.uint64), np.empty((0, stored))))
             referenced = store.referenced_bytes(folder)
         finally:
             store.close()
     sample = [{"key": int(k), "embedding": np.round(v[:e], 6).tolist(),
-               "state": np.round(v[e:], 6).tolist()} for k, v in zip(keys[:rows], lines[:rows])]
+               "state": np.round(v[e:line], 6).tolist(),
+               **({"last_seen_step": int(v[line:line + 1].view(np.int32)[0]),
+                   "frequency": float(v[line + 1])} if stored > line else {})}
+              for k, v in zip(keys[:rows], lines[:rows])]
     return {
         "path": root, "snapshot": snap, "status": "ok",
         **{k: manifest.get(k) for k in ("embedding_name", "store_kind", "engine", "key_type",
                                         "embedding_dims", "line_size", "row_count",
-                                        "created_unix", "store_stats")},
+                                        "created_unix", "store_stats", "lifecycle")},
         "bytes_on_disk": _tree_bytes(folder) + referenced,
         "rows": sample,
     }

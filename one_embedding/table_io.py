@@ -357,8 +357,13 @@ class PersistentTableReader:
 
     def _iter_rows(self):
         for folder, manifest in self._opened:
-            for keys, lines in read_snapshot_rows(folder, manifest["engine"], self.storage_dim,
+            # a table with eviction stores its rows' last-seen step and frequency behind the
+            # line: read whole stored lines, hand out the line
+            stored = self.storage_dim + int(manifest.get("lifecycle_columns", 0))
+            for keys, lines in read_snapshot_rows(folder, manifest["engine"], stored,
                                                   self.batch_rows):
+                if stored != self.storage_dim:
+                    lines = np.ascontiguousarray(lines[:, :self.storage_dim])
                 yield keys_from_uint64(keys, self.key_type), lines
 
     def __iter__(self) -> "PersistentTableReader":

@@ -32,20 +32,22 @@ TABLES = 3
 
 
 
-def _store(preset: str, path, size_factor: int, cache_rows: int = 24):
+def _store(preset: str, path, size_factor: int, cache_rows: int = 24, lifecycle=None):
     line = size_factor * E
     mb = cache_rows * 4 * line / 2**20
     if preset == "device_mem":
-        return oe.make_device_mem_store_options(str(path), capacity=1000, size_factor=size_factor)
+        return oe.make_device_mem_store_options(str(path), capacity=1000, size_factor=size_factor,
+                                                lifecycle=lifecycle)
     if preset == "cached_host_mem":
-        return oe.make_cached_host_mem_store_options(mb, str(path), 1000, size_factor=size_factor)
+        return oe.make_cached_host_mem_store_options(mb, str(path), 1000, size_factor=size_factor,
+                                                     lifecycle=lifecycle)
     if preset == "cached_host_mem_lfu":
         return oe.make_cached_host_mem_store_options(mb, str(path), 1000, size_factor=size_factor,
-                                                     cache_policy="lfu")
+                                                     cache_policy="lfu", lifecycle=lifecycle)
     engine, host = {"cached_ssd": ("slots", 0.0), "cached_ssd_host": ("slots", 2 * mb),
                     "cached_ssd_rocksdb": ("rocksdb", 2 * mb)}[preset]
     return oe.make_cached_ssd_store_options(mb, str(path), size_factor=size_factor, engine=engine,
-                                            host_cache_budget_mb=host)
+                                            host_cache_budget_mb=host, lifecycle=lifecycle)
 
 
 def _batches(steps: int, batch: int = 40, seed: int = 4):
@@ -83,11 +85,12 @@ def _same_bits(got, want):
 
 
 def _train(device, preset, optim, path, steps=6, depth=0, padding_idx=None, exchange_dtype=None,
-           two_lookups=False):
+           two_lookups=False, lifecycle=None):
     """Train ``steps`` steps; returns (outputs per step, exported keys and lines, store stats)."""
     opt_rows = _optimizer(optim)
     emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
-                                 _store(preset, path, opt_rows.required_size_factor()),
+                                 _store(preset, path, opt_rows.required_size_factor(),
+                                        lifecycle=lifecycle),
                                  padding_idx=padding_idx, seed=5, exchange_dtype=exchange_dtype,
                                  device=device)
     opt = oe.Optimizer(opt_rows, embeddings=[emb])
@@ -151,6 +154,25 @@ def test_device_prefetch_gives_the_serial_bits(launch, tmp_path, preset, depth):
     for a, b in zip(got[0], want[0], strict=True):
         _same_bits(a, b)
     _same_bits(got[1][1], want[1][1])
+
+
+@pytest.mark.parametrize("depth", [0, 2])
+@pytest.mark.parametrize("preset", ["device_mem", "cached_host_mem", "cached_ssd_host"])
+def test_device_lifecycle_gives_the_cpu_bits(launch, tmp_path, preset, depth):
+    """Admission, time-to-live and the row limit on the device path: the same rows admitted and
+    evicted (the device cache's and full store's erase), the same lifecycle columns."""
+    rules = oe.make_lifecycle_options(admit_min_count=2, steps_to_live=3, evict_interval=1,
+                                      max_rows=80, frequency_half_life=2)
+    want = _train("cpu", preset, "adagrad", tmp_path / "cpu", steps=10, lifecycle=rules)
+    got = _train(launch, preset, "adagrad", tmp_path / "dev", steps=10, depth=depth,
+                 lifecycle=rules)
+    for a, b in zip(got[0], want[0], strict=True):
+        _same_bits(a, b)
+    _same_bits(got[1][0], want[1][0])
+    _same_bits(got[1][1], want[1][1])
+    counters = ("admitted_rows", "not_admitted_lookups", "evicted_rows")
+    assert {k: got[2][-1][k] for k in counters} == {k: want[2][-1][k] for k in counters}
+    assert want[2][-1]["evicted_rows"] > 0 and want[2][-1]["not_admitted_lookups"] > 0
 
 
 def test_device_padding_exchange_dtypes_and_two_lookups(launch, tmp_path):

@@ -290,3 +290,24 @@ def test_train_config_refuses_bad_lifecycle_flags(flag, value, match):
 def test_store_options_take_only_lifecycle_options():
     with pytest.raises(ConfigError, match="make_lifecycle_options"):
         oe.make_device_mem_store_options(None, capacity=4, lifecycle={"max_rows": 3})
+
+
+def test_table_reader_and_inspect_read_a_table_with_eviction(tmp_path):
+    from one_embedding.inspect_snapshot import inspect_path
+
+    with embedding(lifecycle=oe.make_lifecycle_options(steps_to_live=4), path=tmp_path) as emb:
+        opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+        step(emb, opt, [3, 1])
+        step(emb, opt, [1])
+        keys, lines = emb.export()
+        emb.save_snapshot("s")
+    with oe.make_persistent_table_reader([str(tmp_path / "0-1")], "s", np.int64, np.float32,
+                                         E) as reader:
+        got = list(reader)
+    np.testing.assert_array_equal(np.concatenate([k for k, _ in got]), keys.astype(np.int64))
+    np.testing.assert_array_equal(np.concatenate([v for _, v in got]), lines[:, :E])
+    report = inspect_path(str(tmp_path), rows=5)
+    assert report[0]["status"] == "ok", report
+    rows = {r["key"]: r for r in report[0]["rows"]}
+    assert (rows[1]["last_seen_step"], rows[1]["frequency"]) == (2, 2.0)
+    assert (rows[3]["last_seen_step"], rows[3]["frequency"]) == (1, 1.0)
