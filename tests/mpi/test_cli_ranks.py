@@ -130,3 +130,21 @@ def test_a_killed_rank_ends_the_job_and_snapshots_stay_intact(tmp_path):
     emb.load_snapshot(f"step-{newest}")
     assert len(emb) > 0
     emb.close()
+
+
+def test_admission_and_eviction_across_rank_counts(tmp_path):
+    """Each key is counted and aged by its owner rank: with the sketch far larger than the keys
+    (no collisions), one, two and four ranks admit and evict the same rows, and train alike;
+    the row limit holds for the whole table (each rank keeps its share)."""
+    rules = ["--optimizer", "sgd", "--lr", "0.1", "--steps", "30", "--eval-interval", "0",
+             "--admit-min-count", "2", "--steps-to-live", "6", "--evict-interval", "2"]
+    runs = {p: train(tmp_path, p, *rules)[1] for p in (1, 2)}
+    one = final(runs[1])
+    assert one["not_admitted_lookups"] > 0 and one["evicted_rows"] > 0
+    for key in ("rows_stored", "admitted_rows", "not_admitted_lookups", "evicted_rows"):
+        assert final(runs[2])[key] == one[key], key
+    base, got = losses(runs[1]), losses(runs[2])
+    for step in base:
+        assert abs(got[step] - base[step]) <= 1e-4 * abs(base[step]), step
+    capped = final(train(tmp_path, 2, *rules, "--max-rows", "2000", name="capped")[1])
+    assert 0 < capped["rows_stored"] <= 2000 < one["rows_stored"]
