@@ -70,3 +70,18 @@ def test_bench_disk_bounds_the_disk_with_keep_snapshots(tmp_path):
     assert bounded["checkpoints_left"] == 2  # step-24 and final
     assert every["checkpoints_left"] == 9    # 8 interval checkpoints and final
     assert bounded["end_mb"] < every["end_mb"]
+
+
+def test_bench_lifecycle_shrinks_the_table_against_its_baseline(tmp_path):
+    out = run_module(tmp_path, "benchmarks.bench_lifecycle", "--part", "zipf", "--rows", 40000,
+                     "--scratch", tmp_path)
+    assert "machine:" in out and "min-count 1 (baseline)" in out
+    results = json.loads((tmp_path / "lifecycle.json").read_text())["results"]
+    base, *rest = results
+    assert base["rows_vs_baseline"] == 1.0 and base["not_admitted_lookups"] == 0
+    by_rule = {r["rules"]: r for r in rest}
+    counts = [by_rule[f"min-count {n}"]["rows_stored"] for n in (2, 4, 8)]
+    assert base["rows_stored"] > counts[0] > counts[1] > counts[2] > 0
+    assert all(r["disk_bytes"] < base["disk_bytes"] for r in rest)
+    assert any(r["evicted_rows"] > 0 for r in rest if r["rules"].startswith("TTL"))
+    assert (tmp_path / "lifecycle.png").stat().st_size > 10_000
