@@ -115,7 +115,8 @@ def cmd_plan(args) -> int:
 
     p = plan_capacity(args.rows, args.embedding_dim, args.optimizer, args.store, args.cache_mb,
                       args.host_cache_mb, args.engine, args.keep_snapshots,
-                      args.changed_per_snapshot, args.world, args.physical_block_size)
+                      args.changed_per_snapshot, args.world, args.physical_block_size,
+                      args.eviction, args.admit_sketch_mb)
     print(plan_json(p) if args.json else format_plan(p))
     return 0
 
@@ -185,6 +186,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share of the rows changed between snapshots (default 0.01)")
     p.add_argument("--world", type=int, default=1, help="ranks the table is spread over")
     p.add_argument("--physical-block-size", type=int, default=4096)
+    p.add_argument("--eviction", action="store_true",
+                   help="rows carry the lifecycle's last-seen step and frequency (training with "
+                        "--steps-to-live or --max-rows: 8 bytes more a line); give --rows the "
+                        "--max-rows limit")
+    p.add_argument("--admit-sketch-mb", type=float, default=0.0,
+                   help="RAM of the admission sketch per rank (training with --admit-min-count "
+                        "> 1: its --admit-sketch-mb, default 8)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(func=cmd_plan)
 

@@ -68,11 +68,16 @@ class CountMinSketch:
         self.width, self.depth = int(width), int(depth)
         self.counts = np.zeros((self.depth, self.width), np.uint16)
 
+    @staticmethod
+    def width_for(megabytes: float, depth: int) -> int:
+        """The widest power of two whose ``depth`` rows of counters fit ``megabytes`` MiB."""
+        cells = max(1, int(megabytes * 2**20) // (2 * depth))
+        return 1 << (cells.bit_length() - 1)
+
     @classmethod
     def sized(cls, megabytes: float, depth: int) -> "CountMinSketch":
         """The widest power-of-two sketch of ``depth`` rows within ``megabytes`` MiB."""
-        cells = max(1, int(megabytes * 2**20) // (2 * depth))
-        return cls(1 << (cells.bit_length() - 1), depth)
+        return cls(cls.width_for(megabytes, depth), depth)
 
     @property
     def nbytes(self) -> int:

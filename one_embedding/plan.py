@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 
 from .cache.set_associative import SetAssociativeCache
 from .errors import ConfigError
+from .lifecycle import META_COLUMNS, CountMinSketch
 from .store import rocksdb_store as rdb
 from .store import slot_file
 from .store.direct_io import MAX_RUN_BYTES  # noqa: F401  (the I/O unit, shown in docs)
@@ -112,8 +113,12 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
                   store: str = "cached_ssd", cache_mb: float = 0.0, host_cache_mb: float = 0.0,
                   engine: str = "slots", keep_snapshots: int = 0,
                   changed_per_snapshot: float = 0.01, world: int = 1,
-                  physical_block_size: int = 4096) -> CapacityPlan:
-    """RAM per tier and disk of a table of ``rows`` keys (over all ranks; figures are per rank)."""
+                  physical_block_size: int = 4096, eviction: bool = False,
+                  admit_sketch_mb: float = 0.0) -> CapacityPlan:
+    """RAM per tier and disk of a table of ``rows`` keys (over all ranks; figures are per rank).
+
+    eviction: rows carry the feature lifecycle's two columns (last-seen step, frequency: 8
+    bytes more a line); admit_sketch_mb: the admission sketch per rank (0: no admission)."""
     if optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"optimizer={optimizer!r}: choose one of {sorted(OPTIMIZER_STATES)}")
     for name, value in (("rows", rows), ("embedding_dim", embedding_dim), ("world", world)):
@@ -123,7 +128,9 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
         raise ConfigError(f"changed_per_snapshot={changed_per_snapshot!r} must be in [0, 1]")
     if keep_snapshots < 0:
         raise ConfigError(f"keep_snapshots={keep_snapshots!r} must be >= 0")
-    line_size = (1 + OPTIMIZER_STATES[optimizer]) * embedding_dim
+    if not admit_sketch_mb >= 0:
+        raise ConfigError(f"admit_sketch_mb={admit_sketch_mb!r} must be >= 0")
+    line_size = (1 + OPTIMIZER_STATES[optimizer]) * embedding_dim + (META_COLUMNS if eviction else 0)
     per_rank = -(-rows // world)
     out = CapacityPlan(rows, per_rank, line_size, 4 * line_size, keep_snapshots=keep_snapshots,
                        changed_per_snapshot=changed_per_snapshot)
@@ -158,6 +165,10 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
         out.disk_peak_bytes = int(steady + pinned)
     else:
         raise ConfigError(f"store={store!r} must be device_mem, cached_host_mem or cached_ssd")
+    if admit_sketch_mb:
+        width = CountMinSketch.width_for(admit_sketch_mb, 4)
+        out.tiers.append(TierPlan("admission sketch", 0, 4 * width * 2,
+                                  note=f"4 x {width:,} 16-bit counters"))
     out.ram_bytes = sum(t.ram_bytes for t in out.tiers)
     for t in out.tiers:
         t.disk_bytes = int(t.disk_bytes)

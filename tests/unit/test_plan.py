@@ -105,3 +105,21 @@ def test_plan_command_prints_a_table_or_json_and_refuses_bad_input():
     assert bad.returncode == 2 and "--rows" in bad.stderr and "Traceback" not in bad.stderr
     no_cache = run("--rows", "10", "--embedding-dim", "8")
     assert no_cache.returncode == 2 and "raise it" in no_cache.stderr
+
+
+def test_plan_counts_the_lifecycle_columns_and_the_admission_sketch():
+    import numpy as np
+
+    import one_embedding as oe
+    from one_embedding.plan import plan_capacity
+
+    plain = plan_capacity(10_000, 16, "adagrad", "device_mem")
+    evicting = plan_capacity(10_000, 16, "adagrad", "device_mem", eviction=True, admit_sketch_mb=3)
+    assert evicting.line_bytes == plain.line_bytes + 8
+    sketch = [t for t in evicting.tiers if t.tier == "admission sketch"][0]
+    rules = oe.make_lifecycle_options(admit_min_count=2, steps_to_live=5, sketch_mb=3)
+    with oe.MultiTableEmbedding("t", 16, np.float32, np.int64, None,
+                                oe.make_device_mem_store_options(None, 100, size_factor=2,
+                                                                 lifecycle=rules)) as emb:
+        assert sketch.ram_bytes == emb._shard._lifecycle.sketch.nbytes  # what it allocates
+        assert emb._shard.layout.stored_size * 4 == evicting.line_bytes
