@@ -479,7 +479,9 @@ class MultiTableMultiColumnEmbedding:
         return len(self._owner())
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every stored (keys (n,) uint64 sorted, lines (n, line_size) float32), after a flush."""
+        """Every stored (keys (n,) uint64 sorted, lines (n, stored_size) float32), after a flush:
+        ``line_size`` floats, then, with eviction on, the lifecycle's last-seen step (int32 bits)
+        and frequency (``layout.stored_size``)."""
         return self._owner().export()
 
     def close(self) -> None:

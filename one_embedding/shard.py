@@ -487,7 +487,7 @@ class EmbeddingShard:
         return len(self._chain)
 
     def export(self) -> tuple[np.ndarray, np.ndarray]:
-        """Every stored (keys (n,) uint64 sorted, lines (n, line_size) float32), after a flush."""
+        """Every stored (keys (n,) uint64 sorted, lines (n, stored_size) float32), after a flush."""
         parts = list(self._chain.export_batches())
         if not parts:
             return np.empty(0, np.uint64), np.empty((0, self.layout.stored_size), np.float32)
