@@ -56,3 +56,12 @@ def test_readme_oneflow_example_trains_and_saves(tmp_path):
     manifest = json.loads((tmp_path / "t" / "0-1" / "snapshots" / "final" / "manifest.json")
                           .read_text())
     assert manifest["row_count"] > 1000 and manifest["embedding_name"] == "sparse_embedding"
+
+
+def test_readme_lifecycle_example_builds_its_rules():
+    code = "import one_embedding as oe\n" + section_example("Feature lifecycle: admission and eviction")
+    scope: dict = {}
+    exec(compile(code, "README.md", "exec"), scope)
+    rules = scope["store"].lifecycle
+    assert (rules.admit_min_count, rules.steps_to_live, rules.max_rows) == (4, 2000, 500_000_000)
+    assert rules.sweep_interval == 500  # "default T/4", as the section says
