@@ -192,7 +192,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "--max-rows limit")
     p.add_argument("--admit-sketch-mb", type=float, default=0.0,
                    help="RAM of the admission sketch per rank (training with --admit-min-count "
-                        "> 1: its --admit-sketch-mb, default 8)")
+                        "> 1: its --admit-sketch-mb, default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(func=cmd_plan)
 

@@ -144,9 +144,10 @@ class TrainConfig:
                                   help="an id gets a stored row once it has appeared in this many "
                                        "training steps (1: at first sight); before that its lookup "
                                        "gives the initializer's value and its gradient is dropped")
-    admit_sketch_mb: float = option(8.0, group="lifecycle", above=0.0,
+    admit_sketch_mb: float = option(32.0, group="lifecycle", above=0.0,
                                     help="MiB per rank of the count-min sketch that counts ids not "
-                                         "admitted yet (4 rows of 16-bit counters)")
+                                         "admitted yet (4 rows of 16-bit counters, halved each "
+                                         "time it has counted half a row's width of ids)")
     steps_to_live: int = option(0, group="lifecycle", at_least=0,
                                 help="evict a row not looked up in training for this many steps "
                                      "(0: never)")

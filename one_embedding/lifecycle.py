@@ -8,7 +8,9 @@ Admission (``admit_min_count`` N > 1): a key that is not stored is counted once 
 it appears in, in a ``CountMinSketch``; its update is dropped (nothing stored, the lookup keeps
 returning the initializer's value) until its count reaches N, and the step that reaches N stores
 the row the initializer's value plus that step's update makes. Counts are over-estimated only
-when every counter of a key collides, so a key is never admitted late.
+when every counter of a key collides; they are halved each time the sketch has counted half its
+width of keys (aging, so that a long stream cannot fill every counter), so N occurrences must
+fall within roughly that many counted ids.
 
 Eviction: a row carries two more float32 behind its line (``META_COLUMNS``): the optimizer step
 that last updated it (int32 bits) and its frequency, ``f <- f * 2**-(halvings since last seen) + 1``
@@ -60,6 +62,12 @@ class CountMinSketch:
     plus one); ``add`` raises each cell to the estimate of the keys in it (conservative update:
     a cell only grows as far as its smallest key needs). Both are order-free, so a batch gives
     the same counts however its keys are ordered.
+
+    Aging keeps the load bounded however long the stream (TinyLFU's reset): once ``width / 2``
+    keys have been counted since the last halving, every counter is halved. Without it, a table
+    that sees more distinct ids than counters would find every cell set, and admit everything.
+    So an id is admitted when it recurs N times within roughly the last ``width / 2`` ids
+    counted (those not admitted yet) on its rank; ``halvings`` counts the resets.
     """
 
     def __init__(self, width: int, depth: int):
@@ -67,6 +75,8 @@ class CountMinSketch:
             raise ValueError(f"sketch width {width} must be a power of two, depth 1..{len(_ROW_SEEDS)}")
         self.width, self.depth = int(width), int(depth)
         self.counts = np.zeros((self.depth, self.width), np.uint16)
+        self.counted = 0   # keys counted since the last halving
+        self.halvings = 0
 
     @staticmethod
     def width_for(megabytes: float, depth: int) -> int:
@@ -97,15 +107,23 @@ class CountMinSketch:
         return np.minimum(est + 1, COUNTER_MAX), cells
 
     def add(self, cells: np.ndarray, counts: np.ndarray) -> None:
-        """Record the occurrences ``counts_after`` returned (cells (depth, n), counts (n,))."""
+        """Record the occurrences ``counts_after`` returned (cells (depth, n), counts (n,)),
+        then halve every counter if ``width / 2`` keys were counted since the last halving."""
         value = counts.astype(np.uint16)
         for r in range(self.depth):
             np.maximum.at(self.counts[r], cells[r], value)
+        self.counted += int(counts.shape[0])
+        if self.counted >= self.width // 2:
+            self.counts >>= 1
+            self.counted = 0
+            self.halvings += 1
 
     def merge(self, other: "CountMinSketch") -> None:
         """Add ``other``'s counts (saturating): every key counted in either is counted here."""
         total = self.counts.astype(np.uint32) + other.counts
         self.counts = np.minimum(total, COUNTER_MAX).astype(np.uint16)
+        self.counted = min(self.width // 2 - 1, self.counted + other.counted)
+        self.halvings = max(self.halvings, other.halvings)
 
 
 @dataclass
@@ -288,6 +306,7 @@ class Lifecycle:
                "max_rows": o.max_rows, "counters": self.counters.as_dict()}
         if self.sketch is not None:
             out["sketch"] = {"width": self.sketch.width, "depth": self.sketch.depth,
+                             "counted": self.sketch.counted, "halvings": self.sketch.halvings,
                              "file": SKETCH_FILE}
         return out
 
@@ -320,11 +339,15 @@ class Lifecycle:
                     f"{fresh.width}: use the sketch_mb / sketch_depth it was saved with")
             part = CountMinSketch(fresh.width, fresh.depth)
             part.counts = read_array(os.path.join(folder, info["file"]))
+            part.counted, part.halvings = int(info.get("counted", 0)), int(info.get("halvings", 0))
             fresh.merge(part)
         self.sketch = fresh
 
     def stats(self) -> dict:
-        """The counters, for ``store_stats``."""
+        """The counters, for ``store_stats`` (with admission, the sketch's halvings too)."""
         c = self.counters
-        return {"admitted_rows": c.admitted_rows, "not_admitted_lookups": c.not_admitted_lookups,
-                "evicted_rows": c.evicted_rows}
+        out = {"admitted_rows": c.admitted_rows, "not_admitted_lookups": c.not_admitted_lookups,
+               "evicted_rows": c.evicted_rows}
+        if self.sketch is not None:
+            out["admission_sketch_halvings"] = self.sketch.halvings
+        return out

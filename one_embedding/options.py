@@ -183,8 +183,9 @@ class LifecycleOptions:
     admit_min_count: an id gets a row once it has appeared in that many training steps (1:
     at first sight); until then a lookup returns the initializer's value and its gradient is
     dropped. Counted per owner rank in a count-min sketch of ``sketch_mb`` MiB (``sketch_depth``
-    rows of 16-bit counters; counts are never under-estimated, so an id is never admitted late,
-    and is admitted early only when all its counters collide).
+    rows of 16-bit counters), whose counters halve each time it has counted half a row's width
+    of ids: the N steps must fall within that window of not-yet-admitted ids; an id is admitted
+    early only when all its counters collide.
     steps_to_live: a stored row not looked up in training for that many steps is evicted (0:
     never); ``evict_interval`` steps between sweeps (0: ``max(1, steps_to_live // 4)``).
     max_rows: the table's limit over all ranks (0: none); past it, the least frequently used rows
@@ -195,7 +196,7 @@ class LifecycleOptions:
     admit_min_count: int = 1
     steps_to_live: int = 0
     max_rows: int = 0
-    sketch_mb: float = 8.0
+    sketch_mb: float = 32.0
     sketch_depth: int = 4
     evict_interval: int = 0
     frequency_half_life: int = 1000

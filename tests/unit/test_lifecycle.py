@@ -78,7 +78,8 @@ def test_min_count_one_stores_every_key_and_counts_it():
 
 def test_count_min_sketch_never_undercounts_and_is_order_free():
     rng = np.random.default_rng(0)
-    sketch = CountMinSketch(64, 2)  # tiny: plenty of collisions
+    sketch = CountMinSketch(4096, 2)  # 500 keys into 4,096 cells a row: some collide; ~1,100
+    # keys counted, under the 2,048 that would halve the counters
     truth = {}
     for _ in range(30):
         keys = np.unique(rng.integers(0, 500, 40).astype(np.uint64))
@@ -89,11 +90,51 @@ def test_count_min_sketch_never_undercounts_and_is_order_free():
         sketch.add(cells, counts)
         for k in keys.tolist():
             truth[k] = truth.get(k, 0) + 1
+    assert sketch.halvings == 0
     keys = np.array(sorted(truth), np.uint64)
     est = sketch.counts_after(keys)[0] - 1
     assert (est >= np.array([truth[k] for k in keys.tolist()])).all()
     big = CountMinSketch.sized(1.0, 4)
     assert big.nbytes <= 2**20 and big.width == 1 << 17
+
+
+def test_the_sketch_halves_its_counters_after_counting_half_its_width():
+    sketch = CountMinSketch(64, 2)
+    first = np.array([7], np.uint64)
+    counts, cells = sketch.counts_after(first)
+    sketch.add(cells, counts)
+    assert sketch.counts_after(first)[0][0] == 2  # seen once: one more occurrence makes 2
+    others = np.arange(1000, 1031, dtype=np.uint64)  # 31 more keys: 32 counted in all
+    sketch.add(*sketch.counts_after(others)[::-1])
+    assert sketch.halvings == 1 and sketch.counted == 0
+    assert sketch.counts.max() <= 1  # 2 (a collision at most) halved; 1 -> 0
+    assert sketch.counts_after(first)[0][0] == 1  # key 7's old occurrence has aged out
+
+
+def test_admission_state_with_halvings_resumes_exactly(tmp_path):
+    lifecycle = oe.make_lifecycle_options(admit_min_count=3, sketch_mb=64 * 4 * 2 / 2**20)
+    emb = embedding(lifecycle=lifecycle, path=tmp_path)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    rng = np.random.default_rng(2)
+    stream = [rng.integers(0, 60, 12) for _ in range(12)]
+    for ids in stream[:6]:
+        step(emb, opt, ids)
+    emb.save_snapshot("mid")
+    for ids in stream[6:]:
+        step(emb, opt, ids)
+    want = emb.export(), emb.store_stats()[-1]
+    assert want[1]["admission_sketch_halvings"] > 0
+    emb.load_snapshot("mid")
+    opt.step_count = 6
+    for ids in stream[6:]:
+        step(emb, opt, ids)
+    got = emb.export(), emb.store_stats()[-1]
+    np.testing.assert_array_equal(got[0][0], want[0][0])
+    np.testing.assert_array_equal(got[0][1], want[0][1])
+    lifecycle_stats = ("admitted_rows", "not_admitted_lookups", "evicted_rows",
+                       "admission_sketch_halvings")
+    assert {k: got[1][k] for k in lifecycle_stats} == {k: want[1][k] for k in lifecycle_stats}
+    emb.close()
 
 
 # ---------------------------------------------------------------- eviction
