@@ -41,6 +41,9 @@ RULES = [
     ("min-count 2", ["--admit-min-count", "2"]),
     ("min-count 4", ["--admit-min-count", "4"]),
     ("min-count 8", ["--admit-min-count", "8"]),
+    # the same rule with a sketch 8x larger: the rows the default 32 MiB sketch admits early
+    # (counters that all collide) or forgets (halvings) are the difference
+    ("min-count 2, 256 MiB sketch", ["--admit-min-count", "2", "--admit-sketch-mb", "256"]),
 ]
 
 
