@@ -243,17 +243,19 @@ class RocksDBStore(StoreTier):
             self._db.set_options({"enable_blob_garbage_collection": "false"})
 
     def collect_garbage(self) -> int:
-        """Reclaim what erased rows (an eviction sweep) left behind: once garbage passes
-        COMPACT_ABOVE times the live rows, compact and relocate the oldest blob files, as many
-        as the garbage's share of the DB, all of them once it is over half (erased rows are
-        spread over every file). Returns 1
-        when it reclaimed, else 0. Files a snapshot links stay until it is deleted."""
-        self.flush()
+        """Reclaim what erased rows (an eviction sweep) left behind. The memtables are flushed
+        and the compactions that triggers are waited for (they drop erased keys, and delete
+        blob files left without a live value); then, once garbage passes COMPACT_ABOVE times
+        the live rows and RECLAIM_MIN_BYTES, the oldest blob files are relocated, as many as
+        the garbage's share of the DB, all of them once it is over half (erased rows are
+        spread over every file). Returns 1 when it relocated, else 0. Files a snapshot links
+        stay until it is deleted."""
+        self.flush(wait_idle=True)  # the compactions the flush triggers settle first
         garbage, live = self._garbage_bytes(), self._live_bytes()
         if garbage <= max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * live):
             return 0
         share = garbage / max(1, garbage + live)
-        # more garbage than rows: relocating every live row costs less than the garbage it frees
+        # more garbage than rows: relocating every live row costs less than it frees
         self._reclaim(1.0 if share > 0.5 else max(BLOB_GC_AGE_CUTOFF, share))
         return 1
 
