@@ -121,6 +121,25 @@ def cmd_plan(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    """The Open Inference Protocol over HTTP, answering from a training run's checkpoints."""
+    try:
+        from .serving.server import serve
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401
+    except ImportError as e:
+        raise ConfigError(f"serve needs the serve extra ({e.name} is missing): pip install "
+                          "'one_embedding[serve]'") from None
+    for name in ("cache_mb", "poll_seconds", "max_request_mb"):
+        if not getattr(args, name) >= 0:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
+    if not 0 < args.port < 65536:
+        raise ConfigError(f"--port {args.port} must be in 1..65535")
+    serve(args.persistent_path, args.snapshot, args.host, args.port, args.cache_mb,
+          args.poll_seconds, args.max_request_mb)
+    return 0
+
+
 def cmd_plot(args) -> int:
     """Loss, AUC and samples/s against step for each metrics file; one JSON line on stdout."""
     from .plot import plot_runs
@@ -195,6 +214,21 @@ def build_parser() -> argparse.ArgumentParser:
                         "> 1: its --admit-sketch-mb, default 32)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("serve", help="answer lookups and click predictions from a training run's "
+                                     "newest checkpoint over the Open Inference Protocol (HTTP), "
+                                     "following the run as it publishes new ones")
+    p.add_argument("--persistent-path", required=True, help="the training run's --persistent-path")
+    p.add_argument("--snapshot", default=None, help="serve this checkpoint (default: the newest)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--cache-mb", type=float, default=64.0,
+                   help="RAM cache over the snapshot's rows (default 64)")
+    p.add_argument("--poll-seconds", type=float, default=1.0,
+                   help="how often to look for a newer checkpoint (0: never; default 1)")
+    p.add_argument("--max-request-mb", type=float, default=64.0,
+                   help="largest request body accepted (default 64)")
+    p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plot", help="loss, AUC and samples/s against step from train --metrics "
                                     "files (several runs overlaid) into a PNG")

@@ -50,6 +50,7 @@ from .checkpoint import (
     saved_config,
     snapshots_under,
 )
+from .data.features import FeatureTransform
 from .optimizer import Optimizer
 from .parallel.comm import default_comm
 from .pipeline import Prefetcher
@@ -397,7 +398,9 @@ class Trainer:
         p = self.progress
         state = {"step": p.step, "epoch": p.epoch, "batches_in_epoch": p.batches_in_epoch,
                  "progress": asdict(p), "world_size": self.comm.world,
-                 "train_loader": self._loader_state()}
+                 "train_loader": self._loader_state(),
+                 # raw features -> model inputs, for serving (one_embedding.serving)
+                 "features": FeatureTransform.for_config(self.cfg).as_dict()}
         save_checkpoint(name, self.embedding, model=self.model, optimizer=self.optimizer,
                         lr_schedule=self.lr_schedule, state=state, config=asdict(self.cfg))
 

@@ -1,0 +1,246 @@
+"""``Predictor``: a training run's newest (or a named) checkpoint, served read-only in-process.
+
+    p = Predictor("runs/t")                       # the newest checkpoint every rank holds
+    rows = p.lookup(np.array([3, 17]))            # (2, embedding_dim) float32
+    prob = p.predict(dense, categorical)          # (n,) click probabilities from raw features
+
+It never takes the training path's LOCK and never writes under it: each rank folder's snapshot
+is read where it lies (``table.ServedTable``), the model's dense weights and the feature
+transform come from the checkpoint's ``trainer/`` files. ``refresh()`` switches to a newer
+complete checkpoint (training publishes one per ``--snapshot-interval``); the switch is atomic:
+a call is answered wholly by the snapshot it started with, and an old snapshot is closed (its
+lease let go, so the run's retention can reclaim it) once its last call has finished.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+
+import numpy as np
+
+from ..checkpoint import ARRAYS, STATE, TRAINER_DIR, rank_folders
+from ..data.features import FeatureTransform
+from ..errors import ConfigError, InputError, SnapshotError
+from ..store.snapshots import SnapshotDirectory, read_manifest
+from .table import ServedTable
+
+
+def _checkpoint_sets(path: str, name: str | None) -> list[tuple]:
+    """Every complete checkpoint under ``path``: (step, created, name, [folder per rank]) for
+    each name that every rank of some world holds (with ``name`` given: only that name)."""
+    found = []
+    for world, ranks in rank_folders(path).items():
+        if sorted(ranks) != list(range(world)):
+            continue
+        per_rank = []
+        for r in range(world):
+            snaps = SnapshotDirectory(ranks[r], create=False)
+            have = {}
+            for snap in snaps.names():
+                if name is not None and snap != name:
+                    continue
+                try:
+                    manifest = read_manifest(snaps.path(snap), snap)
+                except SnapshotError:
+                    continue
+                step = (manifest.get("checkpoint") or {}).get("step")
+                if isinstance(step, int):
+                    have[snap] = (step, manifest.get("created_unix", 0.0))
+            per_rank.append(have)
+        for snap in set.intersection(*(set(h) for h in per_rank)) if per_rank else ():
+            step = per_rank[0][snap][0]
+            created = max(h[snap][1] for h in per_rank)
+            found.append((step, created, snap, [SnapshotDirectory(ranks[r], create=False).path(snap)
+                                                for r in range(world)]))
+    return sorted(found)
+
+
+@dataclasses.dataclass
+class _Served:
+    """One checkpoint being served: its table, model and transform, and who is using it."""
+
+    name: str
+    step: int
+    created: float
+    table: ServedTable
+    model: object
+    transform: FeatureTransform
+    model_name: str
+    users: int = 0
+    retired: bool = False
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+
+class Predictor:
+    """persistent_path: a training run's ``--persistent-path``; snapshot: a checkpoint name to
+    serve (None: the newest complete one); cache_mb: the RAM cache over the snapshot's rows;
+    scratch: where private store folders go (default: the system's temporary folder)."""
+
+    def __init__(self, persistent_path, snapshot: str | None = None, cache_mb: float = 64.0,
+                 scratch: str | None = None):
+        self.path = os.fspath(persistent_path)
+        if not os.path.isdir(self.path):
+            raise ConfigError(f"persistent_path {self.path!r} does not exist: pass the "
+                              "--persistent-path of a training run")
+        if not cache_mb >= 0:
+            raise ConfigError(f"cache_mb={cache_mb!r} must be >= 0")
+        self.requested, self.cache_mb, self.scratch = snapshot, float(cache_mb), scratch
+        self._lock = threading.Lock()
+        choice = self._newest()
+        if choice is None:
+            what = f"a complete checkpoint named {snapshot!r}" if snapshot else "a complete checkpoint"
+            raise SnapshotError(f"{self.path!r} holds no {what} (every rank's part, with the "
+                                "training state): train with --persistent-path there first")
+        self._current = self._open(choice)
+
+    # ---------------------------------------------------------------- which checkpoint
+    def _newest(self):
+        sets = _checkpoint_sets(self.path, self.requested)
+        return sets[-1] if sets else None
+
+    def _open(self, choice) -> _Served:
+        step, created, name, folders = choice
+        manifests = [read_manifest(f, name) for f in folders]
+        with open(os.path.join(folders[0], TRAINER_DIR, STATE), "rb") as f:
+            record = json.loads(f.read())
+        with np.load(os.path.join(folders[0], TRAINER_DIR, ARRAYS), allow_pickle=False) as npz:
+            arrays = {k[len("model/"):]: npz[k] for k in npz.files if k.startswith("model/")}
+        cfg = _serving_config(record.get("config") or {})
+        features = (record.get("state") or {}).get("features")
+        transform = FeatureTransform.from_dict(features) if features else \
+            FeatureTransform.for_config(cfg)
+        model = _build_model(cfg, transform.num_sparse)
+        model.load_state_dict({**(record.get("model") or {}), **arrays})
+        emb = model.embedding
+        table = ServedTable(list(zip(folders, manifests)), emb.layout, emb.tables, emb.seed,
+                            self.cache_mb, self.scratch)
+        emb.close()  # the skeleton's own (empty) store: the table above serves the rows
+        return _Served(name, step, created, table, model, transform, cfg.model)
+
+    def refresh(self) -> bool:
+        """Switch to a newer complete checkpoint if training published one; True if it did."""
+        choice = self._newest()
+        cur = self._current
+        if choice is None or (choice[0], choice[1], choice[2]) == (cur.step, cur.created, cur.name):
+            return False
+        if (choice[0], choice[1]) < (cur.step, cur.created):
+            return False
+        fresh = self._open(choice)
+        with self._lock:
+            old, self._current = self._current, fresh
+        self._retire(old)
+        return True
+
+    def _acquire(self) -> _Served:
+        with self._lock:
+            served = self._current
+            with served.lock:
+                served.users += 1
+            return served
+
+    def _release(self, served: _Served) -> None:
+        with served.lock:
+            served.users -= 1
+            done = served.retired and served.users == 0
+        if done:
+            served.table.close()
+
+    def _retire(self, served: _Served) -> None:
+        with served.lock:
+            served.retired = True
+            done = served.users == 0
+        if done:
+            served.table.close()
+
+    # ---------------------------------------------------------------- what it answers
+    @property
+    def snapshot(self) -> str:
+        """The checkpoint answering calls now."""
+        return self._current.name
+
+    @property
+    def model_name(self) -> str:
+        return self._current.model_name
+
+    @property
+    def embedding_dim(self) -> int:
+        return self._current.table.dim
+
+    @property
+    def num_sparse(self) -> int:
+        return self._current.transform.num_sparse
+
+    def lookup(self, keys, with_snapshot: bool = False):
+        """keys (n,) int64 -> (n, embedding_dim) float32, the stored embedding columns (a key
+        training never stored: its table's initializer value); with_snapshot: also the name of
+        the checkpoint that answered."""
+        keys = np.asarray(keys)
+        if keys.ndim != 1 or keys.dtype.kind not in "iu":
+            raise InputError(f"keys have shape {keys.shape} and dtype {keys.dtype}; pass (n,) int64")
+        served = self._acquire()
+        try:
+            rows = served.table.lookup(keys.astype(np.int64).view(np.uint64),
+                                       np.zeros(keys.shape[0], np.int32))
+            return (rows, served.name) if with_snapshot else rows
+        finally:
+            self._release(served)
+
+    def predict(self, dense, categorical, with_snapshot: bool = False):
+        """dense (n, 13) raw integer features (NaN = missing), categorical (n, 26) strings
+        ("" = missing) -> (n,) float32 click probabilities, through the transform training used."""
+        served = self._acquire()
+        try:
+            t = served.transform
+            dense_in, ids = t.dense(dense), t.keys(categorical)
+            if dense_in.shape[0] != ids.shape[0]:
+                raise InputError(f"dense has {dense_in.shape[0]} rows but categorical "
+                                 f"{ids.shape[0]}: give one row of each per sample")
+            n, f = ids.shape
+            tables = np.broadcast_to(np.arange(f, dtype=np.int32), (n, f)).reshape(-1) \
+                if len(served.table.tables) > 1 else np.zeros(n * f, np.int32)
+            rows = served.table.lookup(ids.reshape(-1).view(np.uint64), tables)
+            with served.lock:  # the model keeps activations: one forward at a time
+                logits = served.model.forward_from_embeddings(
+                    dense_in, rows.reshape(n, f, served.table.dim))
+            prob = (1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))).astype(np.float32)
+            return (prob, served.name) if with_snapshot else prob
+        finally:
+            self._release(served)
+
+    def close(self) -> None:
+        with self._lock:
+            served = self._current
+        self._retire(served)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _serving_config(saved: dict):
+    """The run's ``TrainConfig`` for building its model: fields this version knows, the store
+    replaced by an empty in-memory one (the served table holds the rows)."""
+    from ..config import TrainConfig
+
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    fields = {k: v for k, v in saved.items() if k in known}
+    fields.update(store="device_mem", persistent_path=None, resume=False, overwrite=False,
+                  device="cpu", amp="off")
+    for k in ("data", "bottom_mlp", "top_mlp", "dnn"):
+        if isinstance(fields.get(k), list):
+            fields[k] = tuple(fields[k])
+    return TrainConfig(**fields)
+
+
+def _build_model(cfg, num_tables: int):
+    from ..config import OPTIMIZERS
+    from ..options import make_device_mem_store_options
+    from ..training import build_model
+
+    size_factor = OPTIMIZERS[cfg.optimizer](lr=cfg.lr).required_size_factor()
+    store = make_device_mem_store_options(None, capacity=1024, size_factor=size_factor)
+    return build_model(cfg, num_tables, store)

@@ -1,0 +1,168 @@
+"""The Open Inference Protocol (KServe v2) over HTTP: request decoding and response encoding,
+with the binary tensor data extension (what tritonclient.http sends by default).
+
+A request body is JSON, or JSON followed by raw tensor bytes when the header
+``Inference-Header-Content-Length`` gives the JSON's length; an input with
+``parameters.binary_data_size`` takes that many bytes from the rest, in input order. BYTES
+elements are a 4-byte little-endian length and the bytes. A response is binary for every output
+when the request's ``parameters.binary_data_output`` is true or the output's
+``parameters.binary_data`` is, else JSON ``data``. Every problem with a request is a
+``ProtocolError`` carrying the HTTP status and the protocol's ``{"error": message}``.
+"""
+from __future__ import annotations
+
+import json
+import struct
+
+import numpy as np
+
+DTYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32,
+          "UINT64": np.uint64, "INT8": np.int8, "INT16": np.int16, "INT32": np.int32,
+          "INT64": np.int64, "FP16": np.float16, "FP32": np.float32, "FP64": np.float64,
+          "BYTES": object}
+HEADER = "Inference-Header-Content-Length"
+
+
+class ProtocolError(Exception):
+    """A request the server refuses: ``status`` (4xx) and the message of its JSON error."""
+
+    def __init__(self, message: str, status: int = 400):
+        super().__init__(message)
+        self.status = status
+
+
+def _element_count(shape, name: str) -> int:
+    if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
+                                               and d >= 0 for d in shape):
+        raise ProtocolError(f"input {name!r}: shape {shape!r} must be a list of non-negative ints")
+    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+
+
+def _bytes_elements(raw: bytes, count: int, name: str) -> np.ndarray:
+    out, pos = [], 0
+    for _ in range(count):
+        if pos + 4 > len(raw):
+            raise ProtocolError(f"input {name!r}: its binary BYTES data ends inside an element's "
+                                "4-byte length")
+        (size,) = struct.unpack_from("<I", raw, pos)
+        pos += 4
+        if pos + size > len(raw):
+            raise ProtocolError(f"input {name!r}: a BYTES element of {size} bytes runs past the "
+                                "end of its binary data")
+        out.append(raw[pos:pos + size])
+        pos += size
+    if pos != len(raw):
+        raise ProtocolError(f"input {name!r}: {len(raw) - pos} bytes of binary data are left "
+                            f"after its {count} BYTES elements")
+    return np.array(out, dtype=object)
+
+
+def decode_request(body: bytes, header_length: str | None) -> tuple[dict, dict]:
+    """body, the ``Inference-Header-Content-Length`` header -> (request JSON, {input name:
+    ndarray shaped as declared})."""
+    if header_length is None:
+        json_part, rest = body, b""
+    else:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise ProtocolError(f"{HEADER}: {header_length!r} is not a number") from None
+        if not 0 <= n <= len(body):
+            raise ProtocolError(f"{HEADER}: {n} is outside the body's {len(body)} bytes")
+        json_part, rest = body[:n], body[n:]
+    try:
+        request = json.loads(json_part)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ProtocolError(f"the request's JSON does not parse: {e}") from None
+    if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
+        raise ProtocolError('the request must be a JSON object with an "inputs" list')
+    tensors, offset = {}, 0
+    for spec in request["inputs"]:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ProtocolError('every input needs a "name", "shape" and "datatype"')
+        name, dtype = spec["name"], spec.get("datatype")
+        if dtype not in DTYPES:
+            raise ProtocolError(f"input {name!r}: datatype {dtype!r} is not one of {sorted(DTYPES)}")
+        count = _element_count(spec.get("shape"), name)
+        params = spec.get("parameters") or {}
+        size = params.get("binary_data_size") if isinstance(params, dict) else None
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or offset + size > len(rest):
+                raise ProtocolError(f"input {name!r}: binary_data_size {size!r} runs past the "
+                                    f"{len(rest)} bytes of binary data after the JSON header")
+            raw = rest[offset:offset + size]
+            offset += size
+            if dtype == "BYTES":
+                array = _bytes_elements(raw, count, name)
+            else:
+                item = np.dtype(DTYPES[dtype]).itemsize
+                if size != count * item:
+                    raise ProtocolError(f"input {name!r}: {size} bytes of binary data for shape "
+                                        f"{spec['shape']} of {dtype} ({count * item} bytes)")
+                array = np.frombuffer(raw, dtype=DTYPES[dtype])
+        elif "data" in spec:
+            array = _json_data(spec["data"], dtype, count, name)
+        else:
+            raise ProtocolError(f'input {name!r} has neither "data" nor binary_data_size')
+        if name in tensors:
+            raise ProtocolError(f"input {name!r} is given twice")
+        tensors[name] = array.reshape(spec["shape"])
+    if offset != len(rest):
+        raise ProtocolError(f"{len(rest) - offset} bytes of binary data after the JSON header "
+                            "belong to no input")
+    return request, tensors
+
+
+def _json_data(data, dtype: str, count: int, name: str) -> np.ndarray:
+    flat = np.asarray(data, dtype=object).reshape(-1) if isinstance(data, list) else None
+    if flat is None or flat.shape[0] != count:
+        got = "not a list" if flat is None else f"{flat.shape[0]} elements"
+        raise ProtocolError(f"input {name!r}: data holds {got}, its shape {count}")
+    if dtype == "BYTES":
+        if not all(isinstance(v, str) for v in flat):
+            raise ProtocolError(f"input {name!r}: BYTES data must be strings")
+        return flat
+    try:
+        return np.array(flat.tolist(), dtype=DTYPES[dtype])
+    except (TypeError, ValueError, OverflowError):
+        raise ProtocolError(f"input {name!r}: its data is not {dtype}") from None
+
+
+def wants_binary(request: dict, output: str) -> bool:
+    params = request.get("parameters") or {}
+    if isinstance(params, dict) and params.get("binary_data_output"):
+        return True
+    for spec in request.get("outputs") or []:
+        if isinstance(spec, dict) and spec.get("name") == output:
+            return bool((spec.get("parameters") or {}).get("binary_data"))
+    return False
+
+
+def encode_response(request: dict, model: str, outputs: dict, parameters: dict) -> tuple[bytes, dict]:
+    """outputs: {name: ndarray (FP32)} -> (body, headers) of the protocol's response."""
+    asked = [s.get("name") for s in request.get("outputs") or [] if isinstance(s, dict)]
+    unknown = [a for a in asked if a not in outputs]
+    if unknown:
+        raise ProtocolError(f"model {model!r} has no output {unknown[0]!r}; it has "
+                            f"{sorted(outputs)}")
+    names = asked or list(outputs)
+    specs, blobs = [], []
+    for name in names:
+        array = np.ascontiguousarray(outputs[name], np.float32)
+        spec = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
+        if wants_binary(request, name):
+            blob = array.tobytes()
+            spec["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            spec["data"] = array.reshape(-1).tolist()
+        specs.append(spec)
+    response = {"model_name": model, "model_version": "1", "outputs": specs,
+                "parameters": parameters}
+    if "id" in request:
+        response["id"] = request["id"]
+    head = json.dumps(response).encode()
+    if not blobs:
+        return head, {"content-type": "application/json"}
+    return head + b"".join(blobs), {"content-type": "application/octet-stream",
+                                    HEADER: str(len(head))}

@@ -1,0 +1,158 @@
+"""A trained table served read-only: a RAM cache over the snapshot's rows where they lie.
+
+One ``SnapshotRows`` per rank folder of the snapshot: an SSD snapshot (slots, RocksDB) is opened
+through a private store in a scratch folder, which reads the snapshot's files in place (the
+slots engine keeps its ~6 B/key directory in RAM, RocksDB its table readers); a memory store's
+snapshot (``keys.npy`` sorted + ``lines.npy``) is memory-mapped and searched by binary search, so
+neither is read whole. A lease on every folder keeps the files on disk while they are served,
+even when the training run's retention deletes the snapshot meanwhile.
+
+``ServedTable.lookup`` returns the stored embedding columns only (the optimizer state behind
+them is never kept): a set-associative LRU cache of ``cache_mb`` holds recently served rows, a
+miss reads the owner rank's snapshot (key -> rank as in training: ``owner_rank``), and a key
+stored nowhere gets its table's initializer value, as training would give it, without being
+inserted anywhere.
+"""
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+import numpy as np
+
+from ..cache.set_associative import SetAssociativeCache
+from ..chain import open_store_for_snapshot
+from ..initializers import fill_initial_values
+from ..parallel.shuffle import owner_rank
+from ..store.snapshots import lease
+
+
+class SnapshotRows:
+    """The rows of one rank's snapshot in ``folder`` (its manifest ``manifest``), read-only.
+
+    stored_size: floats per stored line (line + lifecycle columns); scratch: a private folder
+    for the store that reads an SSD snapshot."""
+
+    def __init__(self, folder: str, manifest: dict, stored_size: int, scratch: str):
+        self.folder, self.stored_size = folder, int(stored_size)
+        self._lease = lease(folder)
+        self._store = self._keys = self._lines = None
+        try:
+            engine = manifest["engine"]
+            if engine.endswith(".full"):
+                self._keys = np.load(os.path.join(folder, "keys.npy"), mmap_mode="r")
+                self._lines = np.load(os.path.join(folder, "lines.npy"), mmap_mode="r")
+            else:
+                self._store = open_store_for_snapshot(engine, self.stored_size, scratch)
+                self._store.load_snapshot(folder)
+        except BaseException:
+            self.close()
+            raise
+
+    def find(self, keys: np.ndarray, out: np.ndarray, out_rows: np.ndarray) -> np.ndarray:
+        """keys (n,) uint64 -> lines into ``out[out_rows]`` (out: (N, stored_size)); returns the
+        indices of the keys not stored (m,) int64."""
+        if self._store is not None:
+            return self._store.find(keys, out, out_rows)
+        n = self._keys.shape[0]
+        if n == 0:
+            return np.arange(keys.shape[0], dtype=np.int64)
+        pos = np.minimum(np.searchsorted(self._keys, keys), n - 1)
+        hit = np.asarray(self._keys[pos]) == keys
+        found = np.flatnonzero(hit)
+        order = np.argsort(pos[found], kind="stable")  # ascending offsets: sequential reads
+        out[out_rows[found[order]]] = self._lines[pos[found[order]]]
+        return np.flatnonzero(~hit)
+
+    def close(self) -> None:
+        if self._store is not None:
+            self._store.close()
+            self._store = None
+        self._keys = self._lines = None
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+
+class ServedTable:
+    """The snapshot's rows over all its ranks, with a RAM cache.
+
+    sources: per rank, in rank order, (folder, manifest); layout: the embedding's ``LineLayout``
+    (its columns are served); tables: the embedding's ``TableOptions`` (their initializers give
+    unknown keys their value); seed: the initializer seed; cache_mb: the cache's budget (0: no
+    cache)."""
+
+    def __init__(self, sources, layout, tables, seed: int, cache_mb: float = 64.0,
+                 scratch: str | None = None):
+        self.layout, self.tables, self.seed = layout, tuple(tables), int(seed)
+        self.dim = layout.embedding_dim
+        manifest = sources[0][1]
+        self.stored_size = int(manifest["line_size"]) + int(manifest.get("lifecycle_columns", 0))
+        self._scratch = tempfile.TemporaryDirectory(prefix="one_embedding_serve_", dir=scratch)
+        self._lock = threading.Lock()
+        self._ranks: list[SnapshotRows] = []
+        try:
+            for r, (folder, manifest) in enumerate(sources):
+                sub = os.path.join(self._scratch.name, str(r))
+                os.mkdir(sub)
+                self._ranks.append(SnapshotRows(folder, manifest, self.stored_size, sub))
+        except BaseException:
+            self.close()
+            raise
+        rows = int(cache_mb * 2**20 // (4 * self.dim))
+        self._cache = SetAssociativeCache(self.dim, rows, name="serve.lru") if rows >= 1 else None
+        self.rows_stored = int(sum(m.get("row_count", 0) for _, m in sources))
+
+    @property
+    def world(self) -> int:
+        return len(self._ranks)
+
+    def lookup(self, keys: np.ndarray, table_ids: np.ndarray) -> np.ndarray:
+        """keys (n,) uint64, table_ids (n,) int32 -> (n, embedding_dim) float32: the stored
+        embedding columns, or the initializer's value of a key stored nowhere. Thread-safe."""
+        keys = np.ascontiguousarray(keys, np.uint64)
+        uniq, first, inverse = np.unique(keys, return_index=True, return_inverse=True)
+        out = np.empty((uniq.shape[0], self.dim), np.float32)
+        with self._lock:
+            missing = np.arange(uniq.shape[0], dtype=np.int64)
+            if self._cache is not None:
+                missing = self._cache.find(uniq, out, missing)
+            if missing.shape[0]:
+                self._read_through(uniq, out, missing, table_ids[first])
+        return out[inverse.reshape(-1)]
+
+    def _read_through(self, uniq, out, missing, tables) -> None:
+        """Rows of ``uniq[missing]`` from the ranks' snapshots into ``out`` (and the cache);
+        initial values for the keys no snapshot holds."""
+        keys = uniq[missing]
+        lines = np.empty((keys.shape[0], self.stored_size), np.float32)
+        owners = owner_rank(keys, self.world) if self.world > 1 else np.zeros(keys.shape[0], np.int64)
+        found = np.ones(keys.shape[0], np.bool_)
+        for r, rows in enumerate(self._ranks):
+            mine = np.flatnonzero(owners == r)
+            if mine.shape[0]:
+                found[mine[rows.find(keys[mine], lines, mine)]] = False
+        hit = np.flatnonzero(found)
+        out[missing[hit]] = lines[hit, :self.dim]
+        if self._cache is not None and hit.shape[0]:
+            self._cache.insert_or_assign(keys[hit], out[missing[hit]])  # evictions: dropped
+        unknown = missing[~found]
+        if unknown.shape[0]:
+            self._initialize(out, unknown, uniq[unknown], tables[unknown])
+
+    def _initialize(self, out, rows, keys, tables) -> None:
+        """``out[rows]`` = the initial values of ``keys`` (their table's column initializers)."""
+        for t in np.unique(tables):
+            of_t = tables == t
+            for (offset, dim), column in zip(self.layout.columns, self.tables[int(t)].columns):
+                fill_initial_values(out, rows[of_t], keys[of_t], column.initializer, self.seed,
+                                    offset, dim, offset)
+
+    def close(self) -> None:
+        for rows in self._ranks:
+            rows.close()
+        self._ranks = []
+        if self._scratch is not None:
+            self._scratch.cleanup()
+            self._scratch = None

@@ -1,0 +1,265 @@
+"""``one-embedding serve`` through Triton's HTTP client: metadata, rows equal to the snapshot's,
+scores equal to the in-process ``Predictor``'s, every kind of bad request refused with a 4xx
+(and the server still serving), and the switch to each checkpoint a running training publishes,
+while its retention deletes the one being served."""
+import http.client
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+import one_embedding as oe
+from one_embedding.serving import Predictor
+
+httpclient = pytest.importorskip("tritonclient.http")
+pytest.importorskip("uvicorn")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+E = 16
+TRAIN = ["--synthetic-rows", "20000", "--batch-size", "256", "--no-progress", "--store",
+         "cached_ssd", "--cache-mb", "0.25", "--eval-batches", "2"]
+
+
+def train(path, *args, wait=True):
+    cmd = [sys.executable, "-m", "one_embedding", "train", *TRAIN, "--persistent-path", str(path),
+           "--metrics", os.devnull, *map(str, args)]
+    if not wait:
+        return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    def __init__(self, path, *args):
+        self.port = free_port()
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "one_embedding", "serve", "--persistent-path", str(path),
+             "--port", str(self.port), *map(str, args)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        self.client = httpclient.InferenceServerClient(f"127.0.0.1:{self.port}")
+        deadline = time.monotonic() + 60
+        while True:
+            assert self.proc.poll() is None, self.proc.stderr.read()[-3000:]
+            try:
+                if self.client.is_server_ready():
+                    return
+            except Exception:
+                pass
+            assert time.monotonic() < deadline, "the server did not come up"
+            time.sleep(0.1)
+
+    def raw(self, method, url, body=b"", headers=None):
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request(method, url, body=body, headers=headers or {})
+        r = conn.getresponse()
+        return r.status, r.read()
+
+    def close(self):
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("run") / "t"
+    train(path, "--steps", 20)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(run):
+    s = Server(run, "--cache-mb", "0.05", "--max-request-mb", "0.5")
+    yield s
+    s.close()
+
+
+def keys_input(keys, binary=True):
+    i = httpclient.InferInput("keys", [len(keys)], "INT64")
+    i.set_data_from_numpy(np.asarray(keys, np.int64), binary_data=binary)
+    return i
+
+
+def requests_for(n, rng):
+    """Raw features for the synthetic run: dense with NaNs, categorical value indexes."""
+    p = Predictor.__new__(Predictor)  # noqa: F841  (only the transform below is needed)
+    from one_embedding.data.features import FeatureTransform
+    from one_embedding.config import TrainConfig
+
+    t = FeatureTransform.for_config(TrainConfig(synthetic_rows=20000))
+    dense = rng.integers(0, 50, (n, 13)).astype(np.float32)
+    dense[rng.random((n, 13)) < 0.2] = np.nan
+    cat = np.array([[str(int(rng.integers(0, c))) for c in t.cardinalities] for _ in range(n)],
+                   dtype=object)
+    return dense, cat
+
+
+def model_inputs(dense, cat, binary=True):
+    a = httpclient.InferInput("dense", list(dense.shape), "FP32")
+    a.set_data_from_numpy(dense, binary_data=binary)
+    b = httpclient.InferInput("categorical", list(cat.shape), "BYTES")
+    b.set_data_from_numpy(cat, binary_data=binary)
+    return [a, b]
+
+
+def test_metadata_and_health(server):
+    c = server.client
+    assert c.is_server_live() and c.is_server_ready()
+    assert c.is_model_ready("embedding") and c.is_model_ready("dlrm")
+    meta = c.get_model_metadata("embedding")
+    assert meta["inputs"] == [{"name": "keys", "datatype": "INT64", "shape": [-1]}]
+    assert meta["outputs"] == [{"name": "embeddings", "datatype": "FP32", "shape": [-1, E]}]
+    meta = c.get_model_metadata("dlrm")
+    assert [i["name"] for i in meta["inputs"]] == ["dense", "categorical"]
+    assert meta["outputs"][0]["name"] == "probability" and meta["parameters"]["snapshot"] == "final"
+
+
+def test_rows_equal_the_snapshot_and_unknown_keys_their_initial_value(server, run):
+    with oe.make_persistent_table_reader([str(run / "0-1")], "final", np.int64, np.float32,
+                                         2 * E) as reader:
+        keys, lines = map(np.concatenate, zip(*reader))
+    assert keys.shape[0] > 1000
+    for binary in (True, False):
+        for start in range(0, keys.shape[0], 4096):
+            r = server.client.infer("embedding", [keys_input(keys[start:start + 4096], binary)])
+            np.testing.assert_array_equal(r.as_numpy("embeddings"), lines[start:start + 4096, :E])
+            assert r.get_response()["parameters"]["snapshot"] == "final"
+    unknown = np.array([2**40 + 7, 2**41 + 9], np.int64)
+    got = server.client.infer("embedding", [keys_input(unknown)]).as_numpy("embeddings")
+    with Predictor(run) as p:
+        np.testing.assert_array_equal(got, p.lookup(unknown))
+    assert np.abs(got).max() > 0  # the initializer's values, not zeros
+
+
+def test_scores_equal_the_in_process_predictor(server, run):
+    dense, cat = requests_for(300, np.random.default_rng(0))
+    with Predictor(run) as p:
+        want = p.predict(dense, cat)
+    for binary in (True, False):
+        got = server.client.infer("dlrm", model_inputs(dense, cat, binary)).as_numpy("probability")
+        np.testing.assert_array_equal(got, want)
+    assert 0 < want.min() and want.max() < 1
+
+
+def test_predictor_scores_equal_the_trained_model(run):
+    """The served score is the trained model's: the same checkpoint loaded into a training-side
+    model, fed the ids the transform makes, gives the same probabilities."""
+    from one_embedding.checkpoint import load_checkpoint
+    from one_embedding.config import TrainConfig
+    from one_embedding.data.features import FeatureTransform
+    from one_embedding.training import build_model
+
+    dense, cat = requests_for(64, np.random.default_rng(1))
+    with Predictor(run) as p:
+        got = p.predict(dense, cat)
+    cfg = TrainConfig(synthetic_rows=20000)
+    t = FeatureTransform.for_config(cfg)
+    store = oe.make_cached_ssd_store_options(0.25, str(run), size_factor=2, capacity=None)
+    model = build_model(cfg, 26, store)
+    load_checkpoint("final", model.embedding, model=model)
+    logits = model.forward(t.dense(dense), t.keys(cat))
+    model.embedding.close()
+    np.testing.assert_allclose(got, 1 / (1 + np.exp(-np.asarray(logits, np.float64))), rtol=1e-6)
+
+
+def test_bad_requests_get_a_4xx_naming_the_problem(server):
+    c = server.client
+    dense, cat = requests_for(4, np.random.default_rng(2))
+    cases = {
+        "unknown model": lambda: c.infer("nope", [keys_input([1])]),
+        "wrong input name": lambda: c.infer("embedding", model_inputs(dense, cat)[:1]),
+        "wrong shape": lambda: c.infer("dlrm", model_inputs(dense[:, :12].copy(), cat)),
+        "wrong dtype": lambda: c.infer("dlrm", [_typed("dense", dense.astype(np.float64), "FP64"),
+                                                model_inputs(dense, cat)[1]]),
+        "keys as FP32": lambda: c.infer("embedding", [_typed("keys", np.ones(3, np.float32), "FP32")]),
+        "bad categorical": lambda: c.infer("dlrm", model_inputs(dense, np.full((4, 26), "zz",
+                                                                               dtype=object))),
+        "rows differ": lambda: c.infer("dlrm", model_inputs(dense[:3].copy(), cat)),
+        "oversized": lambda: c.infer("embedding", [keys_input(np.arange(200_000))]),
+    }
+    for what, call in cases.items():
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert e.value.status() in ("400", "404", "413"), (what, e.value)
+        assert e.value.message(), what
+    assert "413" == _status(cases["oversized"])
+    assert "404" == _status(cases["unknown model"])
+    body = json.dumps({"inputs": [{"name": "keys", "shape": [2], "datatype": "INT64",
+                                   "parameters": {"binary_data_size": 16}}]}).encode()
+    raw_cases = [
+        (body + b"\0" * 16, {"Inference-Header-Content-Length": "9999"}),      # past the body
+        (body + b"\0" * 16, {"Inference-Header-Content-Length": "abc"}),       # not a number
+        (body + b"\0" * 8, {"Inference-Header-Content-Length": str(len(body))}),  # short data
+        (b"{not json", {}),
+        (json.dumps({"inputs": [{"name": "keys", "shape": [2], "datatype": "INT64",
+                                 "data": [1]}]}).encode(), {}),                # 1 value for 2
+        (json.dumps({"inputs": [{"name": "keys", "shape": [1], "datatype": "INT99",
+                                 "data": [1]}]}).encode(), {}),
+    ]
+    for payload, headers in raw_cases:
+        status, reply = server.raw("POST", "/v2/models/embedding/infer", payload, headers)
+        assert status == 400, (payload[:60], status, reply)
+        assert json.loads(reply)["error"]
+    assert server.raw("GET", "/v2/nowhere")[0] == 404
+    # and it still serves
+    assert c.is_server_live()
+    assert c.infer("embedding", [keys_input([1, 2])]).as_numpy("embeddings").shape == (2, E)
+
+
+def _typed(name, array, datatype):
+    i = httpclient.InferInput(name, list(array.shape), datatype)
+    i.set_data_from_numpy(array)
+    return i
+
+
+def _status(call):
+    try:
+        call()
+    except InferenceServerException as e:
+        return e.status()
+    return None
+
+
+def test_follows_training_as_it_publishes_and_prunes(tmp_path):
+    path = tmp_path / "live"
+    train(path, "--steps", 10, "--snapshot-interval", 5, "--keep-snapshots", 1)
+    server = Server(path, "--poll-seconds", "0.1")
+    try:
+        proc = train(path, "--steps", 60, "--snapshot-interval", 5, "--keep-snapshots", 1,
+                     "--resume", wait=False)
+        seen, failures = [], []
+        keys = np.arange(50)
+        deadline = time.monotonic() + 300
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                r = server.client.infer("embedding", [keys_input(keys)])
+                snap = r.get_response()["parameters"]["snapshot"]
+                if not seen or seen[-1] != snap:
+                    seen.append(snap)
+            except Exception as e:  # any failed request fails the test
+                failures.append(repr(e))
+            time.sleep(0.02)
+        assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+        time.sleep(1.0)
+        r = server.client.infer("embedding", [keys_input(keys)])
+        assert r.get_response()["parameters"]["snapshot"] == "final"
+        assert not failures, failures[:3]
+        assert len(seen) >= 3, seen  # several checkpoints served in turn while training ran
+        # the served rows are the final snapshot's
+        with Predictor(path, snapshot="final") as p:
+            np.testing.assert_array_equal(r.as_numpy("embeddings"), p.lookup(keys))
+        # retention deleted the older checkpoints even though the server had served them
+        left = sorted(os.listdir(path / "0-1" / "snapshots"))
+        assert [n for n in left if n.startswith("step-")] == ["step-60"], left
+    finally:
+        server.close()
