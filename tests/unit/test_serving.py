@@ -1,0 +1,151 @@
+"""The in-process ``Predictor`` on every store kind, and the protocol codec without a server."""
+import json
+import os
+import struct
+
+import numpy as np
+import pytest
+
+import one_embedding as oe
+from one_embedding.config import TrainConfig
+from one_embedding.data.features import FeatureTransform
+from one_embedding.errors import InputError, SnapshotError
+from one_embedding.serving import Predictor
+from one_embedding.serving.protocol import ProtocolError, decode_request, encode_response
+from one_embedding.training import train
+
+
+def tree_state(path) -> dict:
+    """{relative path: (size, mtime_ns)} of every file under ``path``."""
+    out = {}
+    for d, _, files in os.walk(path):
+        for f in files:
+            st = os.stat(os.path.join(d, f))
+            out[os.path.relpath(os.path.join(d, f), path)] = (st.st_size, st.st_mtime_ns)
+    return out
+
+
+@pytest.mark.parametrize("store,engine", [("device_mem", "slots"), ("cached_ssd", "slots"),
+                                          ("cached_ssd", "rocksdb"),
+                                          ("cached_host_mem", "slots")])
+def test_predictor_serves_the_snapshot_read_only(tmp_path, store, engine):
+    path = tmp_path / "run"
+    cfg = TrainConfig(steps=6, batch_size=128, synthetic_rows=5000, store=store, engine=engine,
+                      cache_mb=0.1, persistent_path=str(path), eval_batches=1)
+    train(cfg, metrics_path=os.devnull, progress=False)
+    before = tree_state(path)
+    with oe.make_persistent_table_reader([str(path / "0-1")], "final", np.int64, np.float32,
+                                         2 * cfg.embedding_dim) as reader:
+        keys, lines = map(np.concatenate, zip(*reader))
+    with Predictor(path, cache_mb=0.01) as p:
+        assert (p.snapshot, p.model_name, p.embedding_dim) == ("final", "dlrm", 16)
+        for _ in range(2):  # through the cache's misses, then its hits
+            np.testing.assert_array_equal(p.lookup(keys), lines[:, :16])
+        rng = np.random.default_rng(0)
+        t = FeatureTransform.for_config(cfg)
+        cat = np.array([[str(int(rng.integers(0, c))) for c in t.cardinalities]
+                        for _ in range(10)], dtype=object)
+        prob = p.predict(np.full((10, 13), np.nan, np.float32), cat)
+        assert prob.shape == (10,) and ((prob > 0) & (prob < 1)).all()
+    assert tree_state(path) == before  # nothing under the training path was written
+
+
+def test_predictor_refuses_what_it_cannot_serve(tmp_path):
+    with pytest.raises(oe.ConfigError, match="does not exist"):
+        Predictor(tmp_path / "missing")
+    os.makedirs(tmp_path / "empty")
+    with pytest.raises(SnapshotError, match="holds no a complete|no a complete|complete checkpoint"):
+        Predictor(tmp_path / "empty")
+    path = tmp_path / "run"
+    train(TrainConfig(steps=2, batch_size=64, synthetic_rows=2000, persistent_path=str(path),
+                      eval_batches=1), metrics_path=os.devnull, progress=False)
+    with pytest.raises(SnapshotError, match="named 'nope'"):
+        Predictor(path, snapshot="nope")
+    with Predictor(path) as p:
+        with pytest.raises(InputError, match="shape"):
+            p.lookup(np.ones((2, 2), np.int64))
+        with pytest.raises(InputError, match=r"categorical\[0, 0\] = 'x'"):
+            p.predict(np.zeros((1, 13), np.float32), np.full((1, 26), "x", dtype=object))
+        with pytest.raises(InputError, match="expected \\(n, 13\\)"):
+            p.predict(np.zeros((1, 12), np.float32), np.full((1, 26), "0", dtype=object))
+
+
+def test_criteo_transform_matches_the_tsv_reader():
+    """Raw Criteo strings through the serving transform give the keys and dense values the TSV
+    reader gives for the same line."""
+    from one_embedding.data.tsv import parse_lines
+
+    line = ("1\t5\t-3\t\t7\t100\t\t1\t2\t0\t\t1\t\t4\t68fd1e64\t\t0b153874\ta73ee510\t\t"
+            "b8deab54\t\t\te5ba7672\tf54016b9\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t\t")
+    fields = line.split("\t")
+    buf = np.frombuffer((line + "\n").encode(), np.uint8)
+    dense, ids, _, _, bad = parse_lines(buf)
+    assert not bad.any()
+    t = FeatureTransform()
+    raw = np.array([[float(v) if v else np.nan for v in fields[1:14]]], np.float32)
+    np.testing.assert_array_equal(t.dense(raw), dense)
+    np.testing.assert_array_equal(t.keys(np.array([fields[14:40]], dtype=object)), ids)
+
+
+# ---------------------------------------------------------------- the protocol codec
+
+def _binary_request(inputs):
+    """(body, header length) as tritonclient.http builds them: JSON, then raw tensors."""
+    specs, blobs = [], []
+    for name, dtype, shape, raw in inputs:
+        specs.append({"name": name, "datatype": dtype, "shape": shape,
+                      "parameters": {"binary_data_size": len(raw)}})
+        blobs.append(raw)
+    head = json.dumps({"inputs": specs}).encode()
+    return head + b"".join(blobs), str(len(head))
+
+
+def test_decode_binary_and_json_tensors():
+    keys = np.array([3, -1, 2**40], np.int64)
+    strings = [b"ab", b"", "\u00e9".encode()]
+    raw = b"".join(struct.pack("<I", len(s)) + s for s in strings)
+    body, n = _binary_request([("keys", "INT64", [3], keys.tobytes()), ("s", "BYTES", [3, 1], raw)])
+    request, tensors = decode_request(body, n)
+    np.testing.assert_array_equal(tensors["keys"], keys)
+    assert tensors["s"].shape == (3, 1) and tensors["s"][2, 0] == strings[2]
+    body = json.dumps({"inputs": [{"name": "x", "datatype": "FP32", "shape": [2, 2],
+                                   "data": [[1, 2], [3, 4]]}]}).encode()
+    np.testing.assert_array_equal(decode_request(body, None)[1]["x"], [[1, 2], [3, 4]])
+
+
+@pytest.mark.parametrize("head,binary,match", [
+    (b"[1, 2]", None, '"inputs" list'),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "INT64"}]}', None, "neither"),
+    (b'{"inputs": [{"name": "k", "shape": [-2], "datatype": "INT64", "data": [1]}]}', None,
+     "non-negative"),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "INT64", "data": ["a"]}]}', None,
+     "not INT64"),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "BYTES", "data": [1]}]}', None,
+     "must be strings"),
+    (b'{"inputs": [{"name": "k", "shape": [2], "datatype": "INT64", '
+     b'"parameters": {"binary_data_size": 12}}]}', b"\0" * 12, "12 bytes of binary data"),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "BYTES", '
+     b'"parameters": {"binary_data_size": 6}}]}', b"\x09\0\0\0ab", "runs past"),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "INT64", '
+     b'"parameters": {"binary_data_size": 8}}]}', b"\0" * 4, "runs past the 4 bytes"),
+    (b'{"inputs": []}', b"xx", "belong to no input"),
+])
+def test_decode_refuses_malformed_requests(head, binary, match):
+    header = None if binary is None else str(len(head))
+    with pytest.raises(ProtocolError, match=match) as e:
+        decode_request(head + (binary or b""), header)
+    assert e.value.status == 400
+
+
+def test_encode_binary_and_json_outputs():
+    out = {"probability": np.array([0.25, 0.5], np.float32)}
+    body, headers = encode_response({"parameters": {"binary_data_output": True}, "id": "7"},
+                                    "dlrm", out, {"snapshot": "s"})
+    n = int(headers["Inference-Header-Content-Length"])
+    head = json.loads(body[:n])
+    assert head["id"] == "7" and head["parameters"] == {"snapshot": "s"}
+    np.testing.assert_array_equal(np.frombuffer(body[n:], np.float32), out["probability"])
+    body, headers = encode_response({}, "dlrm", out, {"snapshot": "s"})
+    assert json.loads(body)["outputs"][0]["data"] == [0.25, 0.5]
+    with pytest.raises(ProtocolError, match="no output 'x'"):
+        encode_response({"outputs": [{"name": "x"}]}, "dlrm", out, {})
