@@ -136,7 +136,7 @@ def cmd_serve(args) -> int:
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} must be in 1..65535")
     serve(args.persistent_path, args.snapshot, args.host, args.port, args.cache_mb,
-          args.poll_seconds, args.max_request_mb)
+          args.poll_seconds, args.max_request_mb, args.scratch)
     return 0
 
 
@@ -228,6 +228,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often to look for a newer checkpoint (0: never; default 1)")
     p.add_argument("--max-request-mb", type=float, default=64.0,
                    help="largest request body accepted (default 64)")
+    p.add_argument("--scratch", default=None,
+                   help="folder for the private stores that read SSD snapshots (default: the "
+                        "system's temporary folder; on the run's file system, RocksDB links "
+                        "its files instead of copying them)")
     p.set_defaults(func=cmd_serve)
 
     p = sub.add_parser("plot", help="loss, AUC and samples/s against step from train --metrics "

@@ -197,11 +197,11 @@ class Follower:
 
 def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.0.1",
           port: int = 8000, cache_mb: float = 64.0, poll_seconds: float = 1.0,
-          max_request_mb: float = DEFAULT_MAX_REQUEST_MB) -> None:
+          max_request_mb: float = DEFAULT_MAX_REQUEST_MB, scratch: str | None = None) -> None:
     """Serve until interrupted."""
     import uvicorn
 
-    predictor = Predictor(persistent_path, snapshot=snapshot, cache_mb=cache_mb)
+    predictor = Predictor(persistent_path, snapshot=snapshot, cache_mb=cache_mb, scratch=scratch)
     follower = Follower(predictor, poll_seconds).start() if poll_seconds > 0 else None
     log.warning("serving %r (snapshot %r, model %r) on http://%s:%d", persistent_path,
                 predictor.snapshot, predictor.model_name, host, port)

@@ -85,3 +85,14 @@ def test_bench_lifecycle_shrinks_the_table_against_its_baseline(tmp_path):
     assert all(r["disk_bytes"] < base["disk_bytes"] for r in rest)
     assert any(r["evicted_rows"] > 0 for r in rest if r["rules"].startswith("TTL"))
     assert (tmp_path / "lifecycle.png").stat().st_size > 10_000
+
+
+def test_bench_serve_measures_server_and_in_process(tmp_path):
+    out = run_module(tmp_path, "benchmarks.bench_serve", "--steps", 10, "--seconds", 0.3,
+                     "--dir", tmp_path)
+    assert "machine:" in out and "during reload" in out
+    rows = json.loads((tmp_path / "serve.json").read_text())["rows"]
+    modes = {(r["mode"], r["batch"], r["concurrency"]) for r in rows}
+    assert {("server", 64, 16), ("in-process", 64, 16)} <= modes
+    assert all(r["qps"] > 0 for r in rows)
+    assert all(r.get("failed", 0) == 0 for r in rows)

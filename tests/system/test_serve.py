@@ -263,3 +263,15 @@ def test_follows_training_as_it_publishes_and_prunes(tmp_path):
         assert [n for n in left if n.startswith("step-")] == ["step-60"], left
     finally:
         server.close()
+
+
+def test_readme_client_example_runs(server):
+    import re
+
+    text = (__import__("helpers").ROOT / "README.md").read_text()
+    start = text.index("## Serving: `one-embedding serve`")
+    code = re.findall(r"```python\n(.*?)```", text[start:], re.S)[0]
+    scope: dict = {}
+    exec(compile(code.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}"), "README.md", "exec"),
+         scope)
+    assert scope["rows"].shape == (3, E) and scope["snapshot"] == "final"
