@@ -3,7 +3,7 @@
 Numpy is the CPU backend and the reference; CuPy the GPU backend. ``import one_embedding`` never
 imports cupy.
 """
-from . import metrics, models, nn, optim
+from . import metrics, models, nn, optim, serving
 from .embedding import MultiTableEmbedding, MultiTableMultiColumnEmbedding
 from .errors import (
     CapacityError,
@@ -39,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MultiTableEmbedding", "MultiTableMultiColumnEmbedding", "Embedding", "Optimizer", "Ftrl",
-    "optim", "nn", "models",
+    "optim", "nn", "models", "serving",
     "metrics",
     "make_uniform_initializer", "make_normal_initializer", "make_constant_initializer",
     "make_trunc_normal_initializer", "make_table_options", "make_table", "make_column_options",

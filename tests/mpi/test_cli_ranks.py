@@ -148,3 +148,19 @@ def test_admission_and_eviction_across_rank_counts(tmp_path):
         assert abs(got[step] - base[step]) <= 1e-4 * abs(base[step]), step
     capped = final(train(tmp_path, 2, *rules, "--max-rows", "2000", name="capped")[1])
     assert 0 < capped["rows_stored"] <= 2000 < one["rows_stored"]
+
+
+def test_a_two_rank_run_is_served_from_both_rank_folders(tmp_path):
+    """The served table routes each key to the rank that owns it, as training did."""
+    import one_embedding as oe
+
+    path = tmp_path / "run"
+    train(tmp_path, 2, "--steps", "10", "--store", "cached_ssd", "--cache-mb", "0.5",
+          "--persistent-path", path)
+    folders = sorted(str(f) for f in path.iterdir() if f.is_dir())
+    assert [os.path.basename(f) for f in folders] == ["0-2", "1-2"]
+    with oe.make_persistent_table_reader(folders, "final", np.int64, np.float32, 32) as reader:
+        keys, lines = map(np.concatenate, zip(*reader))
+    with oe.serving.Predictor(path) as p:
+        np.testing.assert_array_equal(p.lookup(keys), lines[:, :16])
+        assert p.snapshot == "final"
