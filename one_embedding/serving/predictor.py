@@ -70,7 +70,9 @@ class _Served:
     model_name: str
     users: int = 0
     retired: bool = False
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # users, retired
+    #: the model keeps activations for a backward pass: one forward at a time
+    forward_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class Predictor:
@@ -201,7 +203,7 @@ class Predictor:
             tables = np.broadcast_to(np.arange(f, dtype=np.int32), (n, f)).reshape(-1) \
                 if len(served.table.tables) > 1 else np.zeros(n * f, np.int32)
             rows = served.table.lookup(ids.reshape(-1).view(np.uint64), tables)
-            with served.lock:  # the model keeps activations: one forward at a time
+            with served.forward_lock:
                 logits = served.model.forward_from_embeddings(
                     dense_in, rows.reshape(n, f, served.table.dim))
             prob = (1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))).astype(np.float32)
