@@ -131,6 +131,8 @@ class MpiComm(Communicator):
         node = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
         self.local_size = node.Get_size()
         node.Free()
+        if self.world > 1:
+            abort_on_uncaught_exception(self)
 
     def alltoall_counts(self, send_counts):
         send = np.ascontiguousarray(_check_counts(send_counts, self.world))
@@ -288,6 +290,52 @@ def launched_world_size() -> int | None:
 
 
 _DEFAULT: Communicator | None = None
+
+
+#: set ONE_EMBEDDING_ABORT_ON_ERROR=0 to keep Python's default: an uncaught exception on one
+#: rank then ends that rank only, and the others wait in their next collective
+ABORT_ENV = "ONE_EMBEDDING_ABORT_ON_ERROR"
+_HOOKED: list = []
+
+
+def abort_on_uncaught_exception(comm: Communicator, enable: bool | None = None) -> None:
+    """Make an exception nobody catches, on the main thread or any other, end every rank of
+    ``comm``'s job (MPI_Abort) after printing its traceback, instead of leaving the other ranks
+    waiting in a collective for ever. Installed by every ``MpiComm`` of more than one rank;
+    ``enable=False`` (or ``ONE_EMBEDDING_ABORT_ON_ERROR=0``) removes it."""
+    import sys
+    import threading
+
+    if enable is None:
+        enable = os.environ.get(ABORT_ENV, "1") != "0"
+    if not enable:
+        if _HOOKED:
+            sys.excepthook, threading.excepthook = _HOOKED.pop()
+        return
+    if _HOOKED:
+        return
+    previous = (sys.excepthook, threading.excepthook)
+    _HOOKED.append(previous)
+
+    def end_job(kind, value, tb):
+        previous[0](kind, value, tb)  # the traceback, as Python prints it
+        if not issubclass(kind, KeyboardInterrupt):
+            print(f"one_embedding: rank {comm.rank} of {comm.world} raised {kind.__name__}: "
+                  f"ending the job (set {ABORT_ENV}=0 to leave the other ranks running)",
+                  file=sys.stderr, flush=True)
+        comm.abort(1)
+
+    def end_job_from_thread(args):
+        previous[1](args)  # the traceback, as Python prints it
+        if args.exc_type is SystemExit:
+            return
+        print(f"one_embedding: rank {comm.rank} of {comm.world}: thread "
+              f"{getattr(args.thread, 'name', '?')} raised {args.exc_type.__name__}: ending the "
+              "job", file=sys.stderr, flush=True)
+        comm.abort(1)
+
+    sys.excepthook = end_job
+    threading.excepthook = end_job_from_thread
 
 
 def default_comm() -> Communicator:

@@ -164,3 +164,34 @@ def test_a_two_rank_run_is_served_from_both_rank_folders(tmp_path):
     with oe.serving.Predictor(path) as p:
         np.testing.assert_array_equal(p.lookup(keys), lines[:, :16])
         assert p.snapshot == "final"
+
+
+SCRIPT_RAISES = """
+import threading
+import numpy as np, one_embedding as oe
+emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None,
+                             oe.make_device_mem_store_options(None, 100))
+if emb.rank == 1:
+    if WHERE == "thread":
+        t = threading.Thread(target=lambda: 1 / 0)
+        t.start()
+        t.join()
+        threading.Event().wait(120)  # the main thread would go on waiting
+    raise ValueError("a bad batch on rank 1")
+emb(np.arange(8))  # rank 0 waits in the ID shuffle's collective for ever without the abort
+print("unreachable")
+"""
+
+
+@pytest.mark.parametrize("where", ["main", "thread"])
+def test_an_uncaught_exception_on_one_rank_ends_a_python_job(tmp_path, where):
+    script = tmp_path / "job.py"
+    script.write_text(f"WHERE = {where!r}\n" + SCRIPT_RAISES)
+    t0 = time.monotonic()
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - t0 < 60
+    assert proc.returncode != 0
+    assert "unreachable" not in proc.stdout
+    assert ("ValueError: a bad batch" if where == "main" else "ZeroDivisionError") in proc.stderr
+    assert "ending the job" in proc.stderr
