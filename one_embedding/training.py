@@ -41,6 +41,7 @@ from .nn.loss import BCEWithLogits
 from .optim.loss_scale import LossScaler
 from .optim.lr_schedules import LinearWarmup, LRSchedule, WarmupPolynomialDecay
 from .checkpoint import (
+    checkpoints,
     config_differences,
     load_checkpoint,
     newest_checkpoint,
@@ -51,6 +52,7 @@ from .checkpoint import (
     snapshots_under,
 )
 from .data.features import FeatureTransform
+from .shard import rank_path
 from .optimizer import Optimizer
 from .parallel.comm import default_comm
 from .pipeline import Prefetcher
@@ -465,13 +467,19 @@ class Trainer:
     def run(self) -> dict:
         """Train as configured, evaluate, snapshot; returns the final record (also written)."""
         cfg, progress = self.cfg, self.progress
-        if cfg.steps is not None and progress.step >= cfg.steps:
+        done = cfg.steps is not None and progress.step >= cfg.steps
+        if done and self._finished():
             raise ConfigError(f"the run is already at step {progress.step} "
                               f"({self.resumed_from['checkpoint']!r}) and --steps is {cfg.steps}: "
                               "--steps counts the whole run; raise it to train further")
         self.write({"event": "config", **asdict(cfg)})
         if self.resumed_from is not None:
             self.write({"event": "resume", **self.resumed_from})
+        if done:  # killed after its last interval checkpoint: only the end is left to do
+            record = self.finish()
+            self.write(record)
+            self.close()
+            return record
         bar = None
         if self.show_progress:
             from tqdm import tqdm
@@ -509,6 +517,17 @@ class Trainer:
         self.write(record)
         self.close()
         return record
+
+    def _finished(self) -> bool:
+        """The run holds its final checkpoint (``--snapshot-name``) at the step it resumed from
+        on every rank: nothing is left to do."""
+        cfg = self.cfg
+        if not cfg.persistent_path:
+            return True
+        folder = rank_path(cfg.persistent_path, self.comm.rank, self.comm.world, cfg.store)
+        have = dict((n, s) for s, n in checkpoints(folder)) if os.path.isdir(folder) else {}
+        mine = have.get(cfg.snapshot_name) == self.progress.step
+        return bool(self.comm.allreduce_sum(np.array([float(not mine)]))[0] == 0)
 
     def finish(self) -> dict:
         """Final evaluation and snapshot -> the final record."""

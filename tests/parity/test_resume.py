@@ -160,3 +160,20 @@ def test_python_checkpoint_continues_bit_for_bit(tmp_path):
     assert record["state"] == {"step": 4}
     assert steps(model, opt, sched, data[4:]) == want[4:]
     emb.close()
+
+
+def test_resume_finishes_a_run_killed_after_its_last_interval_checkpoint(tmp_path):
+    """Killed after step-20 was published but before `final`: --resume writes `final` (the same
+    evaluation an uninterrupted run ends with) and exits 0; once finished, it says so."""
+    from one_embedding.store.snapshots import SnapshotDirectory
+
+    path = tmp_path / "run"
+    cli(path, tmp_path / "a.jsonl", "--steps", 20)
+    want = results(tmp_path / "a.jsonl")[("final", 20)]
+    assert SnapshotDirectory(str(path / "0-1")).delete("final")  # as if killed before it
+    proc = cli(path, tmp_path / "b.jsonl", "--steps", 20, "--resume")
+    assert proc.returncode == 0
+    assert results(tmp_path / "b.jsonl") == {("final", 20): want}
+    assert "final" in os.listdir(path / "0-1" / "snapshots")
+    again = cli(path, tmp_path / "c.jsonl", "--steps", 20, "--resume", check=False)
+    assert again.returncode == 2 and "already at step 20" in again.stderr
