@@ -10,6 +10,9 @@ or hashes each column; column j of ``ids`` is looked up with table j's initializ
 """
 from __future__ import annotations
 
+import functools
+import inspect
+
 import math
 
 import numpy as np
@@ -108,6 +111,29 @@ class CTRModel(Module):
     num_tables: int
     dense_features: int
     embedding_width: int
+
+    def __init_subclass__(cls, **kwargs):
+        """A model takes keyword arguments only; a positional call gets a TypeError that names
+        the keyword each value would be (Python's own message names none)."""
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+        names = [p.name for p in inspect.signature(init).parameters.values()
+                 if p.kind is inspect.Parameter.KEYWORD_ONLY]
+
+        @functools.wraps(init)
+        def keyword_only(self, *args, **kw):
+            if args:
+                shown = ", ".join(f"{n}={a!r}" for n, a in zip(names, args))
+                raise TypeError(
+                    f"{cls.__name__} takes keyword arguments only, got {len(args)} positional "
+                    f"value(s): write {cls.__name__}({shown}"
+                    f"{', ...' if len(args) > len(names) else ''}) (its keywords, in order: "
+                    f"{', '.join(names)})")
+            return init(self, **kw)
+
+        cls.__init__ = keyword_only
     #: what the embedding's embedding_dim must match, for the error message of a mismatch
     embedding_dim_must_equal = "the model's embedding_dim"
 

@@ -22,8 +22,10 @@ def test_every_argument_is_keyword_only(cls):
 
 
 @pytest.mark.parametrize("cls", MODELS)
-def test_positional_construction_raises_type_error(cls):
-    with pytest.raises(TypeError, match="positional argument"):
+def test_positional_construction_raises_type_error_naming_the_keywords(cls):
+    with pytest.raises(TypeError, match=rf"{cls.__name__} takes keyword arguments only, got 3 "
+                                        r"positional value\(s\): write \w+\(num_tables=2, "
+                                        r"embedding_dim=4, dense_features=3\)"):
         cls(2, 4, 3)
 
 
