@@ -253,6 +253,9 @@ def main(argv=None) -> int:
         return _end_job(2)
     except KeyboardInterrupt:
         return _end_job(130)
+    except BrokenPipeError:  # the reader of our output went away (e.g. `| head`)
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except BaseException:
         if _other_ranks():
             traceback.print_exc()

@@ -5,7 +5,8 @@ the store under the cache of cached_host_mem (``host.full``). ``capacity`` is a 
 it the rows array doubles (with a warning) instead of writing out of bounds as OneFlow's full
 cache does.
 
-Snapshot: ``keys.npy`` + ``lines.npy``, sorted by key, each fsync'd.
+Snapshot: ``keys.npy`` + ``lines.npy``, sorted by key, each fsync'd; a snapshot of a table
+unchanged since the last one hard-links that one's files (no second copy).
 """
 from __future__ import annotations
 
@@ -19,6 +20,9 @@ from ..errors import CapacityError, SnapshotError
 from ..tiers import HashIndex, StoreTier, empty_lines, host_arrays
 from ..tiers.hash_index import copy_found_rows
 from .durable import read_array, write_array
+
+
+SNAPSHOT_FILES = ("keys.npy", "lines.npy")
 
 
 def _reservable_rows(line_size: int) -> int:
@@ -44,6 +48,8 @@ class MemoryStore(StoreTier):
         self._index = HashIndex(initial)
         self._rows = host_arrays.zeros((initial, self.line_size), np.float32)
         self._warned = False
+        self._writes = 0  # changes so far (puts, erases, clears, loads)
+        self._saved = None  # (writes, snapshots root, {file: inode}) of the last snapshot written
 
     def __len__(self) -> int:
         return len(self._index)
@@ -79,6 +85,7 @@ class MemoryStore(StoreTier):
         return copy_found_rows(self._rows, self._index.find(keys), out, out_rows)
 
     def insert_or_assign(self, keys, lines):
+        self._writes += 1
         slots, _ = self._index.find_or_insert(keys)
         self._ensure_rows(self._index.slot_limit)
         self._rows[slots] = lines
@@ -96,18 +103,48 @@ class MemoryStore(StoreTier):
             yield keys[start:stop], self._rows[slots[start:stop]]
 
     def clear(self) -> None:
+        self._writes += 1
         self._index.clear()
 
     def erase(self, keys) -> int:
         """Drop keys (n,) uint64; their rows are reused by later keys."""
+        self._writes += 1
         return int((self._index.erase(keys) >= 0).sum())
 
     # -- snapshots: keys.npy + lines.npy, sorted by key --------------------------------------
     def save_snapshot(self, directory: str) -> None:
+        """keys.npy + lines.npy into ``directory``; when nothing changed since the last snapshot
+        this store wrote in the same snapshots folder (a run's ``final`` right after its last
+        ``step-N``), hard links to those files instead of a second copy."""
+        if self._link_unchanged(directory):
+            return
         keys, slots = self._sorted_items()
         # an OSError (a full disk) reaches SnapshotDirectory.save, which keeps the old snapshot
         write_array(os.path.join(directory, "keys.npy"), keys)
         write_array(os.path.join(directory, "lines.npy"), self._rows[slots])
+        self._saved = (self._writes, os.path.dirname(os.path.abspath(directory)),
+                       {f: os.stat(os.path.join(directory, f)).st_ino for f in SNAPSHOT_FILES})
+
+    def _link_unchanged(self, directory: str) -> bool:
+        """Link the last snapshot's files into ``directory`` if the table is unchanged since
+        and they are still there (found by inode: the folder was renamed when published)."""
+        if self._saved is None or self._saved[0] != self._writes:
+            return False
+        _, root, inodes = self._saved
+        if os.path.dirname(os.path.abspath(directory)) != root:
+            return False
+        for entry in os.listdir(root):
+            folder = os.path.join(root, entry)
+            try:
+                if all(os.stat(os.path.join(folder, f)).st_ino == inodes[f] for f in SNAPSHOT_FILES):
+                    for f in SNAPSHOT_FILES:
+                        os.link(os.path.join(folder, f), os.path.join(directory, f))
+                    return True
+            except OSError:  # not that folder, or a file system without hard links
+                for f in SNAPSHOT_FILES:
+                    if os.path.lexists(os.path.join(directory, f)):
+                        os.unlink(os.path.join(directory, f))
+        return False
 
     def load_snapshot(self, directory: str) -> None:
         keys = read_array(os.path.join(directory, "keys.npy"))
@@ -119,3 +156,4 @@ class MemoryStore(StoreTier):
             )
         self.clear()
         self.insert_or_assign(keys, lines)
+        self._saved = None

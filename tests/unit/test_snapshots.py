@@ -180,3 +180,36 @@ def test_unwritable_persistent_path(tmp_path):
     with pytest.raises(oe.StoreError, match="persistent path|not writable"):
         oe.MultiTableEmbedding("x", 4, np.float32, np.int64, None,
                                oe.make_device_mem_store_options(target, 10))
+
+
+def test_an_unchanged_memory_table_snapshot_links_the_last_one(tmp_path):
+    """``final`` right after ``step-N`` (nothing changed) costs no second copy: the memory
+    store hard-links the last snapshot's files; a changed table is written anew."""
+    import numpy as np
+
+    import one_embedding as oe
+
+    emb = oe.MultiTableEmbedding("t", 8, np.float32, np.int64, None,
+                                 oe.make_device_mem_store_options(str(tmp_path), 100))
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    out = emb(np.arange(50))
+    emb.backward(np.ones(out.shape, np.float32))
+    opt.step()
+    emb.save_snapshot("step-1")
+    emb(np.arange(60))  # a lookup changes nothing
+    emb.save_snapshot("final")
+    snaps = tmp_path / "0-1" / "snapshots"
+    for f in ("keys.npy", "lines.npy"):
+        assert (snaps / "final" / f).stat().st_ino == (snaps / "step-1" / f).stat().st_ino
+    out = emb(np.arange(5))
+    emb.backward(np.ones(out.shape, np.float32))
+    opt.step()
+    emb.save_snapshot("step-2")
+    assert (snaps / "step-2" / "lines.npy").stat().st_ino != (snaps / "final" / "lines.npy").stat().st_ino
+    want = emb.export()
+    assert emb.delete_snapshot("step-1")
+    emb.load_snapshot("final")  # its links outlive the deleted snapshot
+    assert emb.export()[0].shape == (50,)
+    emb.load_snapshot("step-2")
+    np.testing.assert_array_equal(emb.export()[1], want[1])
+    emb.close()
