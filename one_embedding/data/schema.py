@@ -4,8 +4,10 @@ Key scheme (how a raw hex categorical becomes a globally unique int64 key):
 
 * ``mode="mod"`` (OneFlow's Parquet scheme): ``key = (value % mod) + mod * column`` for column
   ``0..25`` (C1..C26), where ``value`` is the hex field read as an unsigned integer. The default
-  ``mod = 2**32`` is lossless for Criteo's 8-character hex; ``mod = 40_000_000`` reproduces
-  OneFlow's DLRM files (``--mod_idx 40000000``). A missing field gets the reserved key
+  ``mod = 2**32`` is lossless for Criteo's 8-character hex, and a wider value (9-16 hex digits,
+  data hashed to 64 bits) gets a key of its own, ``XXH64(value, seed=column) | 2**63``, instead
+  of folding; ``mod = 40_000_000`` reproduces OneFlow's DLRM files (``--mod_idx 40000000``),
+  folding wide values as they do. A missing field gets the reserved key
   ``mod * 26 + column``, one per column, beyond every column's range, so it never collides with a
   real value.
 * ``mode="hash"``: ``key = XXH64(value as 8 little-endian bytes, seed=column) & (2**63 - 1)``; a
@@ -85,16 +87,31 @@ class KeyScheme:
             return np.int64(self.mod) * NUM_SPARSE + cols
         return np.array([xxh64_empty(c) & ((1 << 63) - 1) for c in range(NUM_SPARSE)], np.int64)
 
+    @property
+    def keeps_wide_values(self) -> bool:
+        """Values of more than 32 bits get keys of their own (the default range 2**32, and
+        "hash"); a custom "mod" range below it folds them, as OneFlow's ``--mod_idx`` does."""
+        return self.mode == "hash" or self.mod >= 1 << 32
+
     def keys(self, values: np.ndarray, present: np.ndarray) -> np.ndarray:
         """Global keys from parsed hex values.
 
         values: (N, 26) uint64 raw hex values; present: (N, 26) bool (False = missing field).
         Returns (N, 26) int64.
+
+        Under ``mode="mod"`` with the default range 2**32, a value of 9-16 hex digits (>= 2**32)
+        is not folded: it gets ``XXH64(value, seed=column) | 2**63`` (a negative int64), a range
+        no 32-bit value, missing field or other column reaches, distinct from every other wide
+        value up to a 64-bit hash collision. Values below 2**32 keep ``value + mod * column``.
         """
         cols = np.arange(NUM_SPARSE, dtype=np.uint64)
         if self.mode == "mod":
             mod = np.uint64(self.mod)
             out = (values % mod + mod * cols).astype(np.int64)
+            wide = values >= mod
+            if self.keeps_wide_values and wide.any():
+                hashed = xxh64_u64(values, cols) | np.uint64(1 << 63)
+                out = np.where(wide, hashed.view(np.int64), out)
         else:
             out = (xxh64_u64(values, cols) & _MASK63).astype(np.int64)
         return np.where(present, out, self.missing_keys()[None, :])

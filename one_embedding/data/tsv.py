@@ -6,12 +6,13 @@ missing = empty field. Some copies strip trailing empty fields, so a line of 37.
 categoricals are hex (Criteo's are 8 characters; see ``max_hex_digits`` below). Keys and the dense
 transform follow ``schema.KeyScheme`` and ``schema.dense_log``.
 
-Categorical width. ``CriteoTSVReader`` accepts up to 16 hex digits by default (``hex % mod``, as
-``KeyScheme`` defines). The paths that feed training, ``TSVSource`` (the loader's source) and
-``convert_tsv_to_parquet``, default to ``max_hex_digits=8`` under ``mode="mod"``: there a wider
-value folds onto a 32-bit one (``value % 2**32``) and silently shares its embedding row, and a
-Criteo file never holds one, so it is a bad line. ``mode="hash"`` hashes all 64 bits (nothing
-folds), so it keeps accepting 16 digits. See ``default_max_hex_digits``.
+Categorical width. Every path accepts up to 16 hex digits (data hashed to 64 bits) and keeps each
+value its own key (``KeyScheme.keys``: under the default range a value past 32 bits is hashed into
+a range of its own instead of folding); a longer field is a bad line. Only a custom ``mode="mod"``
+range below 2**32 (OneFlow's ``--mod_idx``) folds wide values, so the paths that feed training,
+``TSVSource`` (the loader's source) and ``convert_tsv_to_parquet``, accept only Criteo's 8 digits
+there. See ``default_max_hex_digits``. A label is exactly ``0`` or ``1`` (``-0``, ``01`` are bad
+lines).
 
 Truncated files. The last line of a file that does not end in a newline may be a partial download.
 It is accepted only if it has a valid field count and its last field, a categorical (C23..C26 for
@@ -160,9 +161,13 @@ CRITEO_HEX_DIGITS = 8  # Criteo's categoricals are 32-bit hashes written as 8 he
 
 
 def default_max_hex_digits(key_scheme: KeyScheme) -> int:
-    """The widest categorical the training paths accept: 8 hex digits under ``mode="mod"``
-    (a wider value would fold onto a 32-bit one and share its row), 16 under ``mode="hash"``."""
-    return CRITEO_HEX_DIGITS if key_scheme.mode == "mod" else 16
+    """The widest categorical the training paths accept: 16 hex digits (64 bits, each value
+    its own key: ``KeyScheme.keys``), except under a custom ``mode="mod"`` range smaller than
+    2**32 (OneFlow's ``--mod_idx``), where only Criteo's 8 are accepted: a wider value would
+    fold onto another and share its row."""
+    if key_scheme.mode == "mod" and not key_scheme.keeps_wide_values:
+        return CRITEO_HEX_DIGITS
+    return 16
 
 
 def _explain_cut(line: bytes, min_fields: int, max_fields: int) -> str | None:
@@ -260,7 +265,8 @@ def parse_lines(buf: np.ndarray, *, has_label: bool = True, key_scheme: KeySchem
     if has_label:
         label_vals, label_present, label_bad = _parse_ints(buf, starts[:, :1], ends[:, :1])
         label = label_vals[:, 0]
-        bad |= label_bad[:, 0] | ~label_present[:, 0] | (label < 0) | (label > 1)
+        bad |= label_bad[:, 0] | ~label_present[:, 0] | (label < 0) | (label > 1) | \
+            (ends[:, 0] - starts[:, 0] != 1)  # exactly "0" or "1": not "-0", "01", "+1"
         labels = label_vals[:, 0].astype(np.float32)
     else:
         labels = np.full(n, np.nan, np.float32)

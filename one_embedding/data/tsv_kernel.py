@@ -82,7 +82,8 @@ def _scan(buf, has_label, min_fields, max_fields, max_hex_digits, table, line_st
                 if field < max_fields:
                     if has_label and field == 0:
                         value, status = _int_field(buf, field_start, i)
-                        if status != OK or value < 0 or value > 1:
+                        # exactly "0" or "1": "-0", "01" or "+1" are not labels
+                        if status != OK or value < 0 or value > 1 or i - field_start != 1:
                             is_bad = True
                         labels[line] = value
                     elif field < first_sparse:

@@ -231,26 +231,54 @@ def test_real_file_without_final_newline_still_reads(tmp_path, criteo_dir):
         read_criteo_tsv(cut)
 
 
-def test_wide_categorical_is_a_bad_line_where_it_would_fold(tmp_path):
+def test_wide_categoricals_keep_keys_of_their_own(tmp_path):
+    """Values of 9-16 hex digits (data hashed to 64 bits) are kept as keys of their own on
+    every path -- '100000000' and '00000000' are two keys -- and longer ones are bad lines."""
     lines = tsv_lines(10)
     fields = lines[4].split("\t")
-    fields[16] = "1" + fields[16]  # C3: 9 hex digits, folds onto fields[16] under mod 2**32
+    narrow = fields[16]
+    fields[16] = "1" + narrow  # C3: 9 hex digits; folding mod 2**32 would give narrow's key
     lines[4] = "\t".join(fields)
+    fields[16] = "0" * 8
+    lines[5] = "\t".join(fields[:16] + ["100000000"] + fields[17:])
+    lines[6] = "\t".join(fields[:16] + ["00000000"] + fields[17:])
     path = write_lines(tmp_path / "day_0", lines)
-    wide = r"C3 '1[0-9a-f]{8}' has 9 hex digits, more than the 8 accepted \(Criteo's have 8"
-    with pytest.raises(InputError, match=rf"day_0:5: bad Criteo line \({wide}"):
+    ids = np.concatenate([b.ids for b in BatchLoader(path, 10)])
+    assert ids[4, 2] != KeyScheme().keys(np.array([[int(narrow, 16)] * 26], np.uint64),
+                                         np.ones((1, 26), bool))[0, 2]
+    assert ids[5, 2] != ids[6, 2]  # '100000000' and '00000000'
+    assert len(set(ids[:, 2].tolist())) == len(set(row.split("\t")[16] for row in lines))
+    for reader_ids in (read_criteo_tsv(path).ids,):
+        np.testing.assert_array_equal(np.sort(reader_ids, axis=0), np.sort(ids, axis=0))
+    out = tmp_path / "out.parquet"
+    convert_tsv_to_parquet(path, out, progress=False)
+    parquet_ids = np.concatenate([b.ids for b in BatchLoader(out, 10)])
+    np.testing.assert_array_equal(np.sort(parquet_ids, axis=0), np.sort(ids, axis=0))
+    # 17 digits are refused on every path, clearly
+    fields = lines[7].split("\t")
+    fields[16] = "1" * 17
+    lines[7] = "\t".join(fields)
+    path = write_lines(tmp_path / "day_1", lines)
+    long = r"C3 '1{17}' is not a hex value of at most 16 digits"
+    with pytest.raises(InputError, match=rf"day_1:8: bad Criteo line \({long}"):
         list(BatchLoader(path, 4))
-    with pytest.raises(InputError, match=rf"day_0:5: bad Criteo line \({wide}"):
-        convert_tsv_to_parquet(path, tmp_path / "out.parquet", progress=False)
-    skipping = BatchLoader(path, 4, on_bad_line="skip")
-    assert sum(len(b) for b in skipping) == 9 and skipping.skipped == 1
-    # a scheme that does not fold keeps the value (all 64 bits hashed)
-    hashed = BatchLoader(path, 10, key_scheme=KeyScheme(mode="hash"))
-    assert sum(len(b) for b in hashed) == 10
-    # the plain reader still reads hex % mod, as KeyScheme defines; strictness is an option
-    assert len(read_criteo_tsv(path)) == 10
-    with pytest.raises(InputError, match=wide):
-        read_criteo_tsv(path, max_hex_digits=8)
+    with pytest.raises(InputError, match=long):
+        read_criteo_tsv(path)
+    # a custom mod range (OneFlow's --mod_idx) folds, so it still refuses what would fold
+    with pytest.raises(InputError, match="more than the 8 accepted"):
+        list(BatchLoader(write_lines(tmp_path / "day_2", lines[:7]), 4,
+                         key_scheme=KeyScheme(mode="mod", mod=40_000_000)))
+
+
+def test_labels_must_be_exactly_0_or_1(tmp_path):
+    lines = tsv_lines(6)
+    for i, label in ((1, "-0"), (2, "01"), (3, "+1")):
+        lines[i] = label + lines[i][1:]
+    path = write_lines(tmp_path / "day_0", lines)
+    with pytest.raises(InputError, match=r"day_0:2: bad Criteo line \(label '-0' is not 0 or 1"):
+        list(BatchLoader(path, 6))
+    skipping = BatchLoader(path, 6, on_bad_line="skip")
+    assert sum(len(b) for b in skipping) == 3 and skipping.skipped == 3
 
 
 def test_both_parsers_agree_on_the_hex_width_limit():

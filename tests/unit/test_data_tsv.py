@@ -25,9 +25,18 @@ def reference(lines, has_label=True, mod=MOD):
         else:
             labels.append(float("nan"))
         dense.append([math.log(max(int(x), 0) + 1) if x else 0.0 for x in fields[:13]])
-        ids.append([int(x, 16) % mod + mod * c if x else mod * 26 + c
+        ids.append([_key(int(x, 16), c, mod) if x else mod * 26 + c
                     for c, x in enumerate(fields[13:])])
     return np.array(dense), np.array(ids, np.int64), np.array(labels, np.float32)
+
+
+def _key(value: int, column: int, mod: int) -> int:
+    """KeyScheme "mod": value % mod + mod * column; a value of more than 32 bits under the
+    default range gets XXH64(its 8 little-endian bytes, seed=column) with the top bit set."""
+    if value >= mod >= 1 << 32:
+        h = xxhash.xxh64_intdigest(value.to_bytes(8, "little"), seed=column) | 1 << 63
+        return h - (1 << 64)  # as int64
+    return value % mod + mod * column
 
 
 def make_line(label="1", ints=None, cats=None, strip=0):
