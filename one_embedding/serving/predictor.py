@@ -104,7 +104,10 @@ class Predictor:
 
     def _open(self, choice) -> _Served:
         step, created, name, folders = choice
-        manifests = [read_manifest(f, name) for f in folders]
+        # checked as a load checks it (every file's size, the CRC32 of the files it does not
+        # share): a damaged snapshot is refused, never served
+        manifests = [SnapshotDirectory(os.path.dirname(os.path.dirname(f)), create=False)
+                     .open(name, {}, verify=True)[1] for f in folders]
         with open(os.path.join(folders[0], TRAINER_DIR, STATE), "rb") as f:
             record = json.loads(f.read())
         with np.load(os.path.join(folders[0], TRAINER_DIR, ARRAYS), allow_pickle=False) as npz:

@@ -352,3 +352,16 @@ def test_table_reader_and_inspect_read_a_table_with_eviction(tmp_path):
     rows = {r["key"]: r for r in report[0]["rows"]}
     assert (rows[1]["last_seen_step"], rows[1]["frequency"]) == (2, 2.0)
     assert (rows[3]["last_seen_step"], rows[3]["frequency"]) == (1, 1.0)
+
+
+def test_a_damaged_admission_sketch_is_refused_at_load(tmp_path):
+    with embedding(lifecycle=oe.make_lifecycle_options(admit_min_count=2), path=tmp_path) as emb:
+        opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+        step(emb, opt, [1, 2, 3])
+        emb.save_snapshot("s")
+        sketch = tmp_path / "0-1" / "snapshots" / "s" / "admission_sketch.npy"
+        data = bytearray(sketch.read_bytes())
+        data[200] ^= 0x01
+        sketch.write_bytes(bytes(data))
+        with pytest.raises(SnapshotError, match="admission_sketch.npy' fails its checksum"):
+            emb.load_snapshot("s")

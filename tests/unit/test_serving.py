@@ -149,3 +149,32 @@ def test_encode_binary_and_json_outputs():
     assert json.loads(body)["outputs"][0]["data"] == [0.25, 0.5]
     with pytest.raises(ProtocolError, match="no output 'x'"):
         encode_response({"outputs": [{"name": "x"}]}, "dlrm", out, {})
+
+
+def test_a_damaged_snapshot_is_never_served(tmp_path):
+    """A flipped byte in a checkpoint's rows is refused at open; a follower that meets one
+    keeps serving the snapshot it has."""
+    path = tmp_path / "run"
+    cfg = TrainConfig(steps=4, batch_size=64, synthetic_rows=2000, persistent_path=str(path),
+                      eval_batches=1, snapshot_interval=2, keep_snapshots=0)
+    train(cfg, metrics_path=os.devnull, progress=False)
+    snaps = path / "0-1" / "snapshots"
+    lines = snaps / "step-2" / "lines.npy"
+    data = bytearray(lines.read_bytes())
+    data[-5] ^= 0xFF
+    os.chmod(lines, 0o644)
+    lines.write_bytes(bytes(data))  # a fresh file: final and step-4 keep their own
+    with pytest.raises(SnapshotError, match="fails its checksum"):
+        Predictor(path, snapshot="step-2")
+    with Predictor(path, snapshot="step-4") as p:
+        rows = p.lookup(np.arange(10))
+        final_lines = snaps / "final" / "lines.npy"
+        blob = bytearray(final_lines.read_bytes())
+        blob[-5] ^= 0xFF
+        final_lines.unlink()
+        final_lines.write_bytes(bytes(blob))
+        p.requested = None  # follow the newest: `final`, now damaged
+        with pytest.raises(SnapshotError):
+            p.refresh()
+        assert p.snapshot == "step-4"
+        np.testing.assert_array_equal(p.lookup(np.arange(10)), rows)
