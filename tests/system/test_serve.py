@@ -275,3 +275,34 @@ def test_readme_client_example_runs(server):
     exec(compile(code.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}"), "README.md", "exec"),
          scope)
     assert scope["rows"].shape == (3, E) and scope["snapshot"] == "final"
+
+
+def test_servers_killed_while_switching_leave_the_run_intact(tmp_path):
+    """kill -9 of servers that switch snapshots every few hundred ms while training publishes
+    and prunes: training finishes, every snapshot inspects clean, a new server serves `final`."""
+    import signal
+
+    from one_embedding.inspect_snapshot import inspect_path
+
+    path = tmp_path / "live"
+    train(path, "--steps", 4, "--snapshot-interval", 2, "--keep-snapshots", 1)
+    proc = train(path, "--steps", 80, "--snapshot-interval", 2, "--keep-snapshots", 1, "--resume",
+                 wait=False)
+    killed = 0
+    rng = np.random.default_rng(3)
+    while proc.poll() is None and killed < 4:
+        server = Server(path, "--poll-seconds", "0.05")
+        time.sleep(float(rng.uniform(0.1, 0.6)))
+        os.kill(server.proc.pid, signal.SIGKILL)
+        server.proc.wait()
+        killed += 1
+    assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
+    assert killed >= 1
+    report = inspect_path(str(path))
+    assert report and all(r["status"] == "ok" for r in report), report
+    server = Server(path)
+    try:
+        r = server.client.infer("embedding", [keys_input(np.arange(20))])
+        assert r.get_response()["parameters"]["snapshot"] == "final"
+    finally:
+        server.close()
