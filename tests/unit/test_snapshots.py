@@ -213,3 +213,28 @@ def test_an_unchanged_memory_table_snapshot_links_the_last_one(tmp_path):
     emb.load_snapshot("step-2")
     np.testing.assert_array_equal(emb.export()[1], want[1])
     emb.close()
+
+
+@pytest.mark.parametrize("store,engine", [("cached_ssd", "slots"), ("cached_ssd", "rocksdb"),
+                                          ("device_mem", "slots")])
+def test_final_costs_no_second_copy_of_the_table(tmp_path, store, engine):
+    """A run's ``final`` right after its last ``step-N`` shares that checkpoint's data: deleting
+    it frees only its own small files (manifest, trainer state), whatever the store."""
+    import os
+
+    from one_embedding.config import TrainConfig
+    from one_embedding.store.rocksdb_store import tree_disk_bytes
+    from one_embedding.store.snapshots import SnapshotDirectory
+    from one_embedding.training import train
+
+    path = tmp_path / "run"
+    train(TrainConfig(steps=10, batch_size=256, synthetic_rows=20000, store=store, engine=engine,
+                      cache_mb=0.25, persistent_path=str(path), snapshot_interval=10,
+                      eval_batches=1), metrics_path=os.devnull, progress=False)
+    snaps = SnapshotDirectory(str(path / "0-1"))
+    assert {"final", "step-10"} <= set(snaps.names())
+    with_final = tree_disk_bytes(str(path))
+    trainer_bytes = tree_disk_bytes(os.path.join(snaps.path("final"), "trainer"))
+    assert snaps.delete("final")
+    freed = with_final - tree_disk_bytes(str(path))
+    assert freed <= trainer_bytes + 64 * 1024, (freed, trainer_bytes, with_final)
