@@ -30,7 +30,12 @@ from .options import (
     make_trunc_normal_initializer,
     make_uniform_initializer,
 )
-from .table_io import make_persistent_table_reader, make_persistent_table_writer
+from .table_io import (
+    PersistentTableReader,
+    PersistentTableWriter,
+    make_persistent_table_reader,
+    make_persistent_table_writer,
+)
 
 #: OneFlow's base class of both embeddings; ours is MultiTableMultiColumnEmbedding (same arguments)
 Embedding = MultiTableMultiColumnEmbedding
@@ -45,7 +50,8 @@ __all__ = [
     "make_trunc_normal_initializer", "make_table_options", "make_table", "make_column_options",
     "make_device_mem_store_options", "make_cached_host_mem_store_options",
     "make_cached_ssd_store_options", "make_lifecycle_options",
-    "make_persistent_table_writer", "make_persistent_table_reader",
+    "make_persistent_table_writer", "make_persistent_table_reader", "PersistentTableReader",
+    "PersistentTableWriter",
     "OneEmbeddingError", "ConfigError", "InputError", "StoreError", "CapacityError",
     "SnapshotError", "LockedError", "ClosedError",
 ]

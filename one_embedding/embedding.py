@@ -152,6 +152,33 @@ class MultiTableMultiColumnEmbedding:
         self._last: StepState | None = None
         self._pending: list[StepState] = []
 
+    # ---------------------------------------------------------------- OneFlow's attribute names
+    @property
+    def embedding_name(self) -> str:
+        """OneFlow's name for ``name``."""
+        return self.name
+
+    @property
+    def num_tables(self) -> int:
+        return len(self.tables)
+
+    @property
+    def storage_dim(self) -> int:
+        """Floats per stored line (OneFlow's ``storage_dim``: ``line_size``)."""
+        return self.line_size
+
+    def to(self, device) -> "MultiTableMultiColumnEmbedding":
+        """OneFlow's ``module.to(device)``: the embedding itself when it already lives there.
+        Its rows live in the store's tiers, built for one device when the embedding is built,
+        so another device is a ConfigError naming the fix."""
+        name = str(getattr(device, "type", device))
+        here = "cpu" if self.launch is None else "cuda"
+        if name.split(":")[0] != here:
+            raise ConfigError(f"to({device!r}): this embedding was built on {here!r} and its rows "
+                              f"live in that device's store tiers; build it with "
+                              f"device={name!r} (and load_snapshot to bring its rows over)")
+        return self
+
     @property
     def exchange_dtype(self) -> str:
         """How rows and gradients cross the all-to-all: "fp32", "fp16" or "int8" (per row)."""

@@ -123,3 +123,21 @@ def test_the_differences_table_names_every_gap():
         assert name.rpartition(".")[2] in text, name
     for name in ONEFLOW_NAMES:  # the names list in the document is this list
         assert f"`{name}`" in text, name
+
+
+def test_oneflow_attribute_names_and_to():
+    import numpy as np
+
+    import one_embedding as oe
+
+    assert oe.PersistentTableReader is oe.table_io.PersistentTableReader
+    assert oe.PersistentTableWriter is oe.table_io.PersistentTableWriter
+    tables = [oe.make_table_options(oe.make_normal_initializer(0, 0.1)) for _ in range(3)]
+    with oe.MultiTableEmbedding("sparse", 8, np.float32, np.int64, tables,
+                                oe.make_device_mem_store_options(None, 10, size_factor=2)) as emb:
+        assert (emb.embedding_name, emb.num_tables, emb.storage_dim) == ("sparse", 3, 16)
+        assert emb.to("cpu") is emb
+        import pytest
+
+        with pytest.raises(oe.ConfigError, match="build it with device='cuda:0'"):
+            emb.to("cuda:0")
