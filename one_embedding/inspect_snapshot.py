@@ -65,7 +65,8 @@ def _inspect_one(root: str, snaps: SnapshotDirectory, snap: str, rows: int, quic
         raise SnapshotError(f"snapshot {snap!r}: {manifest_path} is missing, so nothing in the "
                             "folder can be checked; load another snapshot")
     folder, manifest = snaps.open(snap, {}, verify=True if quick else "full")
-    e, line = int(sum(manifest["embedding_dims"])), int(manifest["line_size"])
+    line = int(manifest["line_size"])
+    e = int(sum(manifest["embedding_dims"] or [line]))  # a table writer may not record columns
     stored = line + int(manifest.get("lifecycle_columns", 0))  # + last-seen step, frequency
     with lease(folder), tempfile.TemporaryDirectory() as scratch:
         store = open_store_for_snapshot(manifest["engine"], stored, scratch)

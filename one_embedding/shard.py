@@ -37,7 +37,7 @@ from .parallel.shuffle import owner_rank
 from .parallel.unique import first_occurrence, segment_sum, unique_ids
 from .step import LineLayout, OwnerRows
 from .store.lock import PathLock
-from .store.snapshots import SnapshotDirectory
+from .store.snapshots import SnapshotDirectory, read_manifest
 from .tiers import HashIndex
 
 #: Lines kept in the write log before the oldest entries are dropped; a lookup older than the
@@ -397,6 +397,10 @@ class EmbeddingShard:
         """
         snaps = self._require_path("load_snapshot")
         want = {**expected, **self.layout.manifest_fields()}
+        if self._saved_columns(snaps, name) is None:
+            # written by a table writer not told its columns (OneFlow's arguments): its lines
+            # load into any embedding whose line_size is the writer's storage_dim
+            del want["embedding_dims"]
         engine = self.manifest_fields()["engine"]
         if name in snaps.names() and snaps.open(name, want, verify=False)[1]["engine"] != engine:
             # written by another engine (or by a table writer): read row by row
@@ -434,6 +438,19 @@ class EmbeddingShard:
             self._load_lifecycle(opened, resharded=roots != [self.path])
         self._loaded_optimizer = opened[0][1].get("optimizer")
         return {**opened[0][1], "folder": opened[0][0]}
+
+    def _saved_columns(self, snaps: SnapshotDirectory, name: str):
+        """The ``embedding_dims`` snapshot ``name`` records (here, or in the old ranks' folders
+        of another world); [] when there is no readable manifest (the load then says why)."""
+        folders = [snaps.path(name)] if name in snaps.names() else \
+            [SnapshotDirectory(root, create=False).path(name)
+             for root in self._other_world_sources(name)[:1]]
+        for folder in folders:
+            try:
+                return read_manifest(folder, name).get("embedding_dims", [])
+            except SnapshotError:
+                return []
+        return []
 
     def _check_lifecycle_columns(self, manifest: dict, name: str) -> None:
         saved = int(manifest.get("lifecycle_columns", 0))

@@ -93,11 +93,12 @@ def _check_positive(name: str, value) -> int:
     return int(value)
 
 
-def _check_embedding_dims(embedding_dims, storage_dim: int) -> list[int]:
+def _check_embedding_dims(embedding_dims, storage_dim: int) -> list[int] | None:
     """The embedding columns recorded in the manifest (``load_snapshot`` compares them with the
-    loading embedding's); default ``[storage_dim]``: the whole line is the embedding (SGD)."""
+    loading embedding's); None (OneFlow's writer has no such argument): not recorded, so the
+    lines load into any embedding whose line_size is ``storage_dim``, whatever its columns."""
     if embedding_dims is None:
-        return [storage_dim]
+        return None
     dims = [embedding_dims] if isinstance(embedding_dims, (int, np.integer)) else embedding_dims
     try:
         dims = list(dims)

@@ -142,12 +142,23 @@ def test_default_embedding_dims_is_the_whole_line(tmp_path):
     with embedding(tmp_path, dim=E, size_factor=1) as emb:
         emb.load_snapshot("pre")
         np.testing.assert_array_equal(emb(keys), lines)
-    # a table with optimizer state needs embedding_dims: the loader names the mismatch
+    # OneFlow's exact arguments: storage_dim equal to an Adagrad embedding's line size loads
     with oe.make_persistent_table_writer([tmp_path / "other" / "0-1"], "pre", np.int64,
                                          np.float32, E) as w:
         w.write(keys, lines)
     with embedding(tmp_path / "other", dim=E // 2, size_factor=2) as emb:
+        emb.load_snapshot("pre")
+        np.testing.assert_array_equal(emb(keys), lines[:, :E // 2])
+    # told its columns, the writer records them and a different split is refused, by name
+    with oe.make_persistent_table_writer([tmp_path / "told" / "0-1"], "pre", np.int64,
+                                         np.float32, E, embedding_dims=E) as w:
+        w.write(keys, lines)
+    with embedding(tmp_path / "told", dim=E // 2, size_factor=2) as emb:
         with pytest.raises(oe.SnapshotError, match="embedding_dims"):
+            emb.load_snapshot("pre")
+    # a storage_dim other than the line size is refused, naming line_size
+    with embedding(tmp_path / "other", dim=E, size_factor=2) as emb:
+        with pytest.raises(oe.SnapshotError, match="line_size"):
             emb.load_snapshot("pre")
 
 
