@@ -65,3 +65,16 @@ def test_readme_lifecycle_example_builds_its_rules():
     rules = scope["store"].lifecycle
     assert (rules.admit_min_count, rules.steps_to_live, rules.max_rows) == (4, 2000, 500_000_000)
     assert rules.sweep_interval == 500  # "default T/4", as the section says
+
+
+def test_every_file_the_readme_links_exists():
+    """Relative links and the paths it names as files (`docs/...`, `benchmarks/...`) resolve
+    in the repository: nothing points outside it."""
+    text = README.read_text()
+    links = re.findall(r"\]\(([^)#\s]+)\)", text)
+    named = re.findall(r"`((?:docs|benchmarks|examples|scripts|tests)/[^`\s]*\.[a-z]+)`", text)
+    assert links or named
+    missing = [p for p in links + named if "://" not in p
+               and not (helpers.ROOT / p.split("::")[0]).exists()]
+    assert not missing, missing
+    assert "../shared" not in text and "REFERENCE.md" not in text and "DESIGN.md" not in text
