@@ -26,6 +26,9 @@ from ..errors import ConfigError, InputError, SnapshotError
 from ..store.snapshots import SnapshotDirectory, read_manifest
 from .table import ServedTable
 
+#: checkpoints tried in turn when retention deletes the newest one before it is opened
+OPEN_ATTEMPTS = 50
+
 
 def _checkpoint_sets(path: str, name: str | None) -> list[tuple]:
     """Every complete checkpoint under ``path``: (step, created, name, [folder per rank]) for
@@ -90,17 +93,36 @@ class Predictor:
             raise ConfigError(f"cache_mb={cache_mb!r} must be >= 0")
         self.requested, self.cache_mb, self.scratch = snapshot, float(cache_mb), scratch
         self._lock = threading.Lock()
-        choice = self._newest()
-        if choice is None:
-            what = f"a complete checkpoint named {snapshot!r}" if snapshot else "a complete checkpoint"
-            raise SnapshotError(f"{self.path!r} holds no {what} (every rank's part, with the "
-                                "training state): train with --persistent-path there first")
-        self._current = self._open(choice)
+        for _ in range(OPEN_ATTEMPTS):
+            choice = self._newest()
+            if choice is None:
+                what = f"a complete checkpoint named {snapshot!r}" if snapshot else \
+                    "a complete checkpoint"
+                raise SnapshotError(f"{self.path!r} holds no {what} (every rank's part, with "
+                                    "the training state): train with --persistent-path there first")
+            opened = self._try_open(choice)
+            if opened is not None:
+                self._current = opened
+                return
+        raise SnapshotError(f"{self.path!r}: every checkpoint chosen was deleted before it could "
+                            f"be opened ({OPEN_ATTEMPTS} tries): is retention keeping any?")
 
     # ---------------------------------------------------------------- which checkpoint
     def _newest(self):
         sets = _checkpoint_sets(self.path, self.requested)
         return sets[-1] if sets else None
+
+    def _try_open(self, choice) -> _Served | None:
+        """``_open``, or None when training's retention deleted the checkpoint between the
+        listing and the leases (a race with a running run: look again); a checkpoint still
+        there that fails to open is damaged, and raises."""
+        try:
+            return self._open(choice)
+        except (SnapshotError, OSError):
+            name, folders = choice[2], choice[3]
+            if all(os.path.isfile(os.path.join(f, "manifest.json")) for f in folders):
+                raise
+            return None
 
     def _open(self, choice) -> _Served:
         step, created, name, folders = choice
@@ -132,7 +154,9 @@ class Predictor:
             return False
         if (choice[0], choice[1]) < (cur.step, cur.created):
             return False
-        fresh = self._open(choice)
+        fresh = self._try_open(choice)
+        if fresh is None:  # deleted meanwhile: the next look finds what replaced it
+            return False
         with self._lock:
             old, self._current = self._current, fresh
         self._retire(old)
