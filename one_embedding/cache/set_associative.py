@@ -160,23 +160,9 @@ def _insert(set_block, way_keys, way_used, way_stamp, way_freq, way_row, way_dir
 
 
 @njit(cache=True, nogil=True)
-def _mark_clean(set_block, way_keys, way_used, way_dirty, keys):
-    """Mark the held lines of ``keys`` (n,) uint64 clean."""
-    n_sets = set_block.shape[0]
-    for i in range(keys.shape[0]):
-        b = set_block[np.int64(jit_mix64(keys[i]) % np.uint64(n_sets))]
-        if b < 0:
-            continue
-        for w in range(way_keys.shape[1]):
-            if way_used[b, w] and way_keys[b, w] == keys[i]:
-                way_dirty[b, w] = False
-                break
-
-
-@njit(cache=True, nogil=True)
-def _erase(set_block, way_keys, way_used, way_dirty, keys):
-    """Free the ways holding ``keys`` (n,) uint64 (their rows stay with the way for its next
-    line); returns how many were held."""
+def _release(set_block, way_keys, way_used, way_dirty, keys, free):
+    """Mark the held lines of ``keys`` (n,) uint64 clean; ``free``: also free their ways (an
+    erase: the rows stay with the ways for their next lines). Returns how many were held."""
     n_sets = set_block.shape[0]
     n = 0
     for i in range(keys.shape[0]):
@@ -185,8 +171,9 @@ def _erase(set_block, way_keys, way_used, way_dirty, keys):
             continue
         for w in range(way_keys.shape[1]):
             if way_used[b, w] and way_keys[b, w] == keys[i]:
-                way_used[b, w] = False
                 way_dirty[b, w] = False
+                if free:
+                    way_used[b, w] = False
                 n += 1
                 break
     return n
@@ -349,13 +336,13 @@ class SetAssociativeCache(Tier):
         for start in range(0, keys.shape[0], batch_rows):
             stop = start + batch_rows
             yield keys[start:stop], self._rows[row_ids[start:stop]]
-            _mark_clean(self._set_block, self._way_keys, self._way_used, self._way_dirty,
-                        keys[start:stop])
+            _release(self._set_block, self._way_keys, self._way_used, self._way_dirty,
+                     keys[start:stop], False)
 
     def erase(self, keys) -> int:
         """Drop the lines of keys (n,) uint64, dirty or not (nothing goes down)."""
-        n = _erase(self._set_block, self._way_keys, self._way_used, self._way_dirty,
-                   np.ascontiguousarray(keys, np.uint64))
+        n = _release(self._set_block, self._way_keys, self._way_used, self._way_dirty,
+                     np.ascontiguousarray(keys, np.uint64), True)
         self._size -= n
         return int(n)
 
