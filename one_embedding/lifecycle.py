@@ -198,13 +198,19 @@ class Lifecycle:
         if self.meta is None or lines.shape[0] == 0:
             return
         last = lines[:, self.meta].view(xp.int32)
-        freq = lines[:, self.meta + 1]
-        half_life = self.options.frequency_half_life
-        if half_life:
-            halvings = np.int32(step // half_life) - last // np.int32(half_life)
-            freq = xp.ldexp(freq, -halvings).astype(xp.float32)
-        lines[:, self.meta + 1] = freq + xp.float32(1.0)
+        lines[:, self.meta + 1] = self._decayed(xp, lines[:, self.meta + 1], last, step) + \
+            xp.float32(1.0)
         last[...] = np.int32(step)
+
+    def _decayed(self, xp, freq, last, step: int):
+        """Frequencies (k,) float32 last updated at steps ``last`` (k,) int32, decayed to
+        ``step``: halved once per ``frequency_half_life`` boundary crossed (exact: a power of
+        two)."""
+        half_life = self.options.frequency_half_life
+        if not half_life:
+            return freq
+        halvings = np.int32(step // half_life) - last // np.int32(half_life)
+        return xp.ldexp(freq, -halvings).astype(xp.float32)
 
     def commit(self, plan: StepPlan) -> None:
         """The step's rows are stored: record its counts."""
@@ -251,11 +257,7 @@ class Lifecycle:
     def _order(self, meta: np.ndarray, last: np.ndarray, step: int) -> np.ndarray:
         """(k,) uint64 eviction order of live rows: decayed frequency's float32 bits (positive
         floats order as their bits) over the last-seen step."""
-        freq = np.ascontiguousarray(meta[:, 1])
-        half_life = self.options.frequency_half_life
-        if half_life:
-            halvings = np.int32(step // half_life) - last // np.int32(half_life)
-            freq = np.ldexp(freq, -halvings).astype(np.float32)
+        freq = self._decayed(np, np.ascontiguousarray(meta[:, 1]), last, step)
         return (freq.view(np.uint32).astype(np.uint64) << np.uint64(32)) | \
             last.astype(np.uint32).astype(np.uint64)
 
