@@ -92,10 +92,10 @@ class Tier(ABC):
     def clear(self) -> None:
         """Drop every line."""
 
+    @abstractmethod
     def erase(self, keys: np.ndarray) -> int:
         """Drop the lines of keys (n,) uint64 (absent ones are ignored; arrays of the tier's
         module); returns how many were held. Eviction of a feature removes it from every tier."""
-        raise NotImplementedError(f"tier {self.name!r} cannot erase keys")
 
     @abstractmethod
     def __len__(self) -> int:
