@@ -36,6 +36,23 @@ def root() -> Path:
     return helpers.ROOT
 
 
+def pytest_configure(config):
+    """ONE_EMBEDDING_CUPY_POOL=0 (scripts/gpu_check.sh sets it under compute-sanitizer): CuPy's
+    device and pinned memory pools off, so that every array is its own allocation and an access
+    past its end is one the sanitizer sees (inside a pooled chunk it is not)."""
+    import os
+
+    if os.environ.get("ONE_EMBEDDING_CUPY_POOL") != "0":
+        return
+    from one_embedding.backend import cupy_available
+
+    if cupy_available():
+        import cupy
+
+        cupy.cuda.set_allocator(None)
+        cupy.cuda.set_pinned_memory_allocator(None)
+
+
 def pytest_collection_modifyitems(config, items):
     """RocksDB is a dependency, but a machine may lack its wheel (the GPU image does): there its
     tests skip, named, instead of failing."""
