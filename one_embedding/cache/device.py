@@ -170,8 +170,9 @@ class DeviceHashIndex:
         return self._find(keys, rows, out, out_rows)[0]
 
     def find_or_insert(self, keys):
-        """keys: (n,) uint64, unique -> (slots (n,) int64, is_new (n,) bool); new keys take the
-        next slots in batch order."""
+        """keys: (n,) uint64 -> (slots (n,) int64, is_new (n,) bool); new keys take the next slots
+        in batch order. A key given twice gets one slot, new at its first place only (as on the
+        CPU): the insert kernel needs distinct keys, or both copies would claim a bucket."""
         xp = self._xp
         keys = self._keys(keys)
         self._reserve(keys.shape[0])
@@ -180,9 +181,26 @@ class DeviceHashIndex:
         new = xp.flatnonzero(is_new)
         m = int(new.shape[0])
         if m:
-            new_slots = xp.arange(self._next_slot, self._next_slot + m, dtype=xp.int64)
-            slots[new] = new_slots
-            self._insert(keys[new], new_slots)
+            new_keys = keys[new]
+            order = xp.argsort(new_keys, kind="stable")     # equal keys: first place first
+            ranked = new_keys[order]
+            first = xp.ones(m, dtype=xp.bool_)
+            first[1:] = ranked[1:] != ranked[:-1]
+            if bool(first.all()):
+                new_slots = xp.arange(self._next_slot, self._next_slot + m, dtype=xp.int64)
+                slots[new] = new_slots
+            else:                                   # duplicates: one slot per distinct key
+                place = order[first]                # each distinct key's first place (sorted keys)
+                slot_of = xp.empty(place.shape[0], dtype=xp.int64)
+                slot_of[xp.argsort(place)] = xp.arange(      # slots in order of first place
+                    self._next_slot, self._next_slot + place.shape[0], dtype=xp.int64)
+                every = xp.empty(m, dtype=xp.int64)
+                every[order] = slot_of[xp.cumsum(first) - 1]
+                slots[new] = every
+                is_new[new] = False
+                is_new[new[place]] = True
+                new_keys, new_slots, m = ranked[first], slot_of, int(place.shape[0])
+            self._insert(new_keys, new_slots)
             self._next_slot += m
             self._size += m
         return slots, is_new

@@ -1,0 +1,113 @@
+"""The device path's suspected races and undefined corners (issue 24, item 4), each fixed and
+pinned here on the host emulator of the CUDA kernels:
+
+- a key given twice to the device hash index's ``find_or_insert`` gets one slot (the insert
+  kernel claims one bucket per thread, so two copies of a key would take two);
+- the int8 codec of a row holding NaN or inf is defined and the same on both backends (the warp
+  max of a NaN depended on the lane order, and the float -> int8 cast of NaN is undefined);
+- the tier chain's first call waits for an event recorded when its tiers were built, so a
+  prefetch stream (which does not wait for the null stream) reads the tiers' buffers filled.
+"""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from one_embedding import options as opt_mod
+from one_embedding.cache.device import DeviceHashIndex
+from one_embedding.chain import build_chain
+from one_embedding.kernels import device_ops
+from one_embedding.parallel import codec
+from one_embedding.tiers import HashIndex
+
+
+def test_device_find_or_insert_gives_a_repeated_key_one_slot_as_the_cpu(launch):
+    rng = np.random.default_rng(3)
+    dev, cpu = DeviceHashIndex(0, launch=launch), HashIndex(0)
+    pool = rng.integers(0, 2**64, 60, dtype=np.uint64, endpoint=False)
+    for size in [1, 7, 50, 200, 400]:
+        keys = rng.choice(pool, size)                 # repeats within the batch and across
+        slots, is_new = dev.find_or_insert(keys)
+        want_slots, want_new = cpu.find_or_insert(keys)
+        np.testing.assert_array_equal(slots, want_slots)
+        np.testing.assert_array_equal(is_new, want_new)
+        assert len(dev) == len(cpu)
+        stored, stored_slots = dev.items()
+        assert len(set(stored.tolist())) == stored.shape[0] == len(dev)   # each key once
+        np.testing.assert_array_equal(dev.find(keys), slots)
+    assert len(dev) == len(cpu) == len(np.unique(cpu.items()[0]))
+    # a batch of one key repeated: one new slot, new only at the first place
+    key = np.full(5, 2**64 - 1, np.uint64)
+    slots, is_new = dev.find_or_insert(key)
+    assert slots.tolist() == [len(cpu)] * 5 and is_new.tolist() == [True] + [False] * 4
+
+
+def _poisoned_rows(dtype):
+    rows = np.arange(1, 1 + 6 * 40, dtype=np.float64).reshape(6, 40) / 7.0
+    rows[1, 3] = np.nan
+    rows[2, 39] = np.inf
+    rows[3, 0] = -np.inf
+    rows[4, :] = np.nan
+    rows[5, 17] = np.nan
+    rows[5, 18] = np.inf
+    return rows.astype(dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_int8_codec_of_nan_and_inf_rows_is_defined_and_equal_on_both_backends(launch, dtype):
+    rows = _poisoned_rows(dtype)
+    with np.errstate(invalid="raise"):          # no undefined float -> int8 cast on the host
+        want = codec.encode(rows, "int8")
+    payload = device_ops.encode(rows, "int8", launch=launch)
+    np.testing.assert_array_equal(payload, want)
+    decoded = codec.decode(want, "int8", rows.shape[1])
+    np.testing.assert_array_equal(device_ops.decode(payload, "int8", rows.shape[1], launch=launch)
+                                  .view(np.int32), decoded.view(np.int32))
+    assert np.isnan(decoded[1:]).all()                      # a poisoned row: all NaN
+    assert (want[1:, :40] == 0).all()                       # q = 0, no undefined cast
+    scale = want[:, 40:].copy().view(np.float32)[:, 0]
+    assert np.isnan(scale[1:]).all() and scale[0] == np.float32(rows[0].max())
+    clean = codec.decode(codec.encode(rows[:1], "int8"), "int8", 40)
+    np.testing.assert_array_equal(decoded[:1], clean)       # finite rows are unaffected
+
+
+class _EventLauncher(device_ops.Launcher):
+    """The host launcher with numbered events: records which event each wait was given, per
+    thread, so the order the chain imposes between threads can be read back."""
+
+    def __init__(self, base):
+        self._base = base
+        self.xp, self.block, self.n_sms = base.xp, base.block, base.n_sms
+        self.events = 0
+        self.waits: list[tuple[str, object]] = []
+
+    def run(self, *args):
+        return self._base.run(*args)
+
+    def record(self):
+        self.events += 1
+        return self.events
+
+    def wait(self, event):
+        self.waits.append((threading.current_thread().name, event))
+
+
+def test_device_chain_orders_its_first_call_after_its_construction(launch, tmp_path):
+    recorder = _EventLauncher(launch)
+    options = opt_mod.make_device_mem_store_options(persistent_path=str(tmp_path), capacity=1000,
+                                                    size_factor=1)
+    chain = build_chain(options, 4, 4, str(tmp_path), 1, launch=recorder)
+    built = recorder.events
+    assert built >= 1, "no event recorded when the chain was built"
+
+    def prefetch():
+        chain.lookup(np.arange(10, dtype=np.uint64))
+
+    thread = threading.Thread(target=prefetch, name="prefetch")
+    thread.start()
+    thread.join()
+    first = recorder.waits[0]
+    assert first == ("prefetch", built), f"the first call waited on {first}, not event {built}"
+    chain.close()
