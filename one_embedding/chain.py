@@ -91,7 +91,11 @@ class TierChain:
         self.xp = self.launch.xp if self.launch is not None else np
         #: device <-> host copies (None on a host chain)
         self.transfers = TransferCounters() if self.n_device else None
-        self._last_event = None     # the end of the previous call's device work
+        # the end of the previous call's device work; at first the tiers' construction (their
+        # buffers filled on the building thread's stream), so that the first call, whichever
+        # stream makes it (a prefetch thread's, which does not wait for the null stream),
+        # reads them filled
+        self._last_event = self.launch.record() if self.launch is not None else None
         self._staged = None         # the end of the last copy out of a staging buffer
         self._buffers: dict = {}    # name -> host staging bytes, grown on demand
 

@@ -6,8 +6,10 @@ int8, per row (REFERENCE.md "Distribution", OneFlow's quantized all-to-all)::
     q = round_half_away_from_zero(x * 127 / f)    int8 in [-127, 127]; f = 0 -> q = 0
     x^ = q * f / 127
 
-evaluated in float32 in exactly this order (``x * 127`` then ``/ f``; ``q * f`` then ``/ 127``),
-which the CUDA kernel repeats, so both decode the same bits. A row travels as ``E`` int8 values
+A row holding a NaN or an inf (training has diverged) travels as f = NaN, q = 0: it decodes as all
+NaN, on every backend the same, rather than as whatever an undefined float -> int8 cast gives.
+Everything is evaluated in float32 in exactly this order (``x * 127`` then ``/ f``; ``q * f``
+then ``/ 127``), which the CUDA kernel repeats, so both decode the same bits. A row travels as ``E`` int8 values
 followed by the 4 bytes of ``f``: at E = 64 that is 68 bytes against fp32's 256 (0.266x).
 
 fp16: ``x.astype(float16)`` (round to nearest even), 2 bytes a value.
@@ -71,6 +73,10 @@ def decode(payload: np.ndarray, exchange_dtype: str, dim: int) -> np.ndarray:
 def quantize_int8(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """rows: (n, E) float32 -> (scale (n,) float32 = max|x|, q (n, E) int8)."""
     scale = np.abs(rows).max(axis=1) if rows.shape[1] else np.zeros(rows.shape[0], np.float32)
+    finite = np.isfinite(scale)       # max |x| is NaN or inf exactly when the row holds one
+    if not finite.all():              # such a row: f = NaN, q = 0 (it decodes as all NaN)
+        scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
+        rows = np.where(finite[:, None], rows, np.float32(0.0))
     safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
     scaled = (rows * np.float32(127.0)) / safe[:, None]
     q = np.trunc(scaled + np.copysign(np.float32(0.5), scaled))

@@ -337,17 +337,24 @@ def test_dlrm_on_the_gpu_with_a_device_embedding(tmp_path):
 
 @pytest.mark.parametrize("store", ["device_mem", "cached_host_mem", "cached_ssd"])
 def test_train_device_cuda_matches_the_cpu_run(tmp_path, store):
+    """The training CLI's run on the GPU: prefetch on a CUDA stream changes no bit (depth 2 = depth
+    0, the check that no stream race feeds a step stale or overwritten rows), and the run trains
+    as the CPU run does. Not bit for bit against the CPU: cuBLAS and numpy's BLAS sum in other
+    orders, and this short training is chaotic (measured on the CPU: scaling the dense weights by
+    1 + 2**-22 moves loss_last_10pct by 0.23%); the H200 run gave 0.490 against the CPU's 0.498."""
     from one_embedding.config import TrainConfig
     from one_embedding.training import Trainer
 
     common = dict(steps=30, batch_size=_n(4096), synthetic_rows=_n(400_000), embedding_dim=16,
-                  store=store, cache_mb=1.0, optimizer="adagrad", eval_batches=4, prefetch_depth=2)
+                  store=store, cache_mb=1.0, optimizer="adagrad", eval_batches=4)
     records = {}
-    for device in ("cpu", "cuda"):
-        cfg = TrainConfig(**common, device=device, persistent_path=str(tmp_path / device))
-        records[device] = Trainer(cfg, metrics_path=os.devnull, progress=False).run()
-    cpu, gpu = records["cpu"], records["cuda"]
+    for device, depth in (("cpu", 2), ("cuda", 2), ("cuda", 0)):
+        cfg = TrainConfig(**common, device=device, prefetch_depth=depth,
+                          persistent_path=str(tmp_path / f"{device}{depth}"))
+        records[device, depth] = Trainer(cfg, metrics_path=os.devnull, progress=False).run()
+    cpu, gpu, serial = records["cpu", 2], records["cuda", 2], records["cuda", 0]
+    assert (gpu["loss_last_10pct"], gpu["auc"]) == (serial["loss_last_10pct"], serial["auc"])
     assert gpu["rows_stored"] == cpu["rows_stored"]
-    np.testing.assert_allclose(gpu["loss_last_10pct"], cpu["loss_last_10pct"], rtol=1e-4)
-    assert abs(gpu["auc"] - cpu["auc"]) < 1e-3
+    np.testing.assert_allclose(gpu["loss_last_10pct"], cpu["loss_last_10pct"], rtol=0.05)
+    assert abs(gpu["auc"] - cpu["auc"]) < 0.01
     assert gpu["store_stats"][0]["tier"].startswith("device.")

@@ -254,6 +254,22 @@ def test_fp16_codec_rounds_every_float32_class_as_numpy():
     _exact(device_ops.decode(payload, "fp16", 64), codec.decode(_get(payload), "fp16", 64))
 
 
+def test_int8_codec_of_nan_and_inf_rows_is_the_cpu_codec():
+    """A row holding NaN or inf: f = NaN, q = 0 on the GPU too (warps of real lanes)."""
+    from one_embedding.kernels import device_ops
+    from one_embedding.parallel import codec
+
+    cp = _cp()
+    rows = (np.arange(1, 1 + 64 * 100, dtype=np.float32).reshape(64, 100) / 7).astype(np.float32)
+    for r, c, v in [(1, 3, np.nan), (2, 99, np.inf), (3, 0, -np.inf), (5, 40, np.nan), (5, 41, np.inf),
+                    (63, 31, np.nan), (62, 32, np.inf)]:
+        rows[r, c] = v
+    payload = device_ops.encode(cp.asarray(rows), "int8")
+    want = codec.encode(rows, "int8")
+    _exact(payload, want)
+    _exact(device_ops.decode(payload, "int8", 100), codec.decode(want, "int8", 100))
+
+
 # ---------------------------------------------------------------- the "full" index and store
 
 
@@ -275,6 +291,24 @@ def test_device_hash_index_assigns_the_cpu_slots(batch):
         probe = _keys(rng, batch, np.concatenate([universe, rng.integers(0, 2**64, 100, np.uint64)]))
         _exact(dev.find(cp.asarray(probe)), cpu.find(probe))
     assert len(dev) == len(cpu) and dev.slot_limit == cpu.slot_limit
+
+
+def test_device_hash_index_gives_a_repeated_key_one_slot():
+    from one_embedding.cache.device import DeviceHashIndex
+    from one_embedding.tiers import HashIndex
+
+    cp = _cp()
+    rng = np.random.default_rng(5)
+    dev, cpu = DeviceHashIndex(0), HashIndex(0)
+    pool = rng.integers(0, 2**64, 5000, dtype=np.uint64, endpoint=False)
+    for size in [10, 3000, 60_000]:
+        keys = rng.choice(pool, size)       # every key many times, racing threads on a GPU
+        slots, is_new = dev.find_or_insert(cp.asarray(keys))
+        want_slots, want_new = cpu.find_or_insert(keys)
+        _exact(slots, want_slots)
+        _exact(is_new, want_new)
+        stored = _get(dev.items()[0])
+        assert len(dev) == len(cpu) == stored.size == np.unique(stored).size
 
 
 def test_device_hash_index_assign_overwrites_and_inserts():

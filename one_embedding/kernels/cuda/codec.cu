@@ -2,7 +2,8 @@
 // operation order so both sides decode the same bits.
 //
 // int8, per row: f = max |x|; q = trunc(s + copysign(0.5, s)) with s = (x * 127) / f (f = 0:
-// divide by 1), clipped to [-127, 127]; x^ = (q * f) / 127, every step in float32. A row travels
+// divide by 1), clipped to [-127, 127]; x^ = (q * f) / 127, every step in float32. A row with a
+// NaN or an inf in it gets f = NaN (0x7fc00000) and q = 0, so it decodes as all NaN. A row travels
 // as dim int8 values followed by the 4 little-endian bytes of f: payload (n, dim + 4) u8.
 // fp16: round to nearest even, done on the bits (no float arithmetic, so CuPy's flush-to-zero of
 // float32 subnormals cannot change a result): payload (n, dim) u16 = (n, 2 dim) bytes.
@@ -83,15 +84,19 @@ __global__ void codec_int8_encode(const T* rows, oe::i64 n, int dim, unsigned ch
   for (oe::i64 r = oe::grid_warp(); r < n; r += oe::grid_warps()) {
     const T* x = rows + r * dim;
     float local = 0.0f;
+    bool finite = true;
     for (int c = lane; c < dim; c += 32) {
       const float a = fabsf((float)x[c]);
+      finite = finite && a <= 3.40282347e38f;  // false for inf and NaN
       local = a > local ? a : local;
     }
-    const float scale = oe::codec::warp_max(local);
+    // a row holding NaN or inf travels as scale NaN and q = 0: it decodes as all NaN
+    const bool poisoned = __ballot_sync(oe::FULL_WARP, !finite) != 0u;
+    const float scale = poisoned ? __uint_as_float(0x7fc00000u) : oe::codec::warp_max(local);
     const float safe = scale > 0.0f ? scale : 1.0f;
     unsigned char* out = payload + r * stride;
     for (int c = lane; c < dim; c += 32) {
-      const float scaled = ((float)x[c] * 127.0f) / safe;
+      const float scaled = poisoned ? 0.0f : ((float)x[c] * 127.0f) / safe;
       float q = truncf(scaled + copysignf(0.5f, scaled));
       q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
       out[c] = (unsigned char)(signed char)(int)q;
