@@ -86,7 +86,7 @@ log "pytest -m gpu ${GPU_CHECK_TESTS:-tests} ..."
 tests_start=$(date +%s)
 parallel=()
 if "$python" -c "import xdist" 2> /dev/null && [ "${GPU_CHECK_WORKERS:-8}" -gt 1 ]; then
-    parallel=(-n "${GPU_CHECK_WORKERS:-8}" --dist loadfile)
+    parallel=(-n "${GPU_CHECK_WORKERS:-8}" --dist load)
 fi
 # shellcheck disable=SC2086
 timeout 240 "$python" -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=25 "${parallel[@]}" \
@@ -147,7 +147,6 @@ else
         for tool in "${tools[@]}"; do
             extra=()
             [ "$tool" = memcheck ] && extra=(--leak-check no)
-            [ "$tool" = initcheck ] && extra=(--track-unused-memory no)
             ( ONE_EMBEDDING_CUPY_POOL=0 timeout "$limit" compute-sanitizer --tool "$tool" "${extra[@]}" \
                 --error-exitcode 86 --print-limit 20 --target-processes all \
                 "$python" -m pytest -m gpu -q -x -p no:cacheprovider -k "$sanitize_k" "${sanitize[@]}" \

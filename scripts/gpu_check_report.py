@@ -40,6 +40,8 @@ def tests_verdict(xml_path: str, allow_skip: str | None) -> tuple[bool, str]:
             errors.append(name)
         elif (skipped := case.find("skipped")) is not None:
             reason = (skipped.get("message") or "no reason").strip()
+            if reason == "collection skipped" and skipped.text:   # a module skipped whole: the
+                reason = skipped.text.strip().splitlines()[-1]    # text holds its reason
             skip_reasons[re.sub(r"^Skipped: ", "", reason)] += 1
         else:
             passed += 1
@@ -68,7 +70,8 @@ def sanitizer_verdict(tool: str, log_path: str, status: int) -> tuple[bool, str]
         return False, f"{tool} FAILED: no log ({e})"
     errors = [int(n) for n in re.findall(r"ERROR SUMMARY: (\d+) error", text)]
     hazards = [int(n) for n in re.findall(r"RACECHECK SUMMARY: (\d+) hazard", text)]
-    tests = re.findall(r"=+ ([^=\n]*\d+ (?:passed|failed|error)[^=\n]*) =+", text)
+    tests = re.findall(r"^=* ?(\d+ (?:passed|failed|errors?|skipped|deselected)\b[^=\n]* in [\d.]+s[^=\n]*)",
+                       text, re.M)
     ran = tests[-1].strip() if tests else "no pytest summary"
     if not errors and not hazards:
         return False, f"{tool} FAILED: no sanitizer summary (exit {status}; {ran})"
