@@ -45,6 +45,7 @@ from .parallel.comm import default_comm
 from .parallel.shuffle import Traffic
 from .shard import EmbeddingShard
 from .step import LineLayout, StepState
+from .store_dict import from_oneflow_dict
 
 _KEY_TYPES = {
     "int32": np.int32, "int64": np.int64, "uint32": np.uint32, "uint64": np.uint64,
@@ -123,10 +124,13 @@ class MultiTableMultiColumnEmbedding:
         self.dtype = np.dtype(np.float32)
         self.key_type = resolve_key_type(key_type)
         self.seed = int(seed)
+        if isinstance(store_options, dict):          # OneFlow's dict form (store_dict.py)
+            store_options = from_oneflow_dict(store_options)
         if not isinstance(store_options, StoreOptions):
             raise ConfigError(
                 f"store_options={store_options!r}: build it with make_device_mem_store_options, "
-                "make_cached_host_mem_store_options or make_cached_ssd_store_options"
+                "make_cached_host_mem_store_options or make_cached_ssd_store_options (or pass "
+                "OneFlow's store options dict)"
             )
         self.store_options = store_options
         self.tables = self._check_tables(tables, default_initializer)

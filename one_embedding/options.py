@@ -329,6 +329,33 @@ class StoreOptions:
             raise ConfigError(f"at most two cache levels, got {len(self.caches)}")
         object.__setattr__(self, "caches", tuple(self.caches))
 
+    # OneFlow's dict form (store_dict.py): store["kv_store"]["caches"][0][...] reads and edits
+    def __getitem__(self, key: str):
+        from .store_dict import live_item
+
+        return live_item(self, key)
+
+    def __setitem__(self, key: str, value) -> None:
+        from .store_dict import set_item
+
+        set_item(self, key, value)
+
+    def __contains__(self, key) -> bool:
+        return key in self.keys()
+
+    def keys(self):
+        from .store_dict import to_oneflow_dict
+
+        return to_oneflow_dict(self).keys()
+
+    def get(self, key: str, default=None):
+        return self[key] if key in self else default
+
+    def _replace_from(self, other: "StoreOptions") -> None:
+        """Take every field of ``other`` (an edit through the dict form, already checked)."""
+        for name in self.__dataclass_fields__:
+            object.__setattr__(self, name, getattr(other, name))
+
 
 def make_device_mem_store_options(
     persistent_path: str | None,
