@@ -111,3 +111,47 @@ def test_device_chain_orders_its_first_call_after_its_construction(launch, tmp_p
     first = recorder.waits[0]
     assert first == ("prefetch", built), f"the first call waited on {first}, not event {built}"
     chain.close()
+
+
+def test_device_write_log_is_written_and_read_by_the_consumer_thread_only(launch, tmp_path,
+                                                                           monkeypatch):
+    """The write log's arrays are allocated by the puts of the optimizer step and read by the
+    patch of ``refresh``, both on the consumer's thread (and so its stream), never on the
+    prefetch thread's: CuPy's pool gives a freed block back only to the stream that allocated it,
+    so dropping an entry cannot hand memory to the other stream while a read is queued (issue 24
+    suspected the opposite; this pins why it cannot happen). Prefetch depth 2 keeps lookups
+    outstanding across puts, so the log is used."""
+    import one_embedding.shard as shard_mod
+    from one_embedding.pipeline import Prefetcher
+
+    seen = {"put": set(), "patch": set(), "patched_lines": 0}
+    real_patch, real_put = shard_mod._patch_on_device, shard_mod.EmbeddingShard._put
+
+    def patch(xp, rows, newer):
+        seen["patch"].add(threading.current_thread().name)
+        seen["patched_lines"] += sum(k.shape[0] for k, _ in newer)
+        return real_patch(xp, rows, newer)
+
+    def put(self, keys, lines):
+        seen["put"].add(threading.current_thread().name)
+        return real_put(self, keys, lines)
+
+    monkeypatch.setattr(shard_mod, "_patch_on_device", patch)
+    monkeypatch.setattr(shard_mod.EmbeddingShard, "_put", put)
+    import one_embedding as oe
+
+    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None,
+                                 opt_mod.make_cached_host_mem_store_options(0.01, str(tmp_path), 500),
+                                 device=launch)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 40, (16, 3)).astype(np.int64) for _ in range(8)]
+    for _, state in Prefetcher(batches, emb, depth=2, ids=lambda b: b):
+        out = emb.embed(state)
+        emb.backward(np.ones(out.shape, np.float32))
+        opt.step()
+        opt.zero_grad()
+    emb.close()
+    main = threading.current_thread().name
+    assert seen["put"] == {main} and seen["patch"] == {main}, seen
+    assert seen["patched_lines"] > 0, "the log was never used: the test would prove nothing"
