@@ -118,7 +118,8 @@ def test_bad_options_raise_config_errors(build, match):
         (dict(tables=[]), "tables is empty"),
         (dict(tables=["t"]), r"tables\[0\]"),
         (dict(embedding_dim=[4, 1]), "MultiTableMultiColumnEmbedding"),
-        (dict(store_options={"kind": "device_mem"}), "make_device_mem_store_options"),
+        (dict(store_options={"kind": "device_mem"}), r"no 'kv_store'.*make_\*_store_options"),
+        (dict(store_options="device_mem"), "make_device_mem_store_options"),
         (dict(padding_idx=-1, key_type=np.uint64), "padding_idx=-1"),
     ],
 )
