@@ -7,10 +7,12 @@ this library used before it took ``params``.
 
 Gradient factor: every update multiplies the gradient by ``grad_scale`` (1.0, exact, unless a
 loss scaler sets ``1/scale`` for the duration of a step) and by -1 with ``maximize=True``, then
-adds ``weight_decay * w`` in ``weight_decay_mode="l2"`` -- OneFlow's and PyTorch's weight decay, an
-L2 term in the gradient. ``weight_decay_mode="decoupled"`` (the default) subtracts
+adds ``weight_decay * w`` in ``weight_decay_mode="l2"`` (the default) -- OneFlow's and PyTorch's
+weight decay, an L2 term in the gradient. ``weight_decay_mode="decoupled"`` subtracts
 ``lr * weight_decay * w`` from the weight instead (AdamW's form), leaving the optimizer state
-free of the decay; see the optimizers' docstrings for where each term enters.
+free of the decay; see the optimizers' docstrings for where each term enters. Until issue 23 the
+default was "decoupled"; a checkpoint written then records no mode and resumes with it
+(``Optimizer.load_state_dict``).
 """
 from __future__ import annotations
 
@@ -28,9 +30,10 @@ __all__ = ["RowOptimizer", "check_real", "WEIGHT_DECAY_MODES", "DEFAULT_LR"]
 #: OneFlow's default learning rate for SGD, Adagrad, Adam and Ftrl (flow.optim.*, one_embedding.Ftrl)
 DEFAULT_LR = 0.001
 
-#: "decoupled": w -= lr*wd*w beside the update (this library's form since its first release);
-#: "l2": g' = g + wd*w before the update (OneFlow's and PyTorch's ``weight_decay``)
-WEIGHT_DECAY_MODES = ("decoupled", "l2")
+#: "l2" (the default): g' = g + wd*w before the update, OneFlow's and PyTorch's ``weight_decay``;
+#: "decoupled": w -= lr*wd*w beside the update (AdamW's form; this library's default until issue 23)
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
+DEFAULT_WEIGHT_DECAY_MODE = "l2"
 
 
 def check_real(owner: str, name: str, value, low: float = -math.inf, high: float = math.inf,
@@ -128,14 +131,19 @@ class RowOptimizer(ABC):
     use_compiled: bool = True
 
     def __init__(self, params=None, lr: float = DEFAULT_LR, *, weight_decay: float = 0.0,
-                 weight_decay_mode: str = "decoupled", maximize: bool = False):
+                 weight_decay_mode: str | None = None, maximize: bool = False):
         owner = type(self).__name__
         self.params, lr = _split_params(owner, params, lr)
         self.lr = check_real(owner, "lr", lr, low=0.0)
         self.weight_decay = check_real(owner, "weight_decay", weight_decay, low=0.0)
+        #: the modes this optimizer was given explicitly (not left at their defaults)
+        self._given_modes = {"weight_decay_mode"} if weight_decay_mode is not None else set()
+        if weight_decay_mode is None:
+            weight_decay_mode = DEFAULT_WEIGHT_DECAY_MODE
         if weight_decay_mode not in WEIGHT_DECAY_MODES:
-            raise ConfigError(f"{owner}: weight_decay_mode={weight_decay_mode!r}: use 'decoupled' "
-                              "(w -= lr*wd*w) or 'l2' (g += wd*w, OneFlow's and PyTorch's)")
+            raise ConfigError(f"{owner}: weight_decay_mode={weight_decay_mode!r}: use 'l2' "
+                              "(g += wd*w, OneFlow's and PyTorch's, the default) or 'decoupled' "
+                              "(w -= lr*wd*w, AdamW's)")
         self.weight_decay_mode = weight_decay_mode
         self.maximize = check_bool(owner, "maximize", maximize)
         self.grad_scale = 1.0

@@ -4,8 +4,9 @@ An embedding line is ``[w (E) | state1 (E) | state2 (E) ...]`` in float32; the f
 ``update`` the column views ``w = lines[:, :E]``, ``states = [lines[:, E:2E], ...]`` of the
 unique rows of a step, and the optimizer rewrites them in place. Dense parameters use the same
 objects with arrays of any shape. The math (``t`` the global step, counted from 1; g' the gradient
-after the loss-scale factor and, in ``weight_decay_mode="l2"``, plus ``wd*w``; ``dwd`` the
-decoupled decay, ``wd`` in the default ``"decoupled"`` mode and 0 in ``"l2"``):
+after the loss-scale factor and, in the default ``weight_decay_mode="l2"`` (OneFlow's), plus
+``wd*w``; ``dwd`` the decoupled decay, ``wd`` in ``weight_decay_mode="decoupled"`` and 0 in
+``"l2"``):
 
     SGD        w -= lr * (g' + dwd*w)
     momentum   m = beta*m + (1-dampening)*g';  d = g' + beta*m (nesterov) or m;
@@ -24,10 +25,11 @@ about 3e-7 (relative to the array's scale) of a float64 run, where float32 arith
 twice as far; the float64 pass costs 20-30% in the compiled kernels (Adam, Ftrl; measured).
 
 Defaults are OneFlow's (``lr=0.001`` for all four, ``flow.optim.SGD/Adagrad/Adam`` and
-``flow.one_embedding.Ftrl``). Two differences are on purpose: ``weight_decay`` is decoupled unless
-``weight_decay_mode="l2"`` (OneFlow and PyTorch add it to the gradient; keeping the decoupled
-default keeps existing runs and checkpoints bit-identical), and a momentum buffer starts at 0
-(PyTorch copies the first gradient into it, which differs only with ``dampening > 0``).
+``flow.one_embedding.Ftrl``), weight decay included: ``weight_decay`` is an L2 term added to the
+gradient, as OneFlow's optimizers (``l2=weight_decay``) and PyTorch's apply it. AdamW's decoupled
+form is ``weight_decay_mode="decoupled"`` (this library's default until issue 23). One difference
+is on purpose: a momentum buffer starts at 0 (PyTorch copies the first gradient into it, which
+differs only with ``dampening > 0``).
 
 Two paths compute the same expressions in the same order: a compiled numba kernel per optimizer
 for numpy arrays (``optim.kernels``: one pass, no temporaries, GIL released), and a vectorized
@@ -64,7 +66,7 @@ class SGD(RowOptimizer):
 
     def __init__(self, params=None, lr: float = DEFAULT_LR, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 maximize: bool = False, *, weight_decay_mode: str = "decoupled"):
+                 maximize: bool = False, *, weight_decay_mode: str | None = None):
         super().__init__(params, lr, weight_decay=weight_decay,
                          weight_decay_mode=weight_decay_mode, maximize=maximize)
         self.momentum = check_real("SGD", "momentum", momentum, 0.0, 1.0, high_open=True)
@@ -132,7 +134,7 @@ class Adagrad(RowOptimizer):
     def __init__(self, params=None, lr: float = DEFAULT_LR, lr_decay: float = 0.0,
                  weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
                  eps: float = 1e-10, *, maximize: bool = False,
-                 weight_decay_mode: str = "decoupled"):
+                 weight_decay_mode: str | None = None):
         super().__init__(params, lr, weight_decay=weight_decay,
                          weight_decay_mode=weight_decay_mode, maximize=maximize)
         self.lr_decay = check_real("Adagrad", "lr_decay", lr_decay, low=0.0)
@@ -175,8 +177,9 @@ class Adam(RowOptimizer):
     """Adam, bias-corrected by the global step; AMSGrad with ``amsgrad=True``.
 
     Arguments and defaults as OneFlow's ``flow.optim.Adam(params, lr=0.001, betas=(0.9, 0.999),
-    eps=1e-8, weight_decay=0.0, amsgrad=False, do_bias_correction=True)``. ``weight_decay`` is
-    decoupled (AdamW's ``lr*wd*w``) unless ``weight_decay_mode="l2"`` (Adam's, OneFlow's).
+    eps=1e-8, weight_decay=0.0, amsgrad=False, do_bias_correction=True)``. ``weight_decay`` is an
+    L2 term in the gradient (Adam's, OneFlow's) unless ``weight_decay_mode="decoupled"`` (AdamW's
+    ``lr*wd*w``).
     State: ``[m, v]``, both starting at 0, and ``v_max`` (starting at 0) with amsgrad, so an
     embedding needs size_factor 3, or 4 with amsgrad (OneFlow's embeddings refuse amsgrad).
     """
@@ -187,7 +190,7 @@ class Adam(RowOptimizer):
     def __init__(self, params=None, lr: float = DEFAULT_LR, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
                  do_bias_correction: bool = True, *, maximize: bool = False,
-                 weight_decay_mode: str = "decoupled"):
+                 weight_decay_mode: str | None = None):
         super().__init__(params, lr, weight_decay=weight_decay,
                          weight_decay_mode=weight_decay_mode, maximize=maximize)
         try:

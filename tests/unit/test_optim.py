@@ -17,28 +17,28 @@ N_ROWS, DIM = 192, 16
 
 
 # ---------------------------------------------------------------------------------------------
-# float64 reference: the formulas of REFERENCE.md, written independently of the implementation
+# float64 reference: OneFlow's formulas (weight_decay an L2 term in the gradient, as OneFlow's
+# CastScaleRegularizeGradientFunctor adds l2 * w), written independently of the implementation
 # ---------------------------------------------------------------------------------------------
 def reference_step(opt, w, states, g, t):
     """One update in float64. w, states, g: float64 arrays; returns (w, states)."""
     lr = opt.lr
+    g = g + opt.weight_decay * w
     if isinstance(opt, SGD):
-        wd = opt.weight_decay
         if opt.momentum > 0:
             m = opt.momentum * states[0] + g
-            return w - lr * m - lr * wd * w, [m]
-        return w - lr * (g + wd * w), []
+            return w - lr * m, [m]
+        return w - lr * g, []
     if isinstance(opt, Adagrad):
         clr = lr / (1 + (t - 1) * opt.lr_decay)
         s = states[0] + g ** 2
-        return w - clr * g / (np.sqrt(s) + opt.eps) - clr * opt.weight_decay * w, [s]
+        return w - clr * g / (np.sqrt(s) + opt.eps), [s]
     if isinstance(opt, Adam):
         b1, b2 = opt.betas
         m = b1 * states[0] + (1 - b1) * g
         v = b2 * states[1] + (1 - b2) * g ** 2
         bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if opt.do_bias_correction else (1.0, 1.0)
-        return w - (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + opt.eps) \
-            - lr * opt.weight_decay * w, [m, v]
+        return w - (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + opt.eps), [m, v]
     if isinstance(opt, Ftrl):
         n, z = states
         n_new = n + g ** 2
@@ -200,8 +200,14 @@ TORCH_CASES = {
                                                      initial_accumulator_value=0.3, eps=1e-7)),
     "adam": (lambda: Adam(0.01, betas=(0.85, 0.99), eps=1e-6),
              lambda torch, p: torch.optim.Adam([p], lr=0.01, betas=(0.85, 0.99), eps=1e-6)),
+    # weight_decay as PyTorch's (and OneFlow's) Adam applies it: g += wd*w
+    "adam_wd": (lambda: Adam(0.01, weight_decay=0.1),
+                lambda torch, p: torch.optim.Adam([p], lr=0.01, weight_decay=0.1)),
+    "momentum_wd": (lambda: SGD(0.03, momentum=0.9, weight_decay=0.02),
+                    lambda torch, p: torch.optim.SGD([p], lr=0.03, momentum=0.9,
+                                                     weight_decay=0.02)),
     # Decoupled decay lr*wd*w on the old weight is exactly AdamW's w *= 1 - lr*wd first.
-    "adamw": (lambda: Adam(0.01, weight_decay=0.1),
+    "adamw": (lambda: Adam(0.01, weight_decay=0.1, weight_decay_mode="decoupled"),
               lambda torch, p: torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)),
 }
 
@@ -509,14 +515,19 @@ NEW_CASES = {
     "momentum_dampening": lambda: SGD(lr=0.03, momentum=0.8, dampening=0.3),
     "nesterov_l2": lambda: SGD(lr=0.03, momentum=0.9, nesterov=True, weight_decay=0.02,
                                weight_decay_mode="l2"),
-    "nesterov_decoupled": lambda: SGD(lr=0.03, momentum=0.9, nesterov=True, weight_decay=0.02),
+    "nesterov_decoupled": lambda: SGD(lr=0.03, momentum=0.9, nesterov=True, weight_decay=0.02,
+                                      weight_decay_mode="decoupled"),
+    "adagrad_decoupled": lambda: Adagrad(lr=0.1, weight_decay=0.02, initial_accumulator_value=0.1,
+                                         weight_decay_mode="decoupled"),
+    "adam_decoupled": lambda: Adam(lr=0.02, weight_decay=0.05, weight_decay_mode="decoupled"),
     "sgd_l2_maximize": lambda: SGD(lr=0.05, weight_decay=0.03, weight_decay_mode="l2",
                                    maximize=True),
     "adagrad_l2": lambda: Adagrad(lr=0.1, lr_decay=0.05, weight_decay=0.01,
                                   initial_accumulator_value=0.1, weight_decay_mode="l2"),
     "adam_l2": lambda: Adam(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05,
                             weight_decay_mode="l2"),
-    "adam_amsgrad": lambda: Adam(lr=0.02, amsgrad=True, weight_decay=0.05),
+    "adam_amsgrad": lambda: Adam(lr=0.02, amsgrad=True, weight_decay=0.05,
+                                 weight_decay_mode="decoupled"),
     "adam_amsgrad_l2_maximize": lambda: Adam(lr=0.01, amsgrad=True, weight_decay=0.01,
                                              weight_decay_mode="l2", maximize=True),
     "ftrl_l2": lambda: Ftrl(lr=0.2, weight_decay=0.05, initial_accumulator_value=0.5,
@@ -559,15 +570,15 @@ def test_defaults_are_bit_identical_to_naming_every_default(case):
     # The new arguments at their defaults change nothing: same bits as spelling them out.
     spelled = {
         "sgd": lambda: SGD(lr=0.05, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                           nesterov=False, maximize=False, weight_decay_mode="decoupled"),
+                           nesterov=False, maximize=False, weight_decay_mode="l2"),
         "momentum_wd": lambda: SGD(lr=0.03, momentum=0.9, dampening=0.0, weight_decay=0.02,
-                                   nesterov=False, weight_decay_mode="decoupled"),
+                                   nesterov=False, weight_decay_mode="l2"),
         "adagrad_all": lambda: Adagrad(lr=0.1, lr_decay=0.05, weight_decay=0.01,
                                        initial_accumulator_value=0.1, eps=1e-6,
-                                       weight_decay_mode="decoupled", maximize=False),
+                                       weight_decay_mode="l2", maximize=False),
         "adam_wd_betas": lambda: Adam(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05,
                                       amsgrad=False, do_bias_correction=True,
-                                      weight_decay_mode="decoupled"),
+                                      weight_decay_mode="l2"),
         "ftrl_all": lambda: Ftrl(lr=0.2, weight_decay=0.0, lr_power=-0.5,
                                  initial_accumulator_value=0.5, lambda1=0.05, lambda2=0.1,
                                  beta=0.5),
@@ -658,7 +669,7 @@ def test_params_first_as_in_oneflow_and_lr_positionally_as_before():
     (lambda: SGD(nesterov="yes"), r"nesterov='yes' must be True or False"),
     (lambda: Adam(amsgrad=1), r"amsgrad=1 must be True or False"),
     (lambda: Adagrad(maximize=None), r"maximize=None"),
-    (lambda: Adam(weight_decay_mode="adamw"), r"weight_decay_mode='adamw': use 'decoupled'"),
+    (lambda: Adam(weight_decay_mode="adamw"), r"weight_decay_mode='adamw': use 'l2'"),
     (lambda: Ftrl(weight_decay_mode="decoupled"), r"only 'l2'"),
 ])
 def test_bad_new_arguments_are_named(make, pattern):
@@ -708,7 +719,7 @@ NEW_TORCH_CASES = {
         lambda: Adam(lr=0.01, betas=(0.8, 0.9), amsgrad=True),
         lambda torch, p: torch.optim.Adam([p], lr=0.01, betas=(0.8, 0.9), amsgrad=True)),
     "amsgradw": (
-        lambda: Adam(lr=0.01, amsgrad=True, weight_decay=0.1),
+        lambda: Adam(lr=0.01, amsgrad=True, weight_decay=0.1, weight_decay_mode="decoupled"),
         lambda torch, p: torch.optim.AdamW([p], lr=0.01, amsgrad=True, weight_decay=0.1)),
 }
 
