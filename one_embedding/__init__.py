@@ -9,6 +9,7 @@ from .errors import (
     CapacityError,
     ClosedError,
     ConfigError,
+    ConventionWarning,
     InputError,
     LockedError,
     OneEmbeddingError,
@@ -53,5 +54,5 @@ __all__ = [
     "make_persistent_table_writer", "make_persistent_table_reader", "PersistentTableReader",
     "PersistentTableWriter",
     "OneEmbeddingError", "ConfigError", "InputError", "StoreError", "CapacityError",
-    "SnapshotError", "LockedError", "ClosedError",
+    "SnapshotError", "LockedError", "ClosedError", "ConventionWarning",
 ]

@@ -99,6 +99,12 @@ class TrainConfig:
                          help="passes over the data when --steps is not given")
     optimizer: str = option("adagrad", group="training", choices=tuple(sorted(OPTIMIZERS)))
     lr: float = option(0.05, group="training", at_least=0.0)
+    ftrl_convention: str | None = option(
+        None, group="training", choices=optim.FTRL_CONVENTIONS,
+        help="--optimizer ftrl: 'oneflow' (OneFlow's formula, accumulator ** lr_power; a new "
+             "run's default) or 'tensorflow' (FTRL-Proximal, accumulator ** -lr_power). With "
+             "--resume the default is the checkpoint's ('tensorflow' for one written before "
+             "this option existed)")
     warmup_steps: int = option(0, group="training", at_least=0,
                                help="linear warmup: update t uses lr * min(1, t / warmup_steps)")
     eval_interval: int = option(0, group="training", at_least=0,
@@ -365,3 +371,11 @@ def _check_bounds(f, value, name, what="use a value") -> None:
         raise ConfigError(f"{name}: {what} > {above}{unset}")
     if high is not None and value > high:
         raise ConfigError(f"{name}: {what} <= {high}")
+
+
+def make_row_optimizer(cfg: TrainConfig):
+    """The row optimizer ``cfg`` names, at ``cfg.lr`` with the algorithm's defaults; Ftrl by
+    ``cfg.ftrl_convention`` (OneFlow's formula when unset)."""
+    if cfg.optimizer == "ftrl":
+        return optim.Ftrl(lr=cfg.lr, convention=cfg.ftrl_convention or "oneflow")
+    return OPTIMIZERS[cfg.optimizer](lr=cfg.lr)

@@ -454,9 +454,11 @@ def optimizer_kernel(optimizer, lr: float, t: int) -> tuple[str, tuple]:
                         np.float64(step_size), np.float64(inv_sqrt_bc2), np.float64(optimizer.eps),
                         np.float64(lr * optimizer._decoupled()), np.int32(optimizer.amsgrad))
     if isinstance(optimizer, Ftrl):
+        power, quad_l2, closed = optimizer.kernel_constants()
         return "ftrl", (np.float64(factor), np.float64(l2), np.float64(1.0 / lr),
-                        np.float64(-optimizer.lr_power), np.float64(optimizer.lambda1),
-                        np.float64(optimizer.lambda2), np.float64(optimizer.beta))
+                        np.float64(power), np.float64(optimizer.lambda1), np.float64(quad_l2),
+                        np.float64(optimizer.beta), np.int32(closed),
+                        np.float64(lr * optimizer._decoupled()))
     raise ConfigError(f"no device kernel for {type(optimizer).__name__}: use SGD, Adagrad, Adam or Ftrl")
 
 
@@ -466,7 +468,7 @@ def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = N
     lines: (n, L) float32, C-contiguous, each ``[w (E) | state 1 (E) | ...]``; grads: (n, E).
     Computes what ``optimizer.update(lines[:, :E], [state views], grads, step)`` computes on
     numpy (float64 intermediates, one rounding per stored value): bit-identical, except Ftrl
-    with lr_power != -0.5, whose pow may differ in the last float64 ulp.
+    with lr_power other than +-0.5, whose pow may differ in the last float64 ulp.
     """
     launch = resolve(launch)
     t = _check_step(step)

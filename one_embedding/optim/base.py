@@ -61,6 +61,11 @@ def check_bool(owner: str, name: str, value) -> bool:
     return bool(value)
 
 
+def as_f64(xp, a):
+    """A float64 copy of ``a`` (numpy or cupy)."""
+    return a.astype(xp.float64)
+
+
 def _check_step(step) -> int:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise InputError(f"step={step!r} must be an integer >= 1: the global step counts updates "

@@ -8,7 +8,7 @@ Every test needs CuPy and a CUDA device and is skipped cleanly without them. Che
   subnormal input or result of a float32 operation (a segment sum, int8 scaling, the final
   rounding of an update) would read as 0 on the GPU and differ from numpy there, and nowhere else;
 - within 1 float32 ulp, rarely off by one: initial values (CUDA's float64 log1p / cos may differ
-  from the host libm in the last ulp) and Ftrl with lr_power != -0.5 (pow).
+  from the host libm in the last ulp) and Ftrl with lr_power other than +-0.5 (pow).
 Sizes range from empty batches to a million keys, so the grid-stride loops run many rounds and
 real blocks race (the emulation tests, tests/test_device_cache_emulation.py, run one block at a
 time).
@@ -187,9 +187,16 @@ def _optimizers():
         "adam_decoupled": lambda: Adam(lr=0.01, weight_decay=0.1, weight_decay_mode="decoupled"),
         "adam_amsgrad_l2": lambda: Adam(lr=0.01, betas=(0.8, 0.99), amsgrad=True, weight_decay=0.01,
                                         weight_decay_mode="l2"),
-        "ftrl": lambda: Ftrl(lr=0.1),
-        "ftrl_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5, weight_decay=0.01),
-        "ftrl_power": lambda: Ftrl(lr=0.05, lr_power=-0.7, initial_accumulator_value=0.5),
+        "ftrl": lambda: Ftrl(lr=0.1, convention="oneflow"),
+        "ftrl_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5, weight_decay=0.01,
+                                        convention="oneflow"),
+        "ftrl_half_decoupled": lambda: Ftrl(lr=0.05, lr_power=0.5, lambda1=0.01, weight_decay=0.01,
+                                            weight_decay_mode="decoupled", convention="oneflow"),
+        "ftrl_power": lambda: Ftrl(lr=0.05, lr_power=-0.7, initial_accumulator_value=0.5,
+                                   convention="oneflow"),
+        "ftrl_tensorflow": lambda: Ftrl(lr=0.1, convention="tensorflow"),
+        "ftrl_tensorflow_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5,
+                                                   weight_decay=0.01, convention="tensorflow"),
     }
 
 

@@ -44,14 +44,18 @@ def ref_update(kind, hp, w, states, g, t):
         bc1, bc2 = 1 - b1**t, 1 - b2**t
         w -= (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + hp["eps"]) + lr * dwd * old
     elif kind == "ftrl":
+        # OneFlow's FtrlUpdateFunctor (n ** lr_power, lambda2, zero where |z| < lambda1), or
+        # TensorFlow's FTRL-Proximal (n ** -lr_power, 2 * lambda2, zero where |z| <= lambda1)
         n, z = states
-        p = -hp["lr_power"]
+        tf = hp.get("convention") == "tensorflow"
+        p = -hp["lr_power"] if tf else hp["lr_power"]
         n_new = n + g * g
         sigma = (n_new**p - n**p) / lr
         z += g - sigma * w
         n[:] = n_new
-        denom = (hp["beta"] + n**p) / lr + 2 * hp["lambda2"]
-        w[:] = np.where(np.abs(z) > hp["lambda1"], (np.sign(z) * hp["lambda1"] - z) / denom, 0.0)
+        denom = (hp["beta"] + n**p) / lr + (2 * hp["lambda2"] if tf else hp["lambda2"])
+        dead = np.abs(z) <= hp["lambda1"] if tf else np.abs(z) < hp["lambda1"]
+        w[:] = np.where(dead, 0.0, (np.sign(z) * hp["lambda1"] - z) / denom)
     else:
         raise ValueError(kind)
 
@@ -77,9 +81,17 @@ CASES = {
                         "decoupled": True}, [0.0, 0.0]),
     "ftrl": (lambda hp: oe.optim.Ftrl(lr=hp["lr"], lr_power=hp["lr_power"],
                                       initial_accumulator_value=hp["iav"], lambda1=hp["lambda1"],
-                                      lambda2=hp["lambda2"], beta=hp["beta"]),
+                                      lambda2=hp["lambda2"], beta=hp["beta"],
+                                      convention="oneflow"),
              {"lr": 0.1, "lr_power": -0.5, "iav": 0.1, "lambda1": 0.001, "lambda2": 0.01,
               "beta": 0.5}, ["iav", 0.0]),
+    "ftrl_tensorflow": (lambda hp: oe.optim.Ftrl(lr=hp["lr"], lr_power=hp["lr_power"],
+                                                 initial_accumulator_value=hp["iav"],
+                                                 lambda1=hp["lambda1"], lambda2=hp["lambda2"],
+                                                 beta=hp["beta"], convention="tensorflow"),
+                        {"lr": 0.1, "lr_power": -0.5, "iav": 0.1, "lambda1": 0.001,
+                         "lambda2": 0.01, "beta": 0.5, "convention": "tensorflow"},
+                        ["iav", 0.0]),
 }
 
 

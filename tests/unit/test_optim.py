@@ -40,14 +40,24 @@ def reference_step(opt, w, states, g, t):
         bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if opt.do_bias_correction else (1.0, 1.0)
         return w - (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + opt.eps), [m, v]
     if isinstance(opt, Ftrl):
-        n, z = states
-        n_new = n + g ** 2
-        sigma = (n_new ** -opt.lr_power - n ** -opt.lr_power) / lr
-        z = z + g - sigma * w
-        quad = (opt.beta + n_new ** -opt.lr_power) / lr + 2 * opt.lambda2
-        w_new = np.where(np.abs(z) > opt.lambda1, (np.sign(z) * opt.lambda1 - z) / quad, 0.0)
-        return w_new, [n_new, z]
+        return ftrl_reference_step(opt, w, states, g, lr)
     raise AssertionError(opt)
+
+
+def ftrl_reference_step(opt, w, states, g, lr):
+    """OneFlow's formula (FtrlUpdateFunctor: n ** lr_power, lambda2 as given, zero where
+    |z| < lambda1) or TensorFlow's FTRL-Proximal (n ** -lr_power, 2*lambda2, zero where
+    |z| <= lambda1); g already holds the L2 term."""
+    n, z = states
+    oneflow = opt.convention == "oneflow"
+    p = opt.lr_power if oneflow else -opt.lr_power
+    q = opt.lambda2 if oneflow else 2 * opt.lambda2
+    n_new = n + g ** 2
+    z = z + g - (n_new ** p - n ** p) / lr * w
+    dwd = opt.weight_decay if opt.weight_decay_mode == "decoupled" else 0.0
+    update = (np.sign(z) * opt.lambda1 - z) / ((opt.beta + n_new ** p) / lr + q) - lr * dwd * w
+    dead = np.abs(z) < opt.lambda1 if oneflow else np.abs(z) <= opt.lambda1
+    return np.where(dead, 0.0, update), [n_new, z]
 
 
 CASES = {
@@ -60,11 +70,17 @@ CASES = {
     "adam": lambda: Adam(0.01),
     "adam_wd_betas": lambda: Adam(0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05),
     "adam_no_bias_correction": lambda: Adam(0.01, do_bias_correction=False),
-    "ftrl": lambda: Ftrl(0.1),
+    "ftrl": lambda: Ftrl(0.1, convention="oneflow"),
     "ftrl_all": lambda: Ftrl(0.2, lr_power=-0.5, initial_accumulator_value=0.5, lambda1=0.05,
-                             lambda2=0.1, beta=0.5),
+                             lambda2=0.1, beta=0.5, convention="oneflow"),
     "ftrl_pow": lambda: Ftrl(0.1, lr_power=-0.7, initial_accumulator_value=0.2, lambda1=0.01,
-                             lambda2=0.02, beta=1.0),
+                             lambda2=0.02, beta=1.0, convention="oneflow"),
+    "ftrl_half": lambda: Ftrl(0.1, lr_power=0.5, lambda1=0.01, beta=1.0, convention="oneflow"),
+    "ftrl_tf": lambda: Ftrl(0.1, convention="tensorflow"),
+    "ftrl_tf_all": lambda: Ftrl(0.2, lr_power=-0.5, initial_accumulator_value=0.5, lambda1=0.05,
+                                lambda2=0.1, beta=0.5, convention="tensorflow"),
+    "ftrl_tf_pow": lambda: Ftrl(0.1, lr_power=-0.7, initial_accumulator_value=0.2, lambda1=0.01,
+                                lambda2=0.02, beta=1.0, convention="tensorflow"),
 }
 
 
@@ -232,8 +248,9 @@ def test_matches_torch_optim(case):
 # ---------------------------------------------------------------------------------------------
 # FTRL properties
 # ---------------------------------------------------------------------------------------------
-def test_ftrl_large_lambda1_gives_exact_zeros_but_keeps_accumulating():
-    opt = Ftrl(0.1, lambda1=1e3)
+@pytest.mark.parametrize("convention", ["oneflow", "tensorflow"])
+def test_ftrl_large_lambda1_gives_exact_zeros_but_keeps_accumulating(convention):
+    opt = Ftrl(0.1, lambda1=1e3, convention=convention)
     rng = np.random.default_rng(6)
     lines = make_lines(opt, rng)
     w, (n, z) = split(lines, 2)
@@ -245,8 +262,9 @@ def test_ftrl_large_lambda1_gives_exact_zeros_but_keeps_accumulating():
     assert np.abs(z).max() > 0
 
 
-def test_ftrl_zeroes_exactly_where_z_within_lambda1():
-    opt = Ftrl(0.1, lambda1=0.5, lambda2=0.1)
+@pytest.mark.parametrize("convention", ["oneflow", "tensorflow"])
+def test_ftrl_zeroes_exactly_where_z_within_lambda1(convention):
+    opt = Ftrl(0.1, lambda1=0.5, lambda2=0.1, convention=convention)
     rng = np.random.default_rng(7)
     lines = make_lines(opt, rng)
     w, (n, z) = split(lines, 2)
@@ -260,19 +278,22 @@ def test_ftrl_zeroes_exactly_where_z_within_lambda1():
     assert np.all(np.sign(w[~inside]) == -np.sign(z[~inside]))
 
 
-def test_ftrl_first_step_from_zero_is_adagrad_like():
-    # From w = 0 with no regularization: z = g, so w = -lr*g/sqrt(n0 + g^2).
-    opt = Ftrl(0.3, initial_accumulator_value=0.2)
+def test_ftrl_first_step_from_zero():
+    # From w = 0 with no regularization z = g, so FTRL-Proximal (TensorFlow's convention) gives
+    # the Adagrad-like w = -lr*g/sqrt(n0 + g^2), and OneFlow's n ** lr_power w = -lr*g*sqrt(n0 + g^2)
     g = np.random.default_rng(8).normal(size=(4, 5)).astype(np.float32)
-    w, n, z = np.zeros_like(g), np.full_like(g, 0.2), np.zeros_like(g)
-    opt.update(w, [n, z], g, 1)
     g64 = g.astype(np.float64)
-    np.testing.assert_allclose(w, -0.3 * g64 / np.sqrt(0.2 + g64 ** 2), rtol=1e-6)
-    np.testing.assert_array_equal(z, g)
+    for convention, want in [("tensorflow", -0.3 * g64 / np.sqrt(0.2 + g64 ** 2)),
+                             ("oneflow", -0.3 * g64 * np.sqrt(0.2 + g64 ** 2))]:
+        opt = Ftrl(0.3, initial_accumulator_value=0.2, convention=convention)
+        w, n, z = np.zeros_like(g), np.full_like(g, 0.2), np.zeros_like(g)
+        opt.update(w, [n, z], g, 1)
+        np.testing.assert_allclose(w, want, rtol=1e-6)
+        np.testing.assert_array_equal(z, g)
 
 
 def test_ftrl_refuses_zero_lr_from_a_schedule():
-    opt = Ftrl(0.1)
+    opt = Ftrl(0.1, convention="oneflow")
     opt.lr = 0.0
     w, n, z, g = (np.zeros((2, 2), np.float32) for _ in range(4))
     with pytest.raises(ConfigError, match=r"lr=0\.0.*start_factor > 0"):
@@ -287,7 +308,7 @@ def test_ftrl_refuses_zero_lr_from_a_schedule():
     (SGD(0.1, momentum=0.5), 1, (0.0,), 2),
     (Adagrad(0.1, initial_accumulator_value=0.25), 1, (0.25,), 2),
     (Adam(0.1), 2, (0.0, 0.0), 3),
-    (Ftrl(0.1, initial_accumulator_value=0.3), 2, (0.3, 0.0), 3),
+    (Ftrl(0.1, initial_accumulator_value=0.3, convention="oneflow"), 2, (0.3, 0.0), 3),
 ])
 def test_line_layout(opt, n_states, initial, size_factor):
     assert opt.n_states == n_states == len(opt.state_names)
@@ -313,7 +334,10 @@ def test_line_layout(opt, n_states, initial, size_factor):
     (lambda: Adam(0.1, eps=-1e-8), r"eps=-1e-08"),
     (lambda: Adam(0.1, do_bias_correction="yes"), r"do_bias_correction='yes'"),
     (lambda: Ftrl(0.0), r"Ftrl: lr=0\.0 .*\(0, inf\)"),
-    (lambda: Ftrl(0.1, lr_power=0.5), r"lr_power=0\.5 .*\(-inf, 0\]"),
+    (lambda: Ftrl(0.1, lr_power=0.5, convention="tensorflow"),
+     r"lr_power=0\.5 .*\(-inf, 0\].*TensorFlow's convention"),
+    (lambda: Ftrl(0.1, lr_power=float("nan")), r"lr_power=nan"),
+    (lambda: Ftrl(0.1, convention="tf"), r"convention='tf': use 'oneflow'"),
     (lambda: Ftrl(0.1, initial_accumulator_value=0.0), r"initial_accumulator_value=0\.0 .*\(0"),
     (lambda: Ftrl(0.1, lambda1=-1.0), r"lambda1=-1\.0"),
     (lambda: Ftrl(0.1, lambda2=float("inf")), r"lambda2=inf"),
@@ -501,13 +525,7 @@ def general_reference_step(opt, w, states, g, t):
         bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if opt.do_bias_correction else (1.0, 1.0)
         return w - (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + opt.eps) - lr * dwd * w, new
     if isinstance(opt, Ftrl):
-        n, z = states
-        p = -opt.lr_power
-        n_new = n + g ** 2
-        z = z + g - (n_new ** p - n ** p) / lr * w
-        quad = (opt.beta + n_new ** p) / lr + 2 * opt.lambda2
-        return np.where(np.abs(z) > opt.lambda1, (np.sign(z) * opt.lambda1 - z) / quad, 0.0), \
-            [n_new, z]
+        return ftrl_reference_step(opt, w, states, g, lr)
     raise AssertionError(opt)
 
 
@@ -531,7 +549,14 @@ NEW_CASES = {
     "adam_amsgrad_l2_maximize": lambda: Adam(lr=0.01, amsgrad=True, weight_decay=0.01,
                                              weight_decay_mode="l2", maximize=True),
     "ftrl_l2": lambda: Ftrl(lr=0.2, weight_decay=0.05, initial_accumulator_value=0.5,
-                            lambda1=0.05, lambda2=0.1, beta=0.5),
+                            lambda1=0.05, lambda2=0.1, beta=0.5, convention="oneflow"),
+    "ftrl_tf_l2": lambda: Ftrl(lr=0.2, weight_decay=0.05, initial_accumulator_value=0.5,
+                               lambda1=0.05, lambda2=0.1, beta=0.5, convention="tensorflow"),
+    "ftrl_decoupled": lambda: Ftrl(lr=0.2, weight_decay=0.05, lambda1=0.05, beta=0.5,
+                                   weight_decay_mode="decoupled", convention="oneflow"),
+    "ftrl_tf_decoupled_maximize": lambda: Ftrl(lr=0.2, weight_decay=0.05, lambda1=0.05,
+                                               weight_decay_mode="decoupled", maximize=True,
+                                               convention="tensorflow"),
     "adagrad_grad_scale": lambda: _with_grad_scale(Adagrad(lr=0.1, weight_decay=0.01), 1 / 1024),
 }
 
@@ -581,7 +606,8 @@ def test_defaults_are_bit_identical_to_naming_every_default(case):
                                       weight_decay_mode="l2"),
         "ftrl_all": lambda: Ftrl(lr=0.2, weight_decay=0.0, lr_power=-0.5,
                                  initial_accumulator_value=0.5, lambda1=0.05, lambda2=0.1,
-                                 beta=0.5),
+                                 beta=0.5, weight_decay_mode="l2", convention="oneflow",
+                                 maximize=False),
     }[case]
     results = []
     for make in (CASES[case], spelled):
@@ -670,7 +696,6 @@ def test_params_first_as_in_oneflow_and_lr_positionally_as_before():
     (lambda: Adam(amsgrad=1), r"amsgrad=1 must be True or False"),
     (lambda: Adagrad(maximize=None), r"maximize=None"),
     (lambda: Adam(weight_decay_mode="adamw"), r"weight_decay_mode='adamw': use 'l2'"),
-    (lambda: Ftrl(weight_decay_mode="decoupled"), r"only 'l2'"),
 ])
 def test_bad_new_arguments_are_named(make, pattern):
     with pytest.raises(ConfigError, match=pattern):

@@ -2,6 +2,7 @@
 training loop computed by hand before; its steps, evaluation, snapshots and final record."""
 import contextlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -111,3 +112,40 @@ def test_docstring_examples_run():
     from one_embedding import training
 
     assert doctest.testmod(training).failed == 0
+
+
+def test_ftrl_convention_oneflow_for_a_new_run_and_the_checkpoints_on_resume(tmp_path, monkeypatch):
+    import warnings
+
+    import one_embedding.training as training
+
+    path = str(tmp_path / "table")
+    cfg = TrainConfig(steps=2, optimizer="ftrl", lr=0.05, persistent_path=path, **TINY)
+    assert cfg.ftrl_convention is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # the convention is chosen: no ConventionWarning
+        trainer = Trainer(cfg, metrics_path=str(tmp_path / "a.jsonl"), progress=False)
+    assert trainer.cfg.ftrl_convention == "oneflow" == trainer.optimizer.optimizer.convention
+    trainer.run()
+    resumed = dict(steps=4, optimizer="ftrl", lr=0.05, persistent_path=path, resume=True, **TINY)
+    again = Trainer(TrainConfig(**resumed), metrics_path=os.devnull, progress=False)
+    assert again.optimizer.optimizer.convention == "oneflow"
+    again.close()
+    with pytest.raises(ConfigError, match=r"ftrl_convention: 'oneflow' -> 'tensorflow'"):
+        Trainer(TrainConfig(**resumed, ftrl_convention="tensorflow"), metrics_path=os.devnull,
+                progress=False)
+    # a checkpoint written before the option existed: its run computed TensorFlow's convention
+    saved = training.saved_config
+
+    def without_convention(*args):
+        config = saved(*args)
+        del config["ftrl_convention"]
+        return config
+
+    monkeypatch.setattr(training, "saved_config", without_convention)
+    old = Trainer(TrainConfig(**resumed), metrics_path=os.devnull, progress=False)
+    assert old.cfg.ftrl_convention == "tensorflow" == old.optimizer.optimizer.convention
+    old.close()
+    with pytest.raises(ConfigError, match=r"ftrl_convention: 'tensorflow' -> 'oneflow'"):
+        Trainer(TrainConfig(**resumed, ftrl_convention="oneflow"), metrics_path=os.devnull,
+                progress=False)

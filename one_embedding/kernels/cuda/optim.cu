@@ -35,6 +35,13 @@ __device__ __forceinline__ double gradient_term(double g, double factor, double 
   return gi;
 }
 
+// n ** power in double; +-0.5 as sqrt and 1 / sqrt (correctly rounded), as the CPU kernels.
+__device__ __forceinline__ double ftrl_powered(double n, double power) {
+  if (power == 0.5) return sqrt(n);
+  if (power == -0.5) return 1.0 / sqrt(n);
+  return pow(n, power);
+}
+
 }  // namespace optim
 }  // namespace oe
 
@@ -104,28 +111,31 @@ __global__ void optim_adam(T* lines, int line_size, const T* grads, oe::i64 n, i
   }
 }
 
-// FTRL-Proximal: n' = n + g'^2; z += g' - (n'^p - n^p) / lr * w; n = n';
-// w = (sign(z) l1 - z) / ((beta + n'^p) / lr + 2 l2) where |z| > l1, else 0
-// (p = power = -lr_power; states 1, 2 = n, z). p = 0.5 takes sqrt, as the CPU kernel does.
+// FTRL, both conventions of optim/ftrl.py: n' = n + g'^2; z += g' - (P(n') - P(n)) / lr * w;
+// n = n'; w = (sign(z) l1 - z) / ((beta + P(n')) / lr + quad_l2) - lr_wd * w outside the dead
+// zone (|z| < l1, or |z| <= l1 when closed), else 0; P(n) = n ** power (states 1, 2 = n, z).
 template <typename T>
 __global__ void optim_ftrl(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                            double factor, double l2, double inv_lr, double power, double l1,
-                           double lambda2, double beta) {
-  const bool use_sqrt = power == 0.5;
+                           double quad_l2, double beta, int closed, double lr_wd) {
   for (oe::i64 t = oe::grid_thread(); t < n * dim; t += oe::grid_threads()) {
     const oe::optim::Element e = oe::optim::element(t, dim, line_size);
     const double w = (double)lines[e.w];
     const double g = oe::optim::gradient_term((double)grads[e.g], factor, l2, w);
     const double acc = (double)lines[e.state(1)];
     const double acc_new = acc + g * g;
-    const double p_old = use_sqrt ? sqrt(acc) : pow(acc, power);
-    const double p_new = use_sqrt ? sqrt(acc_new) : pow(acc_new, power);
+    const double p_old = oe::optim::ftrl_powered(acc, power);
+    const double p_new = oe::optim::ftrl_powered(acc_new, power);
     const double z = (double)lines[e.state(2)] + g - (p_new - p_old) * inv_lr * w;
     lines[e.state(1)] = T(acc_new);
     lines[e.state(2)] = T(z);
-    lines[e.w] = fabs(z) > l1
-                     ? T((copysign(l1, z) - z) / ((beta + p_new) * inv_lr + 2.0 * lambda2))
-                     : T(0);
+    if (fabs(z) > l1 || (!closed && fabs(z) == l1)) {
+      double out = (copysign(l1, z) - z) / ((beta + p_new) * inv_lr + quad_l2);
+      if (lr_wd != 0.0) out = out - lr_wd * w;
+      lines[e.w] = T(out);
+    } else {
+      lines[e.w] = T(0);
+    }
   }
 }
 
