@@ -130,8 +130,9 @@ def build_model(cfg: TrainConfig, num_tables: int, store_options):
 
 
 def make_lr_schedule(cfg: TrainConfig, optimizer) -> LRSchedule:
-    """Linear warmup from 0 over cfg.warmup_steps updates (none when 0), then, with
-    cfg.decay_steps, DLRM's polynomial decay (power 2, to 0) after update cfg.decay_start."""
+    """OneFlow's DLRM schedule: a linear warmup from 0 over cfg.warmup_steps updates (none when
+    0; update t has lr * (t - 1) / warmup_steps), then, with cfg.decay_steps, the polynomial
+    decay (power 2, to 0) once cfg.decay_start updates are done."""
     if cfg.decay_steps:
         return WarmupPolynomialDecay(optimizer, cfg.lr, warmup_steps=cfg.warmup_steps,
                                      decay_start=cfg.decay_start, decay_steps=cfg.decay_steps)

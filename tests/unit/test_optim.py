@@ -407,38 +407,49 @@ class Target:
 
 
 def test_linear_warmup_values():
+    # OneFlow's LinearLR: update t is rated at t - 1, so the warmup starts at start_factor
     s = LinearWarmup(None, 2.0, warmup_steps=4)
-    assert [s.lr_at(t) for t in range(7)] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.0, 2.0]
+    assert [s.lr_at(t) for t in range(1, 8)] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.0, 2.0]
     s = LinearWarmup(None, 2.0, warmup_steps=4, start_factor=0.5)
-    assert [s.lr_at(t) for t in (0, 1, 4, 9)] == [1.0, 1.25, 2.0, 2.0]
+    assert [s.lr_at(t) for t in (1, 2, 5, 10)] == [1.0, 1.25, 2.0, 2.0]
     assert LinearWarmup(None, 3.0, warmup_steps=0).lr_at(1) == 3.0
+    # before issue 23: one update ahead
+    s = LinearWarmup(None, 2.0, warmup_steps=4, step_origin=1)
+    assert [s.lr_at(t) for t in range(1, 6)] == [0.5, 1.0, 1.5, 2.0, 2.0]
 
 
 def test_polynomial_decay_values():
     s = PolynomialDecay(None, 1.0, decay_start=10, decay_steps=4)
-    assert [s.lr_at(t) for t in (1, 10, 11, 12, 13, 14, 100)] == \
-        [1.0, 1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]
+    assert [s.lr_at(t) for t in (1, 10, 11, 12, 13, 14, 15, 100)] == \
+        [1.0, 1.0, 1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]
     s = PolynomialDecay(None, 1.0, decay_start=0, decay_steps=4, end_lr=0.2, power=1.0)
-    assert s.lr_at(2) == pytest.approx(0.6) and s.lr_at(4) == s.lr_at(50) == 0.2
+    assert s.lr_at(3) == pytest.approx(0.6) and s.lr_at(5) == s.lr_at(50) == 0.2
 
 
-def mlperf_dlrm_lr(step_count, base, warmup, decay_start, decay_steps):
-    """The MLPerf DLRM reference's rate for its scheduler step_count (= our 1-based update t),
-    inside warmup or decay (the regions where the two schedules agree by design)."""
-    if step_count < warmup:
-        return base * (1.0 - (warmup - step_count) / warmup)
-    k = step_count - decay_start
-    return max(1e-7, base * ((decay_steps - k) / decay_steps) ** 2)
+def oneflow_dlrm_lr(t, base, warmup, decay_start, decay_steps):
+    """OneFlow's DLRM schedule at its step counter s = t - 1 (train_step during update t):
+    SequentialLR([LinearLR(start_factor=0, total_iters=warmup), PolynomialLR(decay_steps,
+    end_learning_rate=0, power=2)], milestones=[decay_start], interval_rescaling=True), from
+    python/oneflow/nn/optimizer/{linear_lr,polynomial_lr,sequential_lr}.py."""
+    s = t - 1
+    if s < decay_start:                      # bisect_right([decay_start], s) == 0: LinearLR
+        return base * (0.0 + (1.0 - 0.0) * (s / warmup)) if s < warmup else base
+    cur = min(s - decay_start, decay_steps)  # interval_rescaling: PolynomialLR from 0
+    return (base - 0.0) * (1 - cur / decay_steps) ** 2.0 + 0.0
 
 
-def test_warmup_polynomial_decay_matches_mlperf_dlrm():
+def test_warmup_polynomial_decay_is_oneflows_dlrm_schedule():
     base, warmup, start, steps = 24.0, 2750, 49315, 27772
     s = WarmupPolynomialDecay(None, base, warmup, start, steps)
-    for t in [1, 2, 100, 2749, start, start + 1, start + 13886, start + steps - 100]:
-        assert s.lr_at(t) == pytest.approx(mlperf_dlrm_lr(t, base, warmup, start, steps),
-                                           rel=1e-12), t
-    assert s.lr_at(warmup) == s.lr_at(start) == base
-    assert s.lr_at(start + steps) == s.lr_at(10 ** 7) == 0.0
+    for t in [1, 2, 3, 100, 2750, 2751, 2752, start, start + 1, start + 2, start + 13886,
+              start + steps, start + steps + 1, start + steps + 2, 10 ** 7]:
+        assert s.lr_at(t) == oneflow_dlrm_lr(t, base, warmup, start, steps), t
+    assert s.lr_at(1) == 0.0 and s.lr_at(2) == pytest.approx(base / warmup, rel=1e-15)
+    assert s.lr_at(warmup + 1) == s.lr_at(start + 1) == base
+    assert s.lr_at(start + steps + 1) == 0.0 < s.lr_at(start + steps)
+    # the schedule before issue 23 was one update ahead
+    old = WarmupPolynomialDecay(None, base, warmup, start, steps, step_origin=1)
+    assert all(old.lr_at(t) == s.lr_at(t + 1) for t in [1, 2, 2749, 2750, start, start + 7])
 
 
 def test_multistep_values_and_torch_parity():
@@ -459,15 +470,35 @@ def test_multistep_values_and_torch_parity():
 def test_schedule_drives_optimizers():
     emb, dense = SGD(99.0), Target()
     s = LinearWarmup([emb, dense], 1.0, warmup_steps=4)
-    assert emb.lr == dense.lr == 0.25 == s.current_lr
+    assert emb.lr == dense.lr == 0.0 == s.current_lr
     w, g = np.zeros((1, 1), np.float32), np.ones((1, 1), np.float32)
     for t in range(1, 6):
         assert emb.lr == s.lr_at(t)
         emb.update(w, [], g, t)
         assert s.step() == s.lr_at(t + 1) == dense.lr
-    assert w[0, 0] == pytest.approx(-(0.25 + 0.5 + 0.75 + 1.0 + 1.0))
+    assert w[0, 0] == pytest.approx(-(0.0 + 0.25 + 0.5 + 0.75 + 1.0))
     resumed = LinearWarmup(Target(), 1.0, warmup_steps=4, last_step=2)
-    assert resumed.targets[0].lr == 0.75
+    assert resumed.targets[0].lr == 0.5
+
+
+def test_a_schedule_state_saved_before_issue_23_resumes_one_update_ahead():
+    import one_embedding as oe
+
+    s = WarmupPolynomialDecay(Target(), 1.0, warmup_steps=4, decay_start=6, decay_steps=3)
+    for _ in range(2):
+        s.step()
+    state = s.state_dict()
+    assert state == {"last_step": 2, "step_origin": 0}
+    fresh = WarmupPolynomialDecay(Target(), 1.0, warmup_steps=4, decay_start=6, decay_steps=3)
+    fresh.load_state_dict(state)
+    assert fresh.targets[0].lr == s.lr_at(3) == 0.5
+    old = WarmupPolynomialDecay(Target(), 1.0, warmup_steps=4, decay_start=6, decay_steps=3)
+    with pytest.warns(oe.ConventionWarning, match=r"step_origin=1, saved before issue 23"):
+        old.load_state_dict({"last_step": 2})
+    assert old.step_origin == 1 and old.targets[0].lr == 0.75
+    multi = MultiStepLR(Target(), 1.0, milestones=[2])
+    multi.load_state_dict({"last_step": 2})     # MultiStepLR always matched OneFlow's
+    assert multi.step_origin == 0 and multi.targets[0].lr == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("make,error,pattern", [
@@ -486,6 +517,7 @@ def test_schedule_drives_optimizers():
     (lambda: MultiStepLR(None, 1.0, 7), ConfigError, r"milestones=7"),
     (lambda: MultiStepLR(None, 1.0, [2], gamma=0.0), ConfigError, r"gamma=0\.0"),
     (lambda: MultiStepLR(None, 1.0, [2]).lr_at(-1), InputError, r"step=-1"),
+    (lambda: LinearWarmup(None, 1.0, 4, step_origin=2), ConfigError, r"step_origin=2: use 0"),
 ])
 def test_bad_schedule_arguments_are_named(make, error, pattern):
     with pytest.raises(error, match=pattern):

@@ -1,5 +1,5 @@
-"""The Trainer: its learning rates come from optim.lr_schedules, bit-identical to the warmup the
-training loop computed by hand before; its steps, evaluation, snapshots and final record."""
+"""The Trainer: its learning rates come from optim.lr_schedules, bit-identical to OneFlow's warmup
+(LinearLR from 0); its steps, evaluation, snapshots and final record."""
 import contextlib
 import json
 import os
@@ -16,9 +16,11 @@ from one_embedding.training import Trainer, make_lr_schedule, train
 TINY = dict(batch_size=128, synthetic_rows=4_000, synthetic_scale=0.001, eval_batches=2)
 
 
-def old_warmup_lr(lr, warmup_steps, t):
-    """The rate of update t as training.train computed it before the Trainer."""
-    return lr * min(1.0, t / warmup_steps) if warmup_steps else lr
+def oneflow_warmup_lr(lr, warmup_steps, t):
+    """The rate of update t under OneFlow's LinearLR(start_factor=0, total_iters=warmup_steps),
+    evaluated at its step counter t - 1 (python/oneflow/nn/optimizer/linear_lr.py)."""
+    s = t - 1
+    return lr * (0.0 + (1.0 - 0.0) * (s / warmup_steps)) if s < warmup_steps else lr
 
 
 class Target:
@@ -27,12 +29,12 @@ class Target:
 
 @pytest.mark.parametrize("lr", [0.05, 0.5, 1e-3, 24.0, 0.1, 0.7, 1 / 3])
 @pytest.mark.parametrize("warmup_steps", [0, 1, 3, 7, 10, 20, 49, 1000, 2750])
-def test_linear_warmup_rates_are_bit_identical_to_the_old_loop(lr, warmup_steps):
+def test_linear_warmup_rates_are_bit_identical_to_oneflows(lr, warmup_steps):
     target = Target()
     sched = make_lr_schedule(TrainConfig(lr=lr, warmup_steps=warmup_steps), target)
     assert isinstance(sched, LinearWarmup)
     for t in range(1, 3 * warmup_steps + 5):
-        assert target.lr == old_warmup_lr(lr, warmup_steps, t)   # exact, not approximate
+        assert target.lr == oneflow_warmup_lr(lr, warmup_steps, t)   # exact, not approximate
         sched.step()
 
 
@@ -61,7 +63,8 @@ def test_trainer_steps_with_the_scheduled_rates(tmp_path):
 
     trainer.optimizer.step = recording_step
     final = trainer.run()
-    assert seen == [old_warmup_lr(0.3, 4, t) for t in range(1, 8)]
+    assert seen == [oneflow_warmup_lr(0.3, 4, t) for t in range(1, 8)]
+    assert seen[:2] == [0.0, 0.075]
     assert trainer.lr_schedule.last_step == 7 and trainer.progress.step == 7
     assert trainer.progress.samples == 7 * 128 == final["samples"]
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
