@@ -65,8 +65,6 @@ class Ftrl(RowOptimizer):
             raise ConfigError(f"Ftrl: convention={convention!r}: use 'oneflow' (OneFlow's formula, "
                               "accumulator ** lr_power) or 'tensorflow' (FTRL-Proximal, "
                               "accumulator ** -lr_power)")
-        # sigma divides by lr, so Ftrl needs lr > 0 (checked again at each update).
-        self.lr = self._check_lr(self.lr)
         if self.convention == "tensorflow":
             self.lr_power = check_real("Ftrl", "lr_power", lr_power, high=0.0,
                                        hint=": TensorFlow's convention takes lr_power <= 0 "
@@ -92,12 +90,30 @@ class Ftrl(RowOptimizer):
                 f"Ftrl(lr_power={self.lr_power:g}, lambda2={self.lambda2:g}) follows OneFlow's "
                 f"formula: {'; '.join(differences)}. The weights differ from the first step. "
                 "Pass convention='oneflow' to keep OneFlow's formula (and silence this warning) "
-                "or convention='tensorflow' for FTRL-Proximal", ConventionWarning, stacklevel=2)
+                "or convention='tensorflow' for FTRL-Proximal", ConventionWarning, stacklevel=3)
+
+    def mode_state(self) -> dict:
+        return {**super().mode_state(), "convention": self.convention}
+
+    def _set_mode(self, key: str, value) -> None:
+        if key != "convention":
+            return super()._set_mode(key, value)
+        if value not in FTRL_CONVENTIONS:
+            raise ConfigError(f"Ftrl: convention={value!r} is not a convention it has")
+        if value == "tensorflow" and self.lr_power > 0:
+            raise ConfigError(f"Ftrl: the saved convention is 'tensorflow', which takes "
+                              f"lr_power <= 0, but lr_power={self.lr_power:g}: use the run's "
+                              "lr_power, or start a new run")
+        self.convention = value
 
     @staticmethod
     def _check_lr(lr) -> float:
         return check_real("Ftrl", "lr", lr, low=0.0, low_open=True,
                           hint=": FTRL divides by lr; start a warmup with start_factor > 0")
+
+    def _check_group_lr(self, lr) -> float:
+        # sigma divides by lr, so Ftrl needs lr > 0 (checked again at each update)
+        return self._check_lr(lr)
 
     def _current_lr(self) -> float:
         return self._check_lr(self.lr)

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import one_embedding as oe
-from one_embedding.errors import ConventionWarning
+from one_embedding.errors import ConfigError, ConventionWarning
 from one_embedding.optim import SGD, Adagrad, Adam, Ftrl
 
 PATHS = [True, False]
@@ -245,3 +245,76 @@ def test_one_embedding_update_kernel_references(case, path, request):
         want[:valid] = oneflow_embedding_reference(case, hp, want[:valid], [g], [t])
     k = 1 + opt.n_states
     np.testing.assert_allclose(lines[:, :k * e], want[:, :k * e], rtol=1e-5, atol=1e-5)
+
+
+# ---------------------------------------------------------------- checkpoints keep their rule
+def _dense_run(opt, p, steps, seed=11):
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        p.grad[...] = rng.normal(size=p.data.shape).astype(np.float32)
+        opt.step()
+
+
+def test_a_state_saved_before_issue_23_resumes_with_decoupled_weight_decay():
+    from one_embedding.nn.module import Parameter
+
+    def build(**kw):
+        p = Parameter(np.ones((3, 4), np.float32), name="w")
+        return oe.Optimizer(SGD([p], lr=0.1, momentum=0.9, weight_decay=0.1, **kw)), p
+
+    old, p_old = build(weight_decay_mode="decoupled")
+    _dense_run(old, p_old, 3)
+    state = old.state_dict()
+    assert state["modes"] == {"weight_decay_mode": "decoupled"}
+    del state["modes"]                            # as written before the modes were recorded
+    resumed, p_new = build()
+    p_new.data[...] = p_old.data
+    with pytest.warns(ConventionWarning, match=r"weight_decay_mode='decoupled' \(the default "
+                                               r"before issue 23\)"):
+        resumed.load_state_dict(state)
+    assert resumed.optimizer.weight_decay_mode == "decoupled"
+    _dense_run(old, p_old, 2, seed=12)
+    _dense_run(resumed, p_new, 2, seed=12)
+    np.testing.assert_array_equal(p_new.data, p_old.data)
+    explicit, _ = build(weight_decay_mode="l2")
+    with pytest.raises(ConfigError, match=r"written with weight_decay_mode='decoupled', this "
+                                          r"optimizer has weight_decay_mode='l2'"):
+        explicit.load_state_dict(state)
+    fresh, _ = build()
+    fresh.load_state_dict({**state, "modes": {"weight_decay_mode": "l2"}})
+    assert fresh.optimizer.weight_decay_mode == "l2"
+
+
+def test_a_state_saved_before_issue_23_resumes_with_tensorflows_ftrl():
+    from one_embedding.nn.module import Parameter
+
+    p = Parameter(np.ones(3, np.float32), name="w")
+    with pytest.warns(ConventionWarning):
+        opt = oe.Optimizer(Ftrl([p], lr=0.1))
+    state = opt.state_dict()
+    assert state["modes"] == {"weight_decay_mode": "l2", "convention": "oneflow"}
+    del state["modes"]
+    with pytest.warns(ConventionWarning, match=r"convention='tensorflow' \(the default before"):
+        opt.load_state_dict(state)
+    assert opt.optimizer.convention == "tensorflow"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")        # no weight decay: the rule changes nothing
+        opt.load_state_dict(state)
+
+
+def test_checkpoints_record_the_modes(tmp_path):
+    from one_embedding.checkpoint import load_checkpoint, save_checkpoint
+
+    store = oe.make_device_mem_store_options(str(tmp_path), capacity=100, size_factor=3)
+    emb = oe.MultiTableEmbedding("m", 4, np.float32, np.int64, None, store)
+    opt = oe.Optimizer(Adam(lr=0.01, weight_decay=0.1, weight_decay_mode="decoupled"),
+                       embeddings=[emb])
+    emb(np.array([1, 2]))
+    emb.backward(np.ones((2, 4), np.float32))
+    opt.step()
+    save_checkpoint("c", emb, optimizer=opt, state={"step": 1})
+    again = oe.Optimizer(Adam(lr=0.01, weight_decay=0.1), embeddings=[emb])
+    with pytest.warns(ConventionWarning, match=r"optimizer state's weight_decay_mode="):
+        load_checkpoint("c", emb, optimizer=again)
+    assert again.optimizer.weight_decay_mode == "decoupled"
+    emb.close()
