@@ -16,7 +16,7 @@ from .errors import (
     SnapshotError,
     StoreError,
 )
-from .optim import Ftrl
+from .optim import Ftrl, SmartDecayAdam
 from .optimizer import Optimizer
 from .options import (
     make_cached_host_mem_store_options,
@@ -45,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MultiTableEmbedding", "MultiTableMultiColumnEmbedding", "Embedding", "Optimizer", "Ftrl",
+    "SmartDecayAdam",
     "optim", "nn", "models", "serving",
     "metrics",
     "make_uniform_initializer", "make_normal_initializer", "make_constant_initializer",

@@ -11,7 +11,9 @@ from one_embedding.optim.lr_schedules import (LinearWarmup, LRSchedule, MultiSte
                                               PolynomialDecay, WarmupPolynomialDecay)
 from one_embedding.optim.ftrl import FTRL_CONVENTIONS, Ftrl
 from one_embedding.optim.row_optimizers import SGD, Adagrad, Adam
+from one_embedding.optim.smart_decay_adam import SmartDecayAdam
 
-__all__ = ["RowOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "LossScaler", "DEFAULT_LR",
+__all__ = ["RowOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "SmartDecayAdam", "LossScaler",
+           "DEFAULT_LR",
            "WEIGHT_DECAY_MODES", "FTRL_CONVENTIONS",
            "LRSchedule", "LinearWarmup", "PolynomialDecay", "WarmupPolynomialDecay", "MultiStepLR"]

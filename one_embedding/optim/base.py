@@ -128,6 +128,8 @@ class RowOptimizer(ABC):
 
     n_states: int = 0
     state_names: tuple[str, ...] = ()
+    #: per-row int64 columns after the state blocks (SmartDecayAdam's last step)
+    row_columns: tuple[str, ...] = ()
     use_compiled: bool = True
 
     def __init_subclass__(cls, **kwargs):
@@ -274,6 +276,10 @@ class RowOptimizer(ABC):
         """Blocks of E floats per line: the weight plus one per state."""
         return 1 + self.n_states
 
+    def required_storage_dim(self, embedding_dim: int) -> int:
+        """Floats per line for an embedding of ``embedding_dim`` columns."""
+        return self.required_size_factor() * int(embedding_dim)
+
     def check_size_factor(self, size_factor: int) -> None:
         """Raise ConfigError unless a store with ``size_factor`` can hold this optimizer's lines."""
         need = self.required_size_factor()
@@ -356,7 +362,7 @@ class RowOptimizer(ABC):
                 p.grad[...] = 0
 
     # --- update -------------------------------------------------------------------------------
-    def update(self, w, states, g, step: int) -> None:
+    def update(self, w, states, g, step: int, *, last_step=None) -> None:
         """Apply one step in place.
 
         Args:
@@ -365,6 +371,9 @@ class RowOptimizer(ABC):
             g: gradient shaped like ``w`` (float32 usually), as the loss produced it (scaled by
                 the loss scale when one is used: ``grad_scale`` undoes it).
             step: global step t >= 1 of this update.
+            last_step: for an optimizer with ``row_columns`` (SmartDecayAdam) updating embedding
+                lines: (n, 2) float32, the line's slots of each row's last-update step; the rows
+                then take the row update (without it, w is a dense parameter).
         """
         t = _check_step(step)
         lr = self._current_lr()
@@ -386,12 +395,21 @@ class RowOptimizer(ABC):
             for name, a in named:
                 if name != "g" and not a.flags.writeable:
                     raise InputError(f"{name} is read-only: pass a writable array (or view)")
+        if last_step is not None:
+            self._update_rows(xp, w, states, g, last_step, lr, t, factor)
+            return
+        if xp is np:
             if self.use_compiled:
                 views = [_as_2d(a) for a in [w, *states, g]]
                 if all(v is not None for v in views):
                     self._kernel(views[0], views[1:-1], views[-1], lr, t, factor)
                     return
         self._vectorized(xp, w, states, g, lr, t, factor)
+
+    def _update_rows(self, xp, w, states, g, last_step, lr: float, t: int,
+                     factor: float) -> None:
+        """The row update of an optimizer with ``row_columns``."""
+        raise InputError(f"{type(self).__name__} keeps no per-row step: pass last_step=None")
 
     @abstractmethod
     def _kernel(self, w, states, g, lr: float, t: int, factor: float) -> None:

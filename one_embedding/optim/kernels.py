@@ -112,3 +112,42 @@ def ftrl_kernel(w, acc, z, g, factor, l2, inv_lr, power, l1, quad_l2, beta, clos
                 w[i, j] = out
             else:
                 w[i, j] = 0.0
+
+
+@njit(cache=True, nogil=True)
+def _powi(x, k):
+    # x ** k for an integer k >= 0 by squaring: plain multiplications, so numpy, numba and CUDA
+    # round alike (pow's last bit differs between libraries)
+    result = 1.0
+    while k > 0:
+        if k & 1:
+            result = result * x
+        x = x * x
+        k >>= 1
+    return result
+
+
+@njit(cache=True, nogil=True)
+def smart_decay_adam_kernel(w, m, v, steps, g, factor, l2, b1, b2, lr, eps, t):
+    # steps: (n, 2) uint32, each row's last-update step as little-endian int64 words; every
+    # column of a row decays by the steps since then, and the row then records t.
+    n, e = w.shape
+    for i in range(n):
+        k = t - np.int64((np.uint64(steps[i, 1]) << np.uint64(32)) | np.uint64(steps[i, 0]))
+        b1k = _powi(b1, k)
+        b2k = _powi(b2, k)
+        back = _powi(b1, k - 1) if k > 1 else 1.0
+        for j in range(e):
+            wi = np.float64(w[i, j])
+            gi = np.float64(g[i, j]) * factor
+            if l2 != 0.0:
+                gi = gi + l2 * wi
+            mi = np.float64(m[i, j])
+            catchup = mi * b1 * (1.0 - back) / (1.0 - b1) if k > 1 else 0.0
+            mi = b1k * mi + (1.0 - b1) * gi
+            vi = b2k * np.float64(v[i, j]) + (1.0 - b2) * (gi * gi)
+            m[i, j] = mi
+            v[i, j] = vi
+            w[i, j] = wi - lr * (mi + catchup) / (math.sqrt(vi) + eps)
+        steps[i, 0] = np.uint32(t & 0xFFFFFFFF)
+        steps[i, 1] = np.uint32(t >> 32)

@@ -60,7 +60,7 @@ ONEFLOW_NAMES = {
 }
 
 #: not provided (the README says why)
-MISSING = {"SmartDecayAdam"}
+MISSING = set()
 #: provided, but an argument is named differently (positional calls are the same)
 ARGUMENTS_DIFFER = set()
 

@@ -42,6 +42,31 @@ __device__ __forceinline__ double ftrl_powered(double n, double power) {
   return pow(n, power);
 }
 
+// x ** k for an integer k >= 0 by squaring, in the order optim/kernels.py's _powi multiplies.
+__device__ __forceinline__ double powi(double x, i64 k) {
+  double result = 1.0;
+  while (k > 0) {
+    if (k & 1) result = result * x;
+    x = x * x;
+    k >>= 1;
+  }
+  return result;
+}
+
+// A row's last-update step: an int64 in the line, OneFlow's layout (two float32 slots holding its
+// little-endian words, or one double).
+__device__ __forceinline__ i64 load_step(const float* p) {
+  return (i64)(((u64)__float_as_uint(p[1]) << 32) | (u64)__float_as_uint(p[0]));
+}
+__device__ __forceinline__ i64 load_step(const double* p) { return __double_as_longlong(p[0]); }
+__device__ __forceinline__ void store_step(float* p, i64 step) {
+  p[0] = __uint_as_float((unsigned)((u64)step & 0xffffffffull));
+  p[1] = __uint_as_float((unsigned)((u64)step >> 32));
+}
+__device__ __forceinline__ void store_step(double* p, i64 step) {
+  p[0] = __longlong_as_double(step);
+}
+
 }  // namespace optim
 }  // namespace oe
 
@@ -139,10 +164,46 @@ __global__ void optim_ftrl(T* lines, int line_size, const T* grads, oe::i64 n, i
   }
 }
 
+// SmartDecayAdam on embedding rows (OneFlow's SmartDecaySparseAdamUpdateKernel): with
+// k = t - (the row's last step), m' = b1^k m + (1 - b1) g'; v' = b2^k v + (1 - b2) g'^2;
+// catchup = m b1 (1 - b1^(k-1)) / (1 - b1) when k > 1; w -= lr (m' + catchup) / (sqrt(v') + eps)
+// (states 1, 2 = m, v; the step at column step_col of the line). The steps are read here and
+// written by optim_smart_decay_adam_steps afterwards: a thread must not see its row's new step.
+template <typename T>
+__global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, oe::i64 n,
+                                       int dim, double factor, double l2, double b1, double b2,
+                                       double lr, double eps, oe::i64 t, int step_col) {
+  for (oe::i64 i = oe::grid_thread(); i < n * dim; i += oe::grid_threads()) {
+    const oe::optim::Element e = oe::optim::element(i, dim, line_size);
+    const oe::i64 k = t - oe::optim::load_step(lines + (i / dim) * line_size + step_col);
+    const double w = (double)lines[e.w];
+    const double g = oe::optim::gradient_term((double)grads[e.g], factor, l2, w);
+    const double m_old = (double)lines[e.state(1)];
+    const double catchup =
+        k > 1 ? m_old * b1 * (1.0 - oe::optim::powi(b1, k - 1)) / (1.0 - b1) : 0.0;
+    const double m = oe::optim::powi(b1, k) * m_old + (1.0 - b1) * g;
+    const double v = oe::optim::powi(b2, k) * (double)lines[e.state(2)] + (1.0 - b2) * (g * g);
+    lines[e.state(1)] = T(m);
+    lines[e.state(2)] = T(v);
+    lines[e.w] = T(w - lr * (m + catchup) / (sqrt(v) + eps));
+  }
+}
+
+// Record step t as every row's last update (after optim_smart_decay_adam, in stream order).
+template <typename T>
+__global__ void optim_smart_decay_adam_steps(T* lines, int line_size, oe::i64 n, oe::i64 t,
+                                             int step_col) {
+  for (oe::i64 row = oe::grid_thread(); row < n; row += oe::grid_threads()) {
+    oe::optim::store_step(lines + row * line_size + step_col, t);
+  }
+}
+
 #ifdef ONE_EMBEDDING_INSTANTIATE
 ONE_EMBEDDING_KERNEL(optim_sgd)
 ONE_EMBEDDING_KERNEL(optim_momentum)
 ONE_EMBEDDING_KERNEL(optim_adagrad)
 ONE_EMBEDDING_KERNEL(optim_adam)
 ONE_EMBEDDING_KERNEL(optim_ftrl)
+ONE_EMBEDDING_KERNEL(optim_smart_decay_adam)
+ONE_EMBEDDING_KERNEL(optim_smart_decay_adam_steps)
 #endif
