@@ -2,13 +2,14 @@
 import importlib.util
 import subprocess
 import sys
+import warnings
 import zlib
 
 import numpy as np
 import pytest
 
 from one_embedding.backend import cupy_available
-from one_embedding.errors import ConfigError, InputError
+from one_embedding.errors import ConfigError, ConventionWarning, InputError
 from one_embedding.optim import (SGD, Adagrad, Adam, Ftrl, LinearWarmup, MultiStepLR,
                                  PolynomialDecay, WarmupPolynomialDecay)
 
@@ -190,7 +191,7 @@ def test_dense_parameters_of_any_shape_and_layout(case, shape):
 
 def test_new_states_for_a_dense_parameter():
     w = np.ones((3, 2), np.float32)
-    n, z = Ftrl(0.1, initial_accumulator_value=0.25).new_states(w)
+    n, z = Ftrl(0.1, initial_accumulator_value=0.25, convention="oneflow").new_states(w)
     assert n.dtype == z.dtype == np.float32 and n.shape == z.shape == (3, 2)
     assert np.all(n == 0.25) and np.all(z == 0.0)
     assert SGD(0.1).new_states(w) == []
@@ -697,7 +698,9 @@ def test_oneflow_defaults():
         assert names[:2 + len(defaults) - 1] == ["params", *defaults], cls
         for name, value in defaults.items():
             assert params[name].default == value, (cls, name)
-        opt = cls()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConventionWarning)   # Ftrl's default: OneFlow's formula
+            opt = cls()
         assert opt.lr == 0.001 and opt.params == []
 
 
