@@ -281,7 +281,8 @@ def test_ftrl_zeroes_exactly_where_z_within_lambda1(convention):
 
 def test_ftrl_first_step_from_zero():
     # From w = 0 with no regularization z = g, so FTRL-Proximal (TensorFlow's convention) gives
-    # the Adagrad-like w = -lr*g/sqrt(n0 + g^2), and OneFlow's n ** lr_power w = -lr*g*sqrt(n0 + g^2)
+    # the Adagrad-like w = -lr*g/sqrt(n0 + g^2), and OneFlow's n ** lr_power gives
+    # w = -lr*g*sqrt(n0 + g^2)
     g = np.random.default_rng(8).normal(size=(4, 5)).astype(np.float32)
     g64 = g.astype(np.float64)
     for convention, want in [("tensorflow", -0.3 * g64 / np.sqrt(0.2 + g64 ** 2)),
