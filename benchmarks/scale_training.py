@@ -22,14 +22,14 @@ CGROUP_ROOT = "/sys/fs/cgroup/memory"
 def train_worker(job: dict) -> dict:
     """One ``train`` run of ``job["config"]`` (TrainConfig fields); the final record, its peak
     RSS and the bytes a stored row takes."""
-    from one_embedding.config import OPTIMIZERS, TrainConfig
+    from one_embedding.config import TrainConfig, make_row_optimizer
     from one_embedding.training import train
 
     cfg = TrainConfig(**job["config"])
     t0 = time.perf_counter()
     record = train(cfg, metrics_path=job["metrics"], progress=False)
     wall = time.perf_counter() - t0
-    size_factor = OPTIMIZERS[cfg.optimizer](lr=cfg.lr).required_size_factor()
+    size_factor = make_row_optimizer(cfg).required_size_factor()
     return {"final": record, "peak_rss": peak_rss(), "wall_seconds": wall,
             "line_bytes": 4 * cfg.embedding_dim * size_factor}
 

@@ -9,13 +9,14 @@ from .errors import (
     CapacityError,
     ClosedError,
     ConfigError,
+    ConventionWarning,
     InputError,
     LockedError,
     OneEmbeddingError,
     SnapshotError,
     StoreError,
 )
-from .optim import Ftrl
+from .optim import Ftrl, SmartDecayAdam
 from .optimizer import Optimizer
 from .options import (
     make_cached_host_mem_store_options,
@@ -44,6 +45,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "MultiTableEmbedding", "MultiTableMultiColumnEmbedding", "Embedding", "Optimizer", "Ftrl",
+    "SmartDecayAdam",
     "optim", "nn", "models", "serving",
     "metrics",
     "make_uniform_initializer", "make_normal_initializer", "make_constant_initializer",
@@ -53,5 +55,5 @@ __all__ = [
     "make_persistent_table_writer", "make_persistent_table_reader", "PersistentTableReader",
     "PersistentTableWriter",
     "OneEmbeddingError", "ConfigError", "InputError", "StoreError", "CapacityError",
-    "SnapshotError", "LockedError", "ClosedError",
+    "SnapshotError", "LockedError", "ClosedError", "ConventionWarning",
 ]

@@ -99,8 +99,16 @@ class TrainConfig:
                          help="passes over the data when --steps is not given")
     optimizer: str = option("adagrad", group="training", choices=tuple(sorted(OPTIMIZERS)))
     lr: float = option(0.05, group="training", at_least=0.0)
+    ftrl_convention: str | None = option(
+        None, group="training", choices=optim.FTRL_CONVENTIONS,
+        help="--optimizer ftrl: 'oneflow' (OneFlow's formula, accumulator ** lr_power; a new "
+             "run's default) or 'tensorflow' (FTRL-Proximal, accumulator ** -lr_power). With "
+             "--resume the default is the checkpoint's ('tensorflow' for one written before "
+             "this option existed)")
     warmup_steps: int = option(0, group="training", at_least=0,
-                               help="linear warmup: update t uses lr * min(1, t / warmup_steps)")
+                               help="linear warmup, OneFlow's LinearLR from 0: update t uses "
+                                    "lr * min(1, (t - 1) / warmup_steps), so the first update "
+                                    "has lr 0")
     eval_interval: int = option(0, group="training", at_least=0,
                                 help="evaluate every N steps (0: only at the end)")
     eval_batches: int = option(20, group="training", at_least=0,
@@ -118,7 +126,9 @@ class TrainConfig:
     read_ahead: int = option(4, group="data", at_least=0,
                              help="batches the loader's thread reads ahead (0: no thread)")
     decay_start: int = option(0, group="training", at_least=0,
-                              help="polynomial LR decay (power 2, to 0) starts after this update")
+                              help="polynomial LR decay (power 2, to 0) after this many "
+                                   "updates, as OneFlow's DLRM schedule: update decay_start + 1 "
+                                   "still has lr, the next one the first decayed rate")
     decay_steps: int = option(0, group="training", at_least=0,
                               help="length of the LR decay in updates (0: no decay)")
     device: str = option("cpu", group="training", choices=DEVICES,
@@ -194,6 +204,11 @@ class TrainConfig:
             flag = "--resume" if self.resume else "--overwrite"
             raise ConfigError(f"{flag} needs --persistent-path: the folder of the run's "
                               "checkpoints")
+        if self.optimizer == "ftrl" and self.warmup_steps:
+            raise ConfigError(f"warmup_steps={self.warmup_steps} with optimizer='ftrl': the "
+                              "warmup gives the first update lr 0 (OneFlow's schedule), which "
+                              "FTRL cannot take (it divides by lr): use --warmup-steps 0 with "
+                              "ftrl")
         if self.decay_steps and self.decay_start < self.warmup_steps:
             raise ConfigError(f"decay_start={self.decay_start} is before the end of the warmup "
                               f"(warmup_steps={self.warmup_steps}): use --decay-start >= "
@@ -365,3 +380,11 @@ def _check_bounds(f, value, name, what="use a value") -> None:
         raise ConfigError(f"{name}: {what} > {above}{unset}")
     if high is not None and value > high:
         raise ConfigError(f"{name}: {what} <= {high}")
+
+
+def make_row_optimizer(cfg: TrainConfig):
+    """The row optimizer ``cfg`` names, at ``cfg.lr`` with the algorithm's defaults; Ftrl by
+    ``cfg.ftrl_convention`` (OneFlow's formula when unset)."""
+    if cfg.optimizer == "ftrl":
+        return optim.Ftrl(lr=cfg.lr, convention=cfg.ftrl_convention or "oneflow")
+    return OPTIMIZERS[cfg.optimizer](lr=cfg.lr)

@@ -425,21 +425,32 @@ class MultiTableMultiColumnEmbedding:
         self._owner()
         return bool(self._pending)
 
-    def stage_gradients(self, optimizer, step: int):
-        """Compute the updated lines of every row that received a gradient since the last step,
-        without storing them; ``commit_gradients`` stores them. Raises InputError (the table
-        unchanged) when an update would make a row non-finite."""
+    def take_gradients(self):
+        """Remove the gradients received since the last step (or zero_grad), merged per key:
+        (keys (v,) uint64, lines (v, stored_size), found (v,) bool, grads (v, E) float32) of the
+        rows this rank owns, or None when there was no backward."""
         self._owner()
         if not self._pending:
             return None
         if len(self._pending) == 1:
             owner, grads = self._pending[0].owner, self._pending[0].grads
-            keys, lines, found = owner.keys, owner.lines, owner.found
+            taken = owner.keys, owner.lines, owner.found, grads
         else:
-            keys, lines, found, grads = self._owner().merge(
-                [(st.owner, st.grads) for st in self._pending])
+            taken = self._owner().merge([(st.owner, st.grads) for st in self._pending])
         self._pending.clear()
-        return self._owner().stage_update(keys, lines, found, grads, optimizer, step)
+        return taken
+
+    def stage_gradients(self, optimizer, step: int, taken=None):
+        """Compute the updated lines of every row that received a gradient since the last step
+        (or of ``taken``, what ``take_gradients`` returned), without storing them;
+        ``commit_gradients`` stores them. Raises InputError (the table unchanged) when an update
+        would make a row non-finite."""
+        self._owner()
+        if taken is None:
+            taken = self.take_gradients()
+        if taken is None:
+            return None
+        return self._owner().stage_update(*taken, optimizer, step)
 
     def commit_gradients(self, staged) -> int:
         """Store what ``stage_gradients`` computed; returns rows updated."""

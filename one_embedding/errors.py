@@ -31,3 +31,8 @@ class SnapshotError(StoreError):
 
 class LockedError(StoreError):
     """Another live process holds the persistent path."""
+
+
+class ConventionWarning(UserWarning):
+    """A setting left at its default whose result depends on a convention (OneFlow's formula or
+    another common one): the message says which applies and how to choose."""

@@ -17,6 +17,12 @@ compute each rank's loss gradient as its share of the global batch's mean (divid
 batch size, not the rank's). Embedding rows need nothing: the gradient shuffle sums them on the
 key's owner.
 
+Parameter groups (``optim.groups``): the row optimizer built on OneFlow's list of dicts updates
+each group's dense parameters and embeddings with the group's ``lr`` and ``weight_decay``, after
+clipping the group's gradients (dense and the step's embedding rows together, summed over the
+ranks) when it sets ``clip_grad_max_norm``, as OneFlow's graph does. An embedding given here and
+named by no group belongs to the only group.
+
 ``step(closure=None)`` follows PyTorch: a closure, when given, is called first (it recomputes the
 loss and the gradients) and its value is returned. Mixed precision: ``loss_scale=`` a number (a
 static scale) or a ``one_embedding.optim.LossScaler`` (dynamic). The gradients then carry the scale;
@@ -27,12 +33,11 @@ back off (``skipped`` is then True). With several ranks the decision is taken jo
 """
 from __future__ import annotations
 
-from collections.abc import MutableMapping
-
 import numpy as np
 
 from .backend import array_namespace
 from .errors import ConfigError, InputError
+from .optim.groups import clip_coefficient
 from .optim.loss_scale import LossScaler, all_finite
 from .parallel.comm import Communicator, default_comm
 
@@ -46,24 +51,31 @@ class Optimizer:
 
     def __init__(self, optimizer, embeddings=(), parameters=(), comm: Communicator | None = None,
                  loss_scale=None):
-        for attr in ("update", "initial_state", "n_states", "required_size_factor"):
+        for attr in ("update", "initial_state", "n_states", "required_size_factor",
+                     "param_groups", "for_group"):
             if not hasattr(optimizer, attr):
                 raise ConfigError(
                     f"optimizer={optimizer!r} is not a row optimizer: use one of "
                     "one_embedding.optim.SGD, Adagrad, Adam, Ftrl"
                 )
         self.optimizer = optimizer
-        self.embeddings = list(embeddings)
+        groups = optimizer.param_groups
         self.parameters = list(parameters)
-        given = list(getattr(optimizer, "params", None) or [])
+        given = optimizer.params
         if given and self.parameters:
             raise ConfigError("the dense parameters are given twice, to the row optimizer "
                               "(its params) and to Optimizer(parameters=...): pass them once")
-        if given:
-            self.parameters = given  # OneFlow's form: Optimizer(SGD(model.parameters()), [emb])
+        if self.parameters:
+            if len(groups) > 1:
+                raise ConfigError("Optimizer(parameters=...) with a row optimizer of "
+                                  f"{len(groups)} parameter groups: put the parameters into "
+                                  "the groups' 'params'")
+            groups[0].parameters = list(self.parameters)  # the row optimizer had none
+            groups[0].params = groups[0].params + list(self.parameters)
+        self.embeddings = _embeddings_by_group(groups, list(embeddings))
+        self.parameters = optimizer.params  # OneFlow's form: Optimizer(SGD(model.parameters()))
         self.loss_scaler = LossScaler.of(loss_scale)
         self.skipped = False
-        self._param_group = _ParamGroup(self)
         if not self.embeddings and not self.parameters:
             raise ConfigError("Optimizer needs embeddings=[...] and/or parameters=[...] to update")
         for emb in self.embeddings:
@@ -84,11 +96,11 @@ class Optimizer:
 
     @property
     def param_groups(self) -> list:
-        """PyTorch's / OneFlow's view for code that walks ``opt.param_groups``: one group holding
-        ``"params"`` and the row optimizer's hyper-parameters; ``group["lr"] = x`` sets the
-        learning rate (the only one that may change between steps), other keys a caller adds
-        (e.g. a scheduler's ``"initial_lr"``) are kept."""
-        return [self._param_group]
+        """The row optimizer's parameter groups (OneFlow's ``one_embedding.Optimizer`` shares
+        them too): each holds its ``"params"`` (dense parameters and embeddings), ``"lr"``,
+        ``"weight_decay"``, ``"clip_grad_max_norm"``, ``"clip_grad_norm_type"`` (writable) and
+        the optimizer-wide hyper-parameters (read only); see ``optim.groups``."""
+        return self.optimizer.param_groups
 
     @property
     def lr(self) -> float:
@@ -125,21 +137,37 @@ class Optimizer:
         if not dense and not any(emb.has_gradients for emb in self.embeddings):
             return loss  # nothing received a gradient: the step does not count
         t = self.step_count + 1
-        if scaler is not None:
-            # unscaled inside the update, where it reads the gradient: no pass over the grads
-            self.optimizer.grad_scale = 1.0 / scaler.scale
-        try:
-            staged = [emb.stage_gradients(self.optimizer, t) for emb in self.embeddings]
-            for p, states in dense:
-                self.optimizer.update(p.data, states, p.grad, t)
-        finally:
-            self.optimizer.grad_scale = 1.0
+        # unscaled inside the update, where it reads the gradient: no pass over the grads
+        factor = 1.0 / scaler.scale if scaler is not None else self.optimizer.grad_scale
+        taken = [emb.take_gradients() for emb in self.embeddings]
+        bound = self._bind_groups(dense, taken, factor)
+        staged = [emb.stage_gradients(bound[id(emb)], t, rows)
+                  for emb, rows in zip(self.embeddings, taken)]
+        for p, states in dense:
+            bound[id(p)].update(p.data, states, p.grad, t)
         self.step_count = t
         for emb, update in zip(self.embeddings, staged):
             emb.commit_gradients(update)
         if scaler is not None:
             scaler.update(found_inf=False)
         return loss
+
+    def _bind_groups(self, dense, taken, factor: float) -> dict:
+        """{id(parameter or embedding): the row optimizer bound to its group for this step}:
+        the group's lr and weight_decay, and ``factor`` times its clipping coefficient."""
+        rows = {id(emb): t[3] for emb, t in zip(self.embeddings, taken) if t is not None}
+        bound = {}
+        for group in self.optimizer.param_groups:
+            coef = 1.0
+            if group.clips:
+                members = {id(p) for p in group.parameters}
+                coef = clip_coefficient(
+                    group["clip_grad_max_norm"], group["clip_grad_norm_type"],
+                    [p.grad for p, _ in dense if id(p) in members],
+                    [rows[id(e)] for e in group.embeddings if id(e) in rows], factor, self.comm)
+            one = self.optimizer.for_group(group, factor * coef)
+            bound.update({id(x): one for x in group.parameters + group.embeddings})
+        return bound
 
     def _overflowed(self, scaler: LossScaler) -> bool:
         """True when this step's gradients hold an inf/nan on any rank. Dense gradients were
@@ -164,12 +192,17 @@ class Optimizer:
             offset += g.size
 
     def state_dict(self) -> dict:
-        """The dense side's state (PyTorch's convention): ``step_count``, ``lr`` and every dense
+        """The dense side's state (PyTorch's convention): ``step_count``, ``lr`` (each group's
+        as ``group_lr`` when there are several), the row optimizer's ``modes`` (weight decay
+        rule, Ftrl's convention: a run resumes with the rule it began with) and every dense
         parameter's optimizer state arrays as host copies, keyed ``<param name>.<state name>``.
         Embedding rows keep their state in the store (their snapshot)."""
         from .backend import to_numpy
 
-        state = {"step_count": self.step_count, "lr": float(self.optimizer.lr)}
+        state = {"step_count": self.step_count, "lr": float(self.optimizer.lr),
+                 "modes": self.optimizer.mode_state()}
+        if len(self.param_groups) > 1:
+            state["group_lr"] = [float(g["lr"]) for g in self.param_groups]
         for p, arrays in zip(self.parameters, self._dense_states):
             for name, a in zip(self.optimizer.state_names, arrays):
                 state[f"{p.name}.{name}"] = to_numpy(a).copy()
@@ -179,7 +212,9 @@ class Optimizer:
 
     def load_state_dict(self, state_dict: dict) -> None:
         """Continue from a ``state_dict()`` of an Optimizer over the same parameters (the argument
-        named as in PyTorch and OneFlow)."""
+        named as in PyTorch and OneFlow). The saved modes apply (``RowOptimizer.adopt_modes``);
+        a state saved before issue 23 records none and continues with the decoupled weight decay
+        and TensorFlow's Ftrl it ran with."""
         state = state_dict
         for p, arrays in zip(self.parameters, self._dense_states):
             for name, a in zip(self.optimizer.state_names, arrays):
@@ -188,8 +223,12 @@ class Optimizer:
                     raise InputError(f"optimizer state_dict has no {key!r} of shape {a.shape}: "
                                      "load a state saved by the same optimizer and model")
                 a[...] = array_namespace(a).asarray(state[key])
+        # a state without "modes" was saved before issue 23 changed the defaults
+        self.optimizer.adopt_modes(state.get("modes"), "the optimizer state")
         self.step_count = int(state["step_count"])
         self.optimizer.lr = float(state["lr"])
+        for group, lr in zip(self.param_groups, state.get("group_lr", ())):
+            group["lr"] = float(lr)
         if self.loss_scaler is not None and "loss_scaler" in state:
             self.loss_scaler.load_state_dict(state["loss_scaler"])
 
@@ -201,44 +240,18 @@ class Optimizer:
                 p.grad[...] = 0
 
 
-class _ParamGroup(MutableMapping):
-    """The one parameter group of an Optimizer (``param_groups[0]``); "lr" reads and writes the
-    row optimizer's learning rate, hyper-parameters read live, other keys are the caller's."""
-
-    _SHOWN = ("momentum", "dampening", "nesterov", "weight_decay", "weight_decay_mode", "betas",
-              "eps", "amsgrad", "do_bias_correction", "lr_decay", "initial_accumulator_value",
-              "lr_power", "lambda1", "lambda2", "beta", "maximize")
-
-    def __init__(self, owner: "Optimizer"):
-        self._owner = owner
-        self._extra: dict = {}
-
-    def _live(self) -> dict:
-        opt = self._owner.optimizer
-        live = {"params": self._owner.parameters, "lr": opt.lr}
-        live.update({k: getattr(opt, k) for k in self._SHOWN if hasattr(opt, k)})
-        return live
-
-    def __getitem__(self, key):
-        live = self._live()
-        return live[key] if key in live else self._extra[key]
-
-    def __setitem__(self, key, value) -> None:
-        if key == "lr":
-            self._owner.optimizer.lr = value  # checked at the next update, as schedules' values
-        elif key in self._live():
-            raise ConfigError(f"param_groups[0][{key!r}] is fixed when the row optimizer is built "
-                              f"(its state layout may depend on it); only 'lr' changes later")
-        else:
-            self._extra[key] = value
-
-    def __delitem__(self, key) -> None:
-        if key in self._live():
-            raise ConfigError(f"param_groups[0][{key!r}] cannot be removed")
-        del self._extra[key]
-
-    def __iter__(self):
-        return iter({**self._live(), **self._extra})
-
-    def __len__(self) -> int:
-        return len({**self._live(), **self._extra})
+def _embeddings_by_group(groups, embeddings: list) -> list:
+    """Every embedding to update: those given, then those only the groups name. One a group does
+    not name joins the only group; with several groups it must be named."""
+    named = [e for g in groups for e in g.embeddings]
+    for emb in embeddings:
+        if any(emb is e for e in named):
+            continue
+        if len(groups) > 1:
+            raise ConfigError(
+                f"embedding {getattr(emb, 'name', emb)!r} is in none of the row optimizer's "
+                f"{len(groups)} parameter groups: add it to the 'params' of the group whose lr, "
+                "weight_decay and clipping it follows (OneFlow's groups name its shadow "
+                "parameter)")
+        groups[0].embeddings.append(emb)
+    return embeddings + [e for e in named if not any(e is x for x in embeddings)]

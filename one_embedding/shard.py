@@ -47,7 +47,8 @@ MAX_LOGGED_LINES = 1 << 22
 
 def optimizer_layout(optimizer) -> dict:
     """What a snapshot records of the row optimizer: its name and the states its lines hold."""
-    return {"name": type(optimizer).__name__, "state_names": list(optimizer.state_names)}
+    return {"name": type(optimizer).__name__,
+            "state_names": list(optimizer.state_names) + list(optimizer.row_columns)}
 
 
 def rank_path(path, rank: int, world: int, kind: str) -> str | None:
@@ -236,8 +237,9 @@ class EmbeddingShard:
     def _stage(self, keys, lines, found, grads, optimizer, step: int) -> None:
         if not found.all():
             self.layout.reset_states(lines, ~found, optimizer)
-        optimizer.update(self.layout.embedding(lines), self.layout.states(lines, optimizer.n_states),
-                         grads, step)
+        layout = self.layout
+        optimizer.update(layout.embedding(lines), layout.states(lines, optimizer.n_states), grads,
+                         step, last_step=layout.row_column(lines, optimizer))
         finite = np.isfinite(lines).all(axis=1)
         if not finite.all():
             self._refuse_update(keys, grads, finite, optimizer, step)

@@ -66,11 +66,6 @@ class LineLayout:
         offsets = np.cumsum((0,) + self.column_dims[:-1])
         return tuple((int(o), d) for o, d in zip(offsets, self.column_dims))
 
-    @property
-    def state_slots(self) -> int:
-        """Optimizer state blocks (E floats each) that fit behind the embedding."""
-        return (self.line_size - self.embedding_dim) // self.embedding_dim
-
     def embedding(self, lines: np.ndarray) -> np.ndarray:
         """lines: (n, line_size) -> the embedding columns, a (n, E) view."""
         return lines[:, : self.embedding_dim]
@@ -83,19 +78,37 @@ class LineLayout:
     def require(self, optimizer) -> None:
         """Raise ConfigError when the line cannot hold the optimizer's state (OneFlow only
         catches this deep inside a kernel)."""
-        if optimizer.n_states > self.state_slots:
-            need = (1 + optimizer.n_states) * self.embedding_dim
+        need = optimizer.required_storage_dim(self.embedding_dim)
+        if self.line_size >= need:
+            return
+        name = type(optimizer).__name__
+        if optimizer.row_columns:
+            per_row = ", ".join(optimizer.row_columns)
             raise ConfigError(
-                f"{self.setting} gives line_size={self.line_size} but {type(optimizer).__name__} "
-                f"stores {optimizer.n_states} state(s) per element: use size_factor="
-                f"{optimizer.required_size_factor()} (line_size >= {need})"
-            )
+                f"{self.setting} gives line_size={self.line_size} but {name} stores "
+                f"{optimizer.n_states} state(s) per element and its {per_row} per row (an "
+                f"aligned int64): use storage_dim={need} (OneFlow's line)")
+        raise ConfigError(
+            f"{self.setting} gives line_size={self.line_size} but {name} stores "
+            f"{optimizer.n_states} state(s) per element: use size_factor="
+            f"{optimizer.required_size_factor()} (line_size >= {need})")
+
+    def row_column(self, lines: np.ndarray, optimizer, index: int = 0) -> np.ndarray | None:
+        """lines: (n, line_size) -> the (n, 2) float32 view of the optimizer's per-row int64
+        column ``index`` (its two little-endian words), or None when it keeps none."""
+        if index >= len(optimizer.row_columns):
+            return None
+        start = optimizer.row_column_offset(self.embedding_dim) + 2 * index
+        return lines[:, start:start + 2]
 
     def reset_states(self, lines: np.ndarray, rows: np.ndarray, optimizer) -> None:
         """State columns of ``lines[rows]`` (rows: (m,) bool or int64) to the optimizer's initial
-        values (a key's state starts there the first time the optimizer updates it)."""
+        values, and its per-row columns to 0 (a key's state starts there the first time the
+        optimizer updates it)."""
         for state, value in zip(self.states(lines, optimizer.n_states), optimizer.initial_state()):
             state[rows] = value
+        for index in range(len(optimizer.row_columns)):
+            self.row_column(lines, optimizer, index)[rows] = 0
 
     def manifest_fields(self) -> dict:
         return {"embedding_dims": list(self.column_dims), "line_size": self.line_size}

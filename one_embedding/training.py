@@ -25,12 +25,12 @@ import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Iterator
 
 import numpy as np
 
-from .config import MODELS, OPTIMIZERS, STORES, TrainConfig
+from .config import MODELS, OPTIMIZERS, STORES, TrainConfig, make_row_optimizer
 from .data import BatchLoader, SyntheticCriteo
 from .backend import array_namespace, cupy_available, embedding_device, to_numpy
 from .errors import ConfigError
@@ -130,8 +130,9 @@ def build_model(cfg: TrainConfig, num_tables: int, store_options):
 
 
 def make_lr_schedule(cfg: TrainConfig, optimizer) -> LRSchedule:
-    """Linear warmup from 0 over cfg.warmup_steps updates (none when 0), then, with
-    cfg.decay_steps, DLRM's polynomial decay (power 2, to 0) after update cfg.decay_start."""
+    """OneFlow's DLRM schedule: a linear warmup from 0 over cfg.warmup_steps updates (none when
+    0; update t has lr * (t - 1) / warmup_steps), then, with cfg.decay_steps, the polynomial
+    decay (power 2, to 0) once cfg.decay_start updates are done."""
     if cfg.decay_steps:
         return WarmupPolynomialDecay(optimizer, cfg.lr, warmup_steps=cfg.warmup_steps,
                                      decay_start=cfg.decay_start, decay_steps=cfg.decay_steps)
@@ -219,6 +220,10 @@ LIFECYCLE_FIELDS = ("admitted_rows", "not_admitted_lookups", "evicted_rows")
 
 #: config fields a resumed run may change: they change how long it runs, what it reports, and how
 #: fast, never its results (every store and cache size trains bit-identically)
+#: what a setting added later was, in effect, before it existed: a checkpoint whose config lacks
+#: it resumes with this value (Ftrl computed only TensorFlow's convention before issue 23)
+LEGACY_CONFIG = {"ftrl_convention": "tensorflow"}
+
 RESUME_MAY_CHANGE = {"steps", "epochs", "eval_interval", "eval_batches", "snapshot_interval",
                      "snapshot_name", "keep_snapshots", "prefetch_depth", "read_ahead", "cache_mb",
                      "host_cache_mb", "capacity", "resume", "overwrite", "persistent_path"}
@@ -285,7 +290,8 @@ class Trainer:
             # one GPU per rank on a machine; everything below is built on it
             self.xp.cuda.Device(self.comm.rank % max(1, self.comm.local_size)).use()
         resume_from = self._claim_path()
-        row_optimizer = OPTIMIZERS[cfg.optimizer](lr=cfg.lr)
+        cfg = self.cfg  # settings left unset are now resolved (a new run's or the checkpoint's)
+        row_optimizer = make_row_optimizer(cfg)
         self.train_loader, self.eval_loader, num_tables, total_keys = make_loaders(cfg)
         store = store_options_for(cfg, row_optimizer.required_size_factor(), total_keys)
         with embedding_device(cfg.device):
@@ -424,16 +430,21 @@ class Trainer:
                     f"checkpoint ({len(existing)} snapshot(s) without training state): train "
                     "without --resume, with --snapshot-interval N to write checkpoints")
             saved = saved_config(cfg.persistent_path, name)
-            # a field the checkpoint's version did not have yet had its default value then
-            defaults = asdict(TrainConfig())
-            diffs = config_differences({**defaults, **(saved or {})}, asdict(cfg),
-                                       RESUME_MAY_CHANGE)
+            # a field the checkpoint's version did not have yet had its default value then, or
+            # the value LEGACY_CONFIG gives for what the code did before the field existed
+            saved = {**asdict(TrainConfig()), **LEGACY_CONFIG, **(saved or {})}
+            if cfg.ftrl_convention is None:  # unset: continue as the checkpoint's run did
+                cfg = self.cfg = replace(cfg, ftrl_convention=saved["ftrl_convention"])
+            free = RESUME_MAY_CHANGE | ({"ftrl_convention"} if cfg.optimizer != "ftrl" else set())
+            diffs = config_differences(saved, asdict(cfg), free)
             if diffs:
                 raise ConfigError(
                     f"--resume: the configuration differs from checkpoint {name!r}'s in what "
                     f"changes results: {'; '.join(diffs)}. Use the checkpoint's values, or "
                     "--overwrite to start a new run")
             return name
+        if cfg.ftrl_convention is None:  # a new run: OneFlow's formula
+            self.cfg = replace(cfg, ftrl_convention="oneflow")
         if existing:
             if not cfg.overwrite:
                 raise ConfigError(

@@ -28,6 +28,7 @@ import numpy as np
 from ..errors import ConfigError, InputError
 from ..optim.base import _check_step
 from ..optim.row_optimizers import SGD, Adagrad, Adam, Ftrl
+from ..optim.smart_decay_adam import SmartDecayAdam
 from ..options import ConstantInitializer, NormalInitializer, TruncNormalInitializer, UniformInitializer
 from . import cuda_module as cm
 
@@ -447,6 +448,11 @@ def optimizer_kernel(optimizer, lr: float, t: int) -> tuple[str, tuple]:
         clr = optimizer._clr(lr, t)
         return "adagrad", (np.float64(factor), np.float64(l2), np.float64(clr),
                            np.float64(optimizer.eps), np.float64(clr * optimizer._decoupled()))
+    if isinstance(optimizer, SmartDecayAdam):   # rows: the step column follows (update_lines)
+        b1, b2 = optimizer.betas
+        return "smart_decay_adam", (np.float64(factor), np.float64(l2), np.float64(b1),
+                                    np.float64(b2), np.float64(lr), np.float64(optimizer.eps),
+                                    np.int64(t))
     if isinstance(optimizer, Adam):
         step_size, inv_sqrt_bc2 = optimizer._corrections(lr, t)
         b1, b2 = optimizer.betas
@@ -454,19 +460,23 @@ def optimizer_kernel(optimizer, lr: float, t: int) -> tuple[str, tuple]:
                         np.float64(step_size), np.float64(inv_sqrt_bc2), np.float64(optimizer.eps),
                         np.float64(lr * optimizer._decoupled()), np.int32(optimizer.amsgrad))
     if isinstance(optimizer, Ftrl):
+        power, quad_l2, closed = optimizer.kernel_constants()
         return "ftrl", (np.float64(factor), np.float64(l2), np.float64(1.0 / lr),
-                        np.float64(-optimizer.lr_power), np.float64(optimizer.lambda1),
-                        np.float64(optimizer.lambda2), np.float64(optimizer.beta))
-    raise ConfigError(f"no device kernel for {type(optimizer).__name__}: use SGD, Adagrad, Adam or Ftrl")
+                        np.float64(power), np.float64(optimizer.lambda1), np.float64(quad_l2),
+                        np.float64(optimizer.beta), np.int32(closed),
+                        np.float64(lr * optimizer._decoupled()))
+    raise ConfigError(f"no device kernel for {type(optimizer).__name__}: use SGD, Adagrad, Adam, "
+                      "Ftrl or SmartDecayAdam")
 
 
 def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = None) -> None:
     """One optimizer step on whole lines, in place, fused in one kernel.
 
-    lines: (n, L) float32, C-contiguous, each ``[w (E) | state 1 (E) | ...]``; grads: (n, E).
-    Computes what ``optimizer.update(lines[:, :E], [state views], grads, step)`` computes on
-    numpy (float64 intermediates, one rounding per stored value): bit-identical, except Ftrl
-    with lr_power != -0.5, whose pow may differ in the last float64 ulp.
+    lines: (n, L) float32, C-contiguous, each ``[w (E) | state 1 (E) | ...]`` (SmartDecayAdam's
+    with its int64 step per row after the blocks); grads: (n, E). Computes what
+    ``optimizer.update(lines[:, :E], [state views], grads, step)`` computes on numpy (float64
+    intermediates, one rounding per stored value): bit-identical, except Ftrl with lr_power
+    other than +-0.5, whose pow may differ in the last float64 ulp.
     """
     launch = resolve(launch)
     t = _check_step(step)
@@ -474,13 +484,24 @@ def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = N
     lines = device_array(launch, "lines", lines, np.float32, ndim=2, writable=True)
     grads = device_array(launch, "grads", grads, np.float32, ndim=2)
     n, dim = grads.shape
-    need = (1 + optimizer.n_states) * dim
+    need = optimizer.required_storage_dim(dim)
     if lines.shape[0] != n or lines.shape[1] < need:
+        per_row = "".join(f" + {c}" for c in optimizer.row_columns)
         raise InputError(f"lines {tuple(lines.shape)} must hold {n} rows of at least {need} floats "
-                         f"(weight + {optimizer.n_states} states of dim {dim})")
+                         f"(weight + {optimizer.n_states} states of dim {dim}{per_row})")
     name, scalars = optimizer_kernel(optimizer, lr, t)
+    head = (lines, np.int32(lines.shape[1]), grads, np.int64(n), np.int32(dim))
+    if not optimizer.row_columns:
+        launch_threads(launch, "optim", name, np.float32, n * dim, head + scalars)
+        return
+    step_col = optimizer.row_column_offset(dim)
+    steps = lines[:, step_col:step_col + 2].view(launch.xp.uint32)
+    optimizer.check_last_steps(launch.xp, steps, t)
     launch_threads(launch, "optim", name, np.float32, n * dim,
-                   (lines, np.int32(lines.shape[1]), grads, np.int64(n), np.int32(dim)) + scalars)
+                   head + scalars + (np.int32(step_col),))
+    # the rows' new step, once every thread has read the old one
+    launch_threads(launch, "optim", "smart_decay_adam_steps", np.float32, n,
+                   (lines, np.int32(lines.shape[1]), np.int64(n), np.int64(t), np.int32(step_col)))
 
 
 # ---------------------------------------------------------------- row codecs

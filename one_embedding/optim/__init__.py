@@ -9,8 +9,11 @@ from one_embedding.optim.base import DEFAULT_LR, WEIGHT_DECAY_MODES, RowOptimize
 from one_embedding.optim.loss_scale import LossScaler
 from one_embedding.optim.lr_schedules import (LinearWarmup, LRSchedule, MultiStepLR,
                                               PolynomialDecay, WarmupPolynomialDecay)
-from one_embedding.optim.row_optimizers import SGD, Adagrad, Adam, Ftrl
+from one_embedding.optim.ftrl import FTRL_CONVENTIONS, Ftrl
+from one_embedding.optim.row_optimizers import SGD, Adagrad, Adam
+from one_embedding.optim.smart_decay_adam import SmartDecayAdam
 
-__all__ = ["RowOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "LossScaler", "DEFAULT_LR",
-           "WEIGHT_DECAY_MODES",
+__all__ = ["RowOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "SmartDecayAdam", "LossScaler",
+           "DEFAULT_LR",
+           "WEIGHT_DECAY_MODES", "FTRL_CONVENTIONS",
            "LRSchedule", "LinearWarmup", "PolynomialDecay", "WarmupPolynomialDecay", "MultiStepLR"]

@@ -7,30 +7,39 @@ this library used before it took ``params``.
 
 Gradient factor: every update multiplies the gradient by ``grad_scale`` (1.0, exact, unless a
 loss scaler sets ``1/scale`` for the duration of a step) and by -1 with ``maximize=True``, then
-adds ``weight_decay * w`` in ``weight_decay_mode="l2"`` -- OneFlow's and PyTorch's weight decay, an
-L2 term in the gradient. ``weight_decay_mode="decoupled"`` (the default) subtracts
+adds ``weight_decay * w`` in ``weight_decay_mode="l2"`` (the default) -- OneFlow's and PyTorch's
+weight decay, an L2 term in the gradient. ``weight_decay_mode="decoupled"`` subtracts
 ``lr * weight_decay * w`` from the weight instead (AdamW's form), leaving the optimizer state
-free of the decay; see the optimizers' docstrings for where each term enters.
+free of the decay; see the optimizers' docstrings for where each term enters. Until issue 23 the
+default was "decoupled"; a checkpoint written then records no mode and resumes with it
+(``Optimizer.load_state_dict``).
 """
 from __future__ import annotations
 
+import copy
+import functools
 import math
 import numbers
+import warnings
 from abc import ABC, abstractmethod
 
 import numpy as np
 
 from one_embedding.backend import array_namespace
-from one_embedding.errors import ConfigError, InputError
+from one_embedding.errors import ConfigError, ConventionWarning, InputError
+from one_embedding.optim.groups import ParamGroup, build_groups, check_repeated, clip_coefficient
 
 __all__ = ["RowOptimizer", "check_real", "WEIGHT_DECAY_MODES", "DEFAULT_LR"]
 
 #: OneFlow's default learning rate for SGD, Adagrad, Adam and Ftrl (flow.optim.*, one_embedding.Ftrl)
 DEFAULT_LR = 0.001
 
-#: "decoupled": w -= lr*wd*w beside the update (this library's form since its first release);
-#: "l2": g' = g + wd*w before the update (OneFlow's and PyTorch's ``weight_decay``)
-WEIGHT_DECAY_MODES = ("decoupled", "l2")
+#: "l2" (the default): g' = g + wd*w before the update, OneFlow's and PyTorch's ``weight_decay``;
+#: "decoupled": w -= lr*wd*w beside the update (AdamW's form; this library's default until issue 23)
+WEIGHT_DECAY_MODES = ("l2", "decoupled")
+DEFAULT_WEIGHT_DECAY_MODE = "l2"
+#: the modes of a checkpoint that records none (written before issue 23 changed the defaults)
+LEGACY_MODES = {"weight_decay_mode": "decoupled", "convention": "tensorflow"}
 
 
 def check_real(owner: str, name: str, value, low: float = -math.inf, high: float = math.inf,
@@ -58,6 +67,11 @@ def check_bool(owner: str, name: str, value) -> bool:
     return bool(value)
 
 
+def as_f64(xp, a):
+    """A float64 copy of ``a`` (numpy or cupy)."""
+    return a.astype(xp.float64)
+
+
 def _check_step(step) -> int:
     if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 1:
         raise InputError(f"step={step!r} must be an integer >= 1: the global step counts updates "
@@ -79,44 +93,33 @@ def _as_2d(a):
     return r
 
 
-def _split_params(owner: str, params, lr) -> tuple[list, float]:
-    """(dense parameters, lr) from the two leading arguments.
-
-    ``params`` is OneFlow's/PyTorch's first argument, an iterable of parameters; a real number
-    there is the learning rate given positionally (``SGD(0.1)``)."""
+def _leading_arguments(owner: str, params, lr):
+    """(params, lr) from the two leading arguments: a real number as ``params`` is the learning
+    rate given positionally (``SGD(0.1)``, this library's form before it took ``params``)."""
     if isinstance(params, (numbers.Real, str, bytes)):
         # a learning rate given positionally (a string or bool gets lr's own error message)
         if lr != DEFAULT_LR:
             raise ConfigError(f"{owner}({params!r}, lr={lr!r}): the learning rate is given twice; "
                               f"pass the parameters first, e.g. {owner}(model.parameters(), "
                               f"lr={lr!r}), or only {owner}(lr={params!r})")
-        return [], params
-    if params is None:
-        return [], lr
-    if not hasattr(params, "__iter__"):
-        raise ConfigError(f"{owner}: params={params!r} is not an iterable of parameters; pass "
-                          "model.parameters(), a list of one_embedding.nn.Parameter, or nothing")
-    found = list(params)
-    for p in found:
-        if isinstance(p, dict):
-            raise ConfigError(f"{owner}: parameter groups (dicts, {sorted(p)}) are not supported: "
-                              "one optimizer has one set of hyper-parameters; build one "
-                              "Optimizer per group")
-        if not (hasattr(p, "data") and hasattr(p, "grad")):
-            raise ConfigError(f"{owner}: params holds {p!r}, which has no .data and .grad; pass "
-                              "one_embedding.nn.Parameter objects (model.parameters())")
-    return found, lr
+        return None, params
+    return params, lr
 
 
 class RowOptimizer(ABC):
     """Base class: hyper-parameters, the state layout of a line, and an in-place ``update``.
 
     Attributes:
-        params: the dense parameters given as the first argument (OneFlow's/PyTorch's
-            ``params``); ``one_embedding.Optimizer`` updates them when it is given none itself.
+        param_groups: OneFlow's / PyTorch's groups (``optim.groups``): the first argument
+            ``params`` as one group, or one per dict of a list of dicts; each has its own ``lr``,
+            ``weight_decay`` and gradient clipping.
+        params: the dense parameters of every group; ``one_embedding.Optimizer`` updates them
+            when it is given none itself.
         n_states: state arrays per weight element (the line holds ``1 + n_states`` blocks of E).
         state_names: names of those states, in line order.
-        lr: the learning rate, a plain attribute that LR schedules assign between steps.
+        lr: the first group's learning rate. LR schedules assign it between steps; the other
+            groups follow in proportion to the rates they were built with.
+        weight_decay: the first group's.
         grad_scale: every gradient is multiplied by it before the update (1.0; a loss scaler sets
             ``1/scale`` while a step runs, fusing the unscaling into the update).
         use_compiled: numpy arrays go through the numba kernel when True (the default); False
@@ -125,22 +128,139 @@ class RowOptimizer(ABC):
 
     n_states: int = 0
     state_names: tuple[str, ...] = ()
+    #: per-row int64 columns after the state blocks (SmartDecayAdam's last step)
+    row_columns: tuple[str, ...] = ()
     use_compiled: bool = True
 
+    def __init_subclass__(cls, **kwargs):
+        # Once the outermost __init__ has set every optimizer-wide argument, check what the
+        # parameter groups repeat of them.
+        super().__init_subclass__(**kwargs)
+        init = cls.__dict__.get("__init__")
+        if init is None:
+            return
+
+        @functools.wraps(init)
+        def checked_init(self, *args, **kw):
+            depth = self.__dict__.get("_init_depth", 0)
+            self._init_depth = depth + 1
+            try:
+                init(self, *args, **kw)
+            finally:
+                self._init_depth = depth
+            if depth == 0:
+                check_repeated(self, self.param_groups)
+
+        cls.__init__ = checked_init
+
     def __init__(self, params=None, lr: float = DEFAULT_LR, *, weight_decay: float = 0.0,
-                 weight_decay_mode: str = "decoupled", maximize: bool = False):
+                 weight_decay_mode: str | None = None, maximize: bool = False):
         owner = type(self).__name__
-        self.params, lr = _split_params(owner, params, lr)
-        self.lr = check_real(owner, "lr", lr, low=0.0)
-        self.weight_decay = check_real(owner, "weight_decay", weight_decay, low=0.0)
+        params, lr = _leading_arguments(owner, params, lr)
+        self.param_groups = build_groups(self, params, lr, weight_decay)
+        for group in self.param_groups:
+            group["lr"] = self._check_group_lr(group["lr"])
+        #: the modes this optimizer was given explicitly (not left at their defaults)
+        self._given_modes = {"weight_decay_mode"} if weight_decay_mode is not None else set()
+        if weight_decay_mode is None:
+            weight_decay_mode = DEFAULT_WEIGHT_DECAY_MODE
         if weight_decay_mode not in WEIGHT_DECAY_MODES:
-            raise ConfigError(f"{owner}: weight_decay_mode={weight_decay_mode!r}: use 'decoupled' "
-                              "(w -= lr*wd*w) or 'l2' (g += wd*w, OneFlow's and PyTorch's)")
+            raise ConfigError(f"{owner}: weight_decay_mode={weight_decay_mode!r}: use 'l2' "
+                              "(g += wd*w, OneFlow's and PyTorch's, the default) or 'decoupled' "
+                              "(w -= lr*wd*w, AdamW's)")
         self.weight_decay_mode = weight_decay_mode
         self.maximize = check_bool(owner, "maximize", maximize)
         self.grad_scale = 1.0
         self._standalone = None  # (step count, state arrays per param) of step() without a wrapper
         self._wrapped = False    # set by one_embedding.Optimizer, which then owns the updates
+
+    # --- modes (what a checkpoint records, so that a run resumes with the rule it began with) -
+    def mode_state(self) -> dict:
+        """The rules that changed defaults in issue 23: ``{"weight_decay_mode": ...}``."""
+        return {"weight_decay_mode": self.weight_decay_mode}
+
+    def _mode_matters(self, key: str) -> bool:
+        """Whether ``key``'s value changes this optimizer's results."""
+        if key == "weight_decay_mode":
+            stateless_sgd = type(self).__name__ == "SGD" and self.n_states == 0
+            return not stateless_sgd and any(g["weight_decay"] for g in self.param_groups)
+        return True
+
+    def adopt_modes(self, saved: dict | None, where: str = "the checkpoint") -> None:
+        """Continue with the modes ``saved`` records (``LEGACY_MODES`` for those it lacks: it
+        was written before they existed). A mode this optimizer was given explicitly must agree
+        (ConfigError otherwise); one left at its default takes the saved value, with a
+        ConventionWarning where that changes results."""
+        owner = type(self).__name__
+        saved = saved or {}
+        for key, mine in self.mode_state().items():
+            theirs = saved.get(key, LEGACY_MODES[key])
+            if theirs == mine:
+                continue
+            if key in self._given_modes:
+                raise ConfigError(f"{owner}: {where} was written with {key}={theirs!r}, this "
+                                  f"optimizer has {key}={mine!r}: build it with {key}={theirs!r} "
+                                  "to continue that run, or start a new one")
+            self._set_mode(key, theirs)
+            if self._mode_matters(key):
+                old = " (the default before issue 23)" if key not in saved else ""
+                warnings.warn(f"{owner}: continuing with {where}'s {key}={theirs!r}{old} instead "
+                              f"of the default {mine!r}, so the run resumes as it began; pass "
+                              f"{key}= explicitly to choose", ConventionWarning, stacklevel=3)
+
+    def _set_mode(self, key: str, value) -> None:
+        if key != "weight_decay_mode" or value not in WEIGHT_DECAY_MODES:
+            raise ConfigError(f"{type(self).__name__}: {key}={value!r} is not a mode it has")
+        self.weight_decay_mode = value
+
+    # --- groups -------------------------------------------------------------------------------
+    def _check_group_lr(self, lr) -> float:
+        return check_real(type(self).__name__, "lr", lr, low=0.0)
+
+    @property
+    def params(self) -> list:
+        """The dense parameters of every group, in group order."""
+        return [p for group in self.param_groups for p in group.parameters]
+
+    @property
+    def lr(self):
+        return self.param_groups[0]["lr"]
+
+    @lr.setter
+    def lr(self, value) -> None:
+        # Checked where it is used (a schedule's value); the other groups keep their ratio to the
+        # first, as OneFlow's schedulers rate each group from its own initial lr.
+        first, *others = self.param_groups
+        first["lr"] = value
+        if not others:
+            return
+        value = check_real(type(self).__name__, "lr", value, low=0.0)
+        for group in others:
+            if group.built_lr == first.built_lr:
+                group["lr"] = value
+            elif first.built_lr == 0:
+                raise ConfigError(f"{type(self).__name__}: lr={value!r} cannot move the groups in "
+                                  "proportion: the first group was built with lr 0; set each "
+                                  "group's param_groups[i]['lr'] instead")
+            else:
+                group["lr"] = value * (group.built_lr / first.built_lr)
+
+    @property
+    def weight_decay(self) -> float:
+        return self.param_groups[0]["weight_decay"]
+
+    @weight_decay.setter
+    def weight_decay(self, value) -> None:
+        self.param_groups[0]["weight_decay"] = value
+
+    def for_group(self, group: ParamGroup, grad_scale: float | None = None) -> "RowOptimizer":
+        """This optimizer with ``group``'s lr and weight_decay as its only group (a shallow copy
+        for one step: the kernels read one set of hyper-parameters), and ``grad_scale``."""
+        bound = copy.copy(self)
+        bound.param_groups = [ParamGroup(bound, lr=group["lr"],
+                                         weight_decay=group["weight_decay"])]
+        bound.grad_scale = self.grad_scale if grad_scale is None else grad_scale
+        return bound
 
     # --- layout -------------------------------------------------------------------------------
     def initial_state(self) -> tuple[float, ...]:
@@ -155,6 +275,10 @@ class RowOptimizer(ABC):
     def required_size_factor(self) -> int:
         """Blocks of E floats per line: the weight plus one per state."""
         return 1 + self.n_states
+
+    def required_storage_dim(self, embedding_dim: int) -> int:
+        """Floats per line for an embedding of ``embedding_dim`` columns."""
+        return self.required_size_factor() * int(embedding_dim)
 
     def check_size_factor(self, size_factor: int) -> None:
         """Raise ConfigError unless a store with ``size_factor`` can hold this optimizer's lines."""
@@ -171,9 +295,10 @@ class RowOptimizer(ABC):
 
     # --- gradient terms -----------------------------------------------------------------------
     def _grad_factor(self) -> float:
-        """What the raw gradient is multiplied by: grad_scale, negated with maximize."""
+        """What the raw gradient is multiplied by: grad_scale, negated with maximize. (0 is
+        clipping to a max norm of 0, which OneFlow's clip_grad_norm_ allows.)"""
         scale = check_real(type(self).__name__, "grad_scale", self.grad_scale, low=0.0,
-                           low_open=True, hint="; a loss scaler sets 1/scale")
+                           hint="; a loss scaler sets 1/scale, clipping multiplies it by <= 1")
         return -scale if self.maximize else scale
 
     def _l2(self) -> float:
@@ -196,22 +321,37 @@ class RowOptimizer(ABC):
     # --- standalone use (OneFlow's / PyTorch's optimizer.step() on dense params) ---------------
     def step(self, closure=None):
         """Update ``params`` from their ``.grad`` (OneFlow's ``Ftrl(params).step()``, for a model
-        without embeddings; with embeddings, ``one_embedding.Optimizer`` drives the updates).
-        closure: called first, its value returned (PyTorch's convention). A step in which no
-        parameter has a non-zero gradient changes nothing and is not counted."""
+        without embeddings; with embeddings, ``one_embedding.Optimizer`` drives the updates),
+        each group with its lr, weight_decay and clipping. closure: called first, its value
+        returned (PyTorch's convention). A step in which no parameter has a non-zero gradient
+        changes nothing and is not counted."""
         if self._wrapped:
             raise ConfigError(f"this {type(self).__name__} is driven by a one_embedding.Optimizer: "
                               "call that Optimizer's step()")
+        for group in self.param_groups:
+            if group.embeddings:
+                raise ConfigError(f"{type(self).__name__}: parameter group {group.index} holds "
+                                  f"embeddings; wrap the optimizer: one_embedding.Optimizer(opt) "
+                                  "updates their rows")
         loss = closure() if closure is not None else None
         if self._standalone is None:
-            self._standalone = (0, [self.new_states(p.data) for p in self.params])
+            self._standalone = (0, [[self.new_states(p.data) for p in group.parameters]
+                                    for group in self.param_groups])
         count, all_states = self._standalone
-        live = [(p, s) for p, s in zip(self.params, all_states)
-                if p.grad is not None and bool(p.grad.any())]
-        if live:
+        live = [[(p, s) for p, s in zip(group.parameters, states)
+                 if p.grad is not None and bool(p.grad.any())]
+                for group, states in zip(self.param_groups, all_states)]
+        if any(live):
             count += 1
-            for p, states in live:
-                self.update(p.data, states, p.grad, count)
+            for group, pairs in zip(self.param_groups, live):
+                coef = 1.0
+                if group.clips:
+                    coef = clip_coefficient(group["clip_grad_max_norm"],
+                                            group["clip_grad_norm_type"],
+                                            [p.grad for p, _ in pairs], [], self.grad_scale)
+                bound = self.for_group(group, self.grad_scale * coef)
+                for p, states in pairs:
+                    bound.update(p.data, states, p.grad, count)
             self._standalone = (count, all_states)
         return loss
 
@@ -222,7 +362,7 @@ class RowOptimizer(ABC):
                 p.grad[...] = 0
 
     # --- update -------------------------------------------------------------------------------
-    def update(self, w, states, g, step: int) -> None:
+    def update(self, w, states, g, step: int, *, last_step=None) -> None:
         """Apply one step in place.
 
         Args:
@@ -231,6 +371,9 @@ class RowOptimizer(ABC):
             g: gradient shaped like ``w`` (float32 usually), as the loss produced it (scaled by
                 the loss scale when one is used: ``grad_scale`` undoes it).
             step: global step t >= 1 of this update.
+            last_step: for an optimizer with ``row_columns`` (SmartDecayAdam) updating embedding
+                lines: (n, 2) float32, the line's slots of each row's last-update step; the rows
+                then take the row update (without it, w is a dense parameter).
         """
         t = _check_step(step)
         lr = self._current_lr()
@@ -252,12 +395,21 @@ class RowOptimizer(ABC):
             for name, a in named:
                 if name != "g" and not a.flags.writeable:
                     raise InputError(f"{name} is read-only: pass a writable array (or view)")
+        if last_step is not None:
+            self._update_rows(xp, w, states, g, last_step, lr, t, factor)
+            return
+        if xp is np:
             if self.use_compiled:
                 views = [_as_2d(a) for a in [w, *states, g]]
                 if all(v is not None for v in views):
                     self._kernel(views[0], views[1:-1], views[-1], lr, t, factor)
                     return
         self._vectorized(xp, w, states, g, lr, t, factor)
+
+    def _update_rows(self, xp, w, states, g, last_step, lr: float, t: int,
+                     factor: float) -> None:
+        """The row update of an optimizer with ``row_columns``."""
+        raise InputError(f"{type(self).__name__} keeps no per-row step: pass last_step=None")
 
     @abstractmethod
     def _kernel(self, w, states, g, lr: float, t: int, factor: float) -> None:
@@ -268,7 +420,11 @@ class RowOptimizer(ABC):
         """The same update as array expressions in ``xp`` (numpy or cupy)."""
 
     def __repr__(self) -> str:
-        hidden = ("use_compiled", "n_states", "state_names", "params", "grad_scale")
-        fields = ", ".join(f"{k}={v!r}" for k, v in vars(self).items()
-                           if k not in hidden and not k.startswith("_"))
-        return f"{type(self).__name__}({fields})"
+        hidden = ("use_compiled", "n_states", "state_names", "params", "grad_scale",
+                  "param_groups")
+        fields = [f"lr={self.lr!r}", f"weight_decay={self.weight_decay!r}"]
+        fields += [f"{k}={v!r}" for k, v in vars(self).items()
+                   if k not in hidden and not k.startswith("_")]
+        if len(self.param_groups) > 1:
+            fields.append(f"groups={len(self.param_groups)}")
+        return f"{type(self).__name__}({', '.join(fields)})"

@@ -77,11 +77,21 @@ def adam_kernel(w, m, v, v_max, g, factor, l2, b1, b2, step_size, inv_sqrt_bc2, 
 
 
 @njit(cache=True, nogil=True)
-def ftrl_kernel(w, acc, z, g, factor, l2, inv_lr, power, l1, lambda2, beta):
-    # power = -lr_power >= 0; 0.5 (the default) takes sqrt, which is exact and faster than pow.
+def _powered(n, power):
+    # +-0.5 as sqrt and 1/sqrt: correctly rounded, so numpy, numba and CUDA agree bit for bit
+    if power == 0.5:
+        return math.sqrt(n)
+    if power == -0.5:
+        return 1.0 / math.sqrt(n)
+    return n ** power
+
+
+@njit(cache=True, nogil=True)
+def ftrl_kernel(w, acc, z, g, factor, l2, inv_lr, power, l1, quad_l2, beta, closed, lr_wd):
+    # Both conventions (optim/ftrl.py): power = lr_power (OneFlow) or -lr_power (TensorFlow);
+    # quad_l2 = lambda2 or 2*lambda2; closed: |z| == l1 is in the dead zone (TensorFlow).
     # Multiplying by 1/lr instead of dividing twice saves a quarter of the time.
     n, e = w.shape
-    use_sqrt = power == 0.5
     for i in range(n):
         for j in range(e):
             wi = np.float64(w[i, j])
@@ -90,16 +100,54 @@ def ftrl_kernel(w, acc, z, g, factor, l2, inv_lr, power, l1, lambda2, beta):
                 gi = gi + l2 * wi
             ni = np.float64(acc[i, j])
             nn = ni + gi * gi
-            if use_sqrt:
-                p_old = math.sqrt(ni)
-                p_new = math.sqrt(nn)
-            else:
-                p_old = ni ** power
-                p_new = nn ** power
+            p_old = _powered(ni, power)
+            p_new = _powered(nn, power)
             zi = np.float64(z[i, j]) + gi - (p_new - p_old) * inv_lr * wi
             acc[i, j] = nn
             z[i, j] = zi
-            if abs(zi) > l1:
-                w[i, j] = (math.copysign(l1, zi) - zi) / ((beta + p_new) * inv_lr + 2.0 * lambda2)
+            if abs(zi) > l1 or (not closed and abs(zi) == l1):
+                out = (math.copysign(l1, zi) - zi) / ((beta + p_new) * inv_lr + quad_l2)
+                if lr_wd != 0.0:
+                    out = out - lr_wd * wi
+                w[i, j] = out
             else:
                 w[i, j] = 0.0
+
+
+@njit(cache=True, nogil=True)
+def _powi(x, k):
+    # x ** k for an integer k >= 0 by squaring: plain multiplications, so numpy, numba and CUDA
+    # round alike (pow's last bit differs between libraries)
+    result = 1.0
+    while k > 0:
+        if k & 1:
+            result = result * x
+        x = x * x
+        k >>= 1
+    return result
+
+
+@njit(cache=True, nogil=True)
+def smart_decay_adam_kernel(w, m, v, steps, g, factor, l2, b1, b2, lr, eps, t):
+    # steps: (n, 2) uint32, each row's last-update step as little-endian int64 words; every
+    # column of a row decays by the steps since then, and the row then records t.
+    n, e = w.shape
+    for i in range(n):
+        k = t - np.int64((np.uint64(steps[i, 1]) << np.uint64(32)) | np.uint64(steps[i, 0]))
+        b1k = _powi(b1, k)
+        b2k = _powi(b2, k)
+        back = _powi(b1, k - 1) if k > 1 else 1.0
+        for j in range(e):
+            wi = np.float64(w[i, j])
+            gi = np.float64(g[i, j]) * factor
+            if l2 != 0.0:
+                gi = gi + l2 * wi
+            mi = np.float64(m[i, j])
+            catchup = mi * b1 * (1.0 - back) / (1.0 - b1) if k > 1 else 0.0
+            mi = b1k * mi + (1.0 - b1) * gi
+            vi = b2k * np.float64(v[i, j]) + (1.0 - b2) * (gi * gi)
+            m[i, j] = mi
+            v[i, j] = vi
+            w[i, j] = wi - lr * (mi + catchup) / (math.sqrt(vi) + eps)
+        steps[i, 0] = np.uint32(t & 0xFFFFFFFF)
+        steps[i, 1] = np.uint32(t >> 32)

@@ -4,8 +4,9 @@ An embedding line is ``[w (E) | state1 (E) | state2 (E) ...]`` in float32; the f
 ``update`` the column views ``w = lines[:, :E]``, ``states = [lines[:, E:2E], ...]`` of the
 unique rows of a step, and the optimizer rewrites them in place. Dense parameters use the same
 objects with arrays of any shape. The math (``t`` the global step, counted from 1; g' the gradient
-after the loss-scale factor and, in ``weight_decay_mode="l2"``, plus ``wd*w``; ``dwd`` the
-decoupled decay, ``wd`` in the default ``"decoupled"`` mode and 0 in ``"l2"``):
+after the loss-scale factor and, in the default ``weight_decay_mode="l2"`` (OneFlow's), plus
+``wd*w``; ``dwd`` the decoupled decay, ``wd`` in ``weight_decay_mode="decoupled"`` and 0 in
+``"l2"``):
 
     SGD        w -= lr * (g' + dwd*w)
     momentum   m = beta*m + (1-dampening)*g';  d = g' + beta*m (nesterov) or m;
@@ -15,8 +16,9 @@ decoupled decay, ``wd`` in the default ``"decoupled"`` mode and 0 in ``"l2"``):
     Adam       m = b1*m + (1-b1)*g';  v = b2*v + (1-b2)*g'^2;  bc_i = 1 - b_i^t
                (amsgrad: v_max = max(v_max, v), used for v below)
                w -= (lr/bc1) * m/(sqrt(v)/sqrt(bc2) + eps) + lr*dwd*w
-    Ftrl       n' = n + g'^2;  sigma = (n'^-p - n^-p)/lr;  z += g' - sigma*w;  n = n'  (p = lr_power)
-               w = (sign(z)*l1 - z) / ((beta + n^-p)/lr + 2*l2)  where |z| > l1, else 0
+    Ftrl       n' = n + g'^2;  sigma = (P(n') - P(n))/lr;  z += g' - sigma*w;  n = n'
+               w = (sign(z)*l1 - z) / ((beta + P(n'))/lr + q) - lr*dwd*w outside the dead zone,
+               else 0 (OneFlow's P(n) = n^lr_power, q = lambda2, or TensorFlow's: optim.ftrl)
 
 Weight-decay terms use the weight before the update. Every update reads float32 storage, computes
 in float64 and rounds once per stored value. Over 20 steps this keeps every optimizer within
@@ -24,10 +26,11 @@ about 3e-7 (relative to the array's scale) of a float64 run, where float32 arith
 twice as far; the float64 pass costs 20-30% in the compiled kernels (Adam, Ftrl; measured).
 
 Defaults are OneFlow's (``lr=0.001`` for all four, ``flow.optim.SGD/Adagrad/Adam`` and
-``flow.one_embedding.Ftrl``). Two differences are on purpose: ``weight_decay`` is decoupled unless
-``weight_decay_mode="l2"`` (OneFlow and PyTorch add it to the gradient; keeping the decoupled
-default keeps existing runs and checkpoints bit-identical), and a momentum buffer starts at 0
-(PyTorch copies the first gradient into it, which differs only with ``dampening > 0``).
+``flow.one_embedding.Ftrl``), weight decay included: ``weight_decay`` is an L2 term added to the
+gradient, as OneFlow's optimizers (``l2=weight_decay``) and PyTorch's apply it. AdamW's decoupled
+form is ``weight_decay_mode="decoupled"`` (this library's default until issue 23). One difference
+is on purpose: a momentum buffer starts at 0 (PyTorch copies the first gradient into it, which
+differs only with ``dampening > 0``).
 
 Two paths compute the same expressions in the same order: a compiled numba kernel per optimizer
 for numpy arrays (``optim.kernels``: one pass, no temporaries, GIL released), and a vectorized
@@ -40,15 +43,15 @@ import math
 
 from one_embedding.errors import ConfigError
 from one_embedding.optim import kernels
-from one_embedding.optim.base import (DEFAULT_LR, WEIGHT_DECAY_MODES, RowOptimizer, check_bool,
-                                      check_real)
+from one_embedding.optim.base import (DEFAULT_LR, WEIGHT_DECAY_MODES, RowOptimizer, as_f64,
+                                      check_bool, check_real)
+from one_embedding.optim.ftrl import Ftrl  # its own module (two conventions); importable here
 
 __all__ = ["RowOptimizer", "SGD", "Adagrad", "Adam", "Ftrl", "check_real", "DEFAULT_LR",
            "WEIGHT_DECAY_MODES"]
 
 
-def _f64(xp, a):
-    return a.astype(xp.float64)
+_f64 = as_f64
 
 
 # ----------------------------------------------------------------------------------------------
@@ -64,7 +67,7 @@ class SGD(RowOptimizer):
 
     def __init__(self, params=None, lr: float = DEFAULT_LR, momentum: float = 0.0,
                  dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 maximize: bool = False, *, weight_decay_mode: str = "decoupled"):
+                 maximize: bool = False, *, weight_decay_mode: str | None = None):
         super().__init__(params, lr, weight_decay=weight_decay,
                          weight_decay_mode=weight_decay_mode, maximize=maximize)
         self.momentum = check_real("SGD", "momentum", momentum, 0.0, 1.0, high_open=True)
@@ -132,7 +135,7 @@ class Adagrad(RowOptimizer):
     def __init__(self, params=None, lr: float = DEFAULT_LR, lr_decay: float = 0.0,
                  weight_decay: float = 0.0, initial_accumulator_value: float = 0.0,
                  eps: float = 1e-10, *, maximize: bool = False,
-                 weight_decay_mode: str = "decoupled"):
+                 weight_decay_mode: str | None = None):
         super().__init__(params, lr, weight_decay=weight_decay,
                          weight_decay_mode=weight_decay_mode, maximize=maximize)
         self.lr_decay = check_real("Adagrad", "lr_decay", lr_decay, low=0.0)
@@ -175,8 +178,9 @@ class Adam(RowOptimizer):
     """Adam, bias-corrected by the global step; AMSGrad with ``amsgrad=True``.
 
     Arguments and defaults as OneFlow's ``flow.optim.Adam(params, lr=0.001, betas=(0.9, 0.999),
-    eps=1e-8, weight_decay=0.0, amsgrad=False, do_bias_correction=True)``. ``weight_decay`` is
-    decoupled (AdamW's ``lr*wd*w``) unless ``weight_decay_mode="l2"`` (Adam's, OneFlow's).
+    eps=1e-8, weight_decay=0.0, amsgrad=False, do_bias_correction=True)``. ``weight_decay`` is an
+    L2 term in the gradient (Adam's, OneFlow's) unless ``weight_decay_mode="decoupled"`` (AdamW's
+    ``lr*wd*w``).
     State: ``[m, v]``, both starting at 0, and ``v_max`` (starting at 0) with amsgrad, so an
     embedding needs size_factor 3, or 4 with amsgrad (OneFlow's embeddings refuse amsgrad).
     """
@@ -187,7 +191,7 @@ class Adam(RowOptimizer):
     def __init__(self, params=None, lr: float = DEFAULT_LR, betas=(0.9, 0.999),
                  eps: float = 1e-8, weight_decay: float = 0.0, amsgrad: bool = False,
                  do_bias_correction: bool = True, *, maximize: bool = False,
-                 weight_decay_mode: str = "decoupled"):
+                 weight_decay_mode: str | None = None):
         super().__init__(params, lr, weight_decay=weight_decay,
                          weight_decay_mode=weight_decay_mode, maximize=maximize)
         try:
@@ -253,83 +257,3 @@ class Adam(RowOptimizer):
             w64 *= lr * decay
             out -= w64
         w[...] = out
-
-
-class Ftrl(RowOptimizer):
-    """FTRL-Proximal (McMahan et al. 2013) with TensorFlow's conventions (``n^-lr_power``, beta).
-
-    Arguments and defaults as OneFlow's ``flow.one_embedding.Ftrl(params, lr=0.001,
-    weight_decay=0.0, lr_power=-0.5, initial_accumulator_value=0.1, lambda1=0.0, lambda2=0.0,
-    beta=0.0)``; ``weight_decay`` is an L2 term in the gradient, as OneFlow applies it (the weight
-    is recomputed from z each step, so a decoupled shrink would not persist).
-    State: ``[n, z]``: the squared-gradient accumulator, starting at ``initial_accumulator_value``
-    (> 0), and the linear term z, starting at 0. The weight is recomputed from them each step, so
-    it is exactly 0 wherever ``|z| <= lambda1``.
-    """
-
-    n_states = 2
-    state_names = ("accumulator", "linear")
-
-    def __init__(self, params=None, lr: float = DEFAULT_LR, weight_decay: float = 0.0,
-                 lr_power: float = -0.5, initial_accumulator_value: float = 0.1,
-                 lambda1: float = 0.0, lambda2: float = 0.0, beta: float = 0.0, *,
-                 maximize: bool = False, weight_decay_mode: str = "l2"):
-        if weight_decay_mode != "l2":
-            raise ConfigError(f"Ftrl: weight_decay_mode={weight_decay_mode!r}: FTRL recomputes w "
-                              "from z each step, so only 'l2' (g += wd*w) applies")
-        super().__init__(params, lr, weight_decay=weight_decay, weight_decay_mode="l2",
-                         maximize=maximize)
-        # sigma divides by lr, so Ftrl needs lr > 0 (checked again at each update).
-        self.lr = self._check_lr(self.lr)
-        self.lr_power = check_real("Ftrl", "lr_power", lr_power, high=0.0)
-        self.initial_accumulator_value = check_real(
-            "Ftrl", "initial_accumulator_value", initial_accumulator_value, low=0.0,
-            low_open=True, hint=": n^-lr_power of a zero accumulator leaves 0/0 on a zero gradient")
-        self.lambda1 = check_real("Ftrl", "lambda1", lambda1, low=0.0)
-        self.lambda2 = check_real("Ftrl", "lambda2", lambda2, low=0.0)
-        self.beta = check_real("Ftrl", "beta", beta, low=0.0)
-
-    @staticmethod
-    def _check_lr(lr) -> float:
-        return check_real("Ftrl", "lr", lr, low=0.0, low_open=True,
-                          hint=": FTRL divides by lr; start a warmup with start_factor > 0")
-
-    def _current_lr(self) -> float:
-        return self._check_lr(self.lr)
-
-    def initial_state(self) -> tuple[float, ...]:
-        return (self.initial_accumulator_value, 0.0)
-
-    def _kernel(self, w, states, g, lr, t, factor):
-        kernels.ftrl_kernel(w, states[0], states[1], g, factor, self._l2(), 1.0 / lr,
-                            -self.lr_power, self.lambda1, self.lambda2, self.beta)
-
-    def _vectorized(self, xp, w, states, g, lr, t, factor):
-        acc, z = states
-        power = -self.lr_power
-        w64 = _f64(xp, w)
-        g64 = self._scaled_grad(xp, g, w64, factor, self._l2())
-        n_old = _f64(xp, acc)
-        n_new = n_old + g64 * g64
-        acc[...] = n_new
-        if power == 0.5:
-            p_old, p_new = xp.sqrt(n_old), xp.sqrt(n_new)
-        else:
-            p_old, p_new = n_old ** power, n_new ** power
-        del n_old, n_new
-        inv_lr = 1.0 / lr
-        p_old -= p_new          # p_old now holds -(p_new - p_old)
-        p_old *= inv_lr
-        p_old *= w64            # -sigma * w
-        z64 = _f64(xp, z)
-        z64 += g64
-        z64 += p_old
-        z[...] = z64
-        del p_old, g64, w64
-        p_new += self.beta
-        p_new *= inv_lr
-        p_new += 2.0 * self.lambda2
-        num = xp.copysign(xp.float64(self.lambda1), z64)
-        num -= z64
-        num /= p_new
-        w[...] = xp.where(xp.abs(z64) > self.lambda1, num, 0.0)

@@ -266,10 +266,10 @@ def _serving_config(saved: dict):
 
 
 def _build_model(cfg, num_tables: int):
-    from ..config import OPTIMIZERS
+    from ..config import make_row_optimizer
     from ..options import make_device_mem_store_options
     from ..training import build_model
 
-    size_factor = OPTIMIZERS[cfg.optimizer](lr=cfg.lr).required_size_factor()
+    size_factor = make_row_optimizer(cfg).required_size_factor()
     store = make_device_mem_store_options(None, capacity=1024, size_factor=size_factor)
     return build_model(cfg, num_tables, store)

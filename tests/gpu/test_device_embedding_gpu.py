@@ -96,7 +96,7 @@ def _optimizer(name: str):
     return {"sgd": lambda: oe.optim.SGD(lr=0.1),
             "adagrad": lambda: oe.optim.Adagrad(lr=0.1, initial_accumulator_value=0.1),
             "adam": lambda: oe.optim.Adam(lr=0.01, weight_decay=0.01),
-            "ftrl": lambda: oe.optim.Ftrl(lr=0.05, lambda1=0.001)}[name]()
+            "ftrl": lambda: oe.optim.Ftrl(lr=0.05, lambda1=0.001, convention="oneflow")}[name]()
 
 
 def _train(device, preset, optim, path, steps=6, batch=2048, cache_rows=4096, depth=0, **kwargs):

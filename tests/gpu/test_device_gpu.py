@@ -8,7 +8,7 @@ Every test needs CuPy and a CUDA device and is skipped cleanly without them. Che
   subnormal input or result of a float32 operation (a segment sum, int8 scaling, the final
   rounding of an update) would read as 0 on the GPU and differ from numpy there, and nowhere else;
 - within 1 float32 ulp, rarely off by one: initial values (CUDA's float64 log1p / cos may differ
-  from the host libm in the last ulp) and Ftrl with lr_power != -0.5 (pow).
+  from the host libm in the last ulp) and Ftrl with lr_power other than +-0.5 (pow).
 Sizes range from empty batches to a million keys, so the grid-stride loops run many rounds and
 real blocks race (the emulation tests, tests/test_device_cache_emulation.py, run one block at a
 time).
@@ -174,18 +174,29 @@ def _optimizers():
         "momentum": lambda: SGD(lr=0.05, momentum=0.9),
         "momentum_dampening_l2": lambda: SGD(lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.02,
                                              weight_decay_mode="l2"),
-        "nesterov_decoupled": lambda: SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01),
+        "nesterov_decoupled": lambda: SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                          weight_decay_mode="decoupled"),
+        "momentum_wd": lambda: SGD(lr=0.05, momentum=0.9, weight_decay=0.01),
         "adagrad": lambda: Adagrad(lr=0.1, initial_accumulator_value=0.1),
         "adagrad_decay_wd": lambda: Adagrad(lr=0.1, lr_decay=0.01, weight_decay=0.01, eps=1e-6),
+        "adagrad_decoupled": lambda: Adagrad(lr=0.1, weight_decay=0.01, weight_decay_mode="decoupled"),
         "adagrad_l2_maximize": lambda: Adagrad(lr=0.1, weight_decay=0.05, weight_decay_mode="l2",
                                                maximize=True),
         "adam": lambda: Adam(lr=0.01),
         "adam_wd_no_bias_correction": lambda: Adam(lr=0.01, weight_decay=0.1, do_bias_correction=False),
+        "adam_decoupled": lambda: Adam(lr=0.01, weight_decay=0.1, weight_decay_mode="decoupled"),
         "adam_amsgrad_l2": lambda: Adam(lr=0.01, betas=(0.8, 0.99), amsgrad=True, weight_decay=0.01,
                                         weight_decay_mode="l2"),
-        "ftrl": lambda: Ftrl(lr=0.1),
-        "ftrl_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5, weight_decay=0.01),
-        "ftrl_power": lambda: Ftrl(lr=0.05, lr_power=-0.7, initial_accumulator_value=0.5),
+        "ftrl": lambda: Ftrl(lr=0.1, convention="oneflow"),
+        "ftrl_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5, weight_decay=0.01,
+                                        convention="oneflow"),
+        "ftrl_half_decoupled": lambda: Ftrl(lr=0.05, lr_power=0.5, lambda1=0.01, weight_decay=0.01,
+                                            weight_decay_mode="decoupled", convention="oneflow"),
+        "ftrl_power": lambda: Ftrl(lr=0.05, lr_power=-0.7, initial_accumulator_value=0.5,
+                                   convention="oneflow"),
+        "ftrl_tensorflow": lambda: Ftrl(lr=0.1, convention="tensorflow"),
+        "ftrl_tensorflow_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5,
+                                                   weight_decay=0.01, convention="tensorflow"),
     }
 
 
@@ -214,6 +225,33 @@ def test_fused_optimizer_update_is_the_cpu_update(name, n, dim):
         assert _ulps(_get(lines), want).max() <= 1
     else:
         _exact(lines, want)
+
+
+@pytest.mark.parametrize("n,dim", [(257, 13), (50_000, 128)])
+def test_smart_decay_adam_rows_are_the_cpu_update(n, dim):
+    """Rows updated on a sparse schedule (k = steps since the row's last update up to 9): the
+    fused kernel and the step-writing kernel equal the numba kernel bit for bit."""
+    from one_embedding.kernels import device_ops
+    from one_embedding.optim import SmartDecayAdam
+
+    cp = _cp()
+    gpu_opt, cpu_opt = (SmartDecayAdam(lr=0.01, weight_decay=0.01) for _ in range(2))
+    rng = np.random.default_rng(n)
+    col = cpu_opt.row_column_offset(dim)
+    want = np.zeros((n, cpu_opt.required_storage_dim(dim)), np.float32)
+    want[:, :dim] = rng.uniform(-1, 1, (n, dim))
+    lines = cp.asarray(want)
+    for step in range(1, 12):
+        rows = np.flatnonzero(rng.random(n) < 0.3)
+        grads = rng.uniform(-1, 1, (rows.size, dim)).astype(np.float32)
+        sub = cp.ascontiguousarray(lines[cp.asarray(rows)])
+        device_ops.update_lines(gpu_opt, sub, cp.asarray(grads), step)
+        lines[cp.asarray(rows)] = sub
+        cpu = np.ascontiguousarray(want[rows])
+        cpu_opt.update(cpu[:, :dim], [cpu[:, dim:2 * dim], cpu[:, 2 * dim:3 * dim]], grads, step,
+                       last_step=cpu[:, col:col + 2])
+        want[rows] = cpu
+    _exact(lines, want)
 
 
 # ---------------------------------------------------------------- row codecs

@@ -2,7 +2,10 @@
 global batches; each rank takes its block of every global batch. Rank 0 writes a JSON report.
 
     mpiexec -n 2 python tests/mpi/embedding_worker.py OUT.json [--exchange-dtype int8]
-        [--path DIR] [--save NAME] [--load NAME] [--steps N]
+        [--path DIR] [--save NAME] [--load NAME] [--steps N] [--clip MAX_NORM]
+
+--clip: one parameter group holding the model and the embedding, clipped to that global 2-norm
+(the rows' gradients summed over the ranks).
 """
 import argparse
 import json
@@ -38,6 +41,7 @@ def main():
     ap.add_argument("--load", default=None)
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--dim", type=int, default=16)
+    ap.add_argument("--clip", type=float, default=None)
     args = ap.parse_args()
     comm = default_comm()
     E = args.dim
@@ -50,7 +54,12 @@ def main():
                                  store, seed=3, exchange_dtype=args.exchange_dtype)
     model = DLRM(num_tables=TABLES, embedding_dim=E, dense_features=5, bottom_mlp=(16, E),
                  top_mlp=(16, 1), embedding=emb, seed=2)
-    opt = oe.Optimizer(oe.optim.Adagrad(lr=0.05), embeddings=[emb], parameters=list(model.parameters()))
+    if args.clip is None:
+        opt = oe.Optimizer(oe.optim.Adagrad(lr=0.05), embeddings=[emb],
+                           parameters=list(model.parameters()))
+    else:
+        group = {"params": list(model.parameters()) + [emb], "clip_grad_max_norm": args.clip}
+        opt = oe.Optimizer(oe.optim.Adagrad([group], lr=0.05))
     if args.load:
         emb.load_snapshot(args.load)
     loss_fn = BCEWithLogits()

@@ -33,7 +33,10 @@ def run(tmp_path, world, *args, name=None, launcher=True):
     cmd = [sys.executable, str(WORKER), str(out), *map(str, args)]
     if launcher:
         cmd = [mpiexec(), "-n", str(world)] + cmd
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    # this checkout's package, as the other subprocess tests do (not an installed copy)
+    path = str(helpers.ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     report = json.loads(out.read_text())
     table = np.load(str(out) + ".npz")
@@ -59,6 +62,18 @@ def test_ranks_train_like_one_rank(world, tmp_path):
     assert got["owned_only"], "a rank holds a key it does not own"
     assert got["dense_identical_across_ranks"]
     assert got["exchange_bytes"] > 0 and base["exchange_bytes"] == 0
+
+
+def test_clipping_by_the_global_norm_trains_like_one_rank(tmp_path):
+    # the clip norm sums the rows' gradients over the ranks (each key on one rank)
+    base, keys, lines = run(tmp_path, 1, "--clip", 0.05, name="c1.json")
+    got, k, l = run(tmp_path, 2, "--clip", 0.05, name="c2.json")
+    unclipped, _, _ = run(tmp_path, 1, name="u1.json")
+    assert helpers.max_rel_diff(base["losses"], unclipped["losses"]) > 1e-3   # it did clip
+    assert helpers.max_rel_diff(got["losses"], base["losses"]) < 1e-4
+    np.testing.assert_array_equal(k, keys)
+    np.testing.assert_allclose(l, lines, rtol=1e-4, atol=1e-6)
+    assert got["dense_identical_across_ranks"]
 
 
 def test_int8_and_fp16_exchange_bytes_and_accuracy(tmp_path):

@@ -71,7 +71,7 @@ def _optimizer(name: str):
             "adagrad": lambda: oe.optim.Adagrad(lr=0.1, initial_accumulator_value=0.1),
             "adam": lambda: oe.optim.Adam(lr=0.01, weight_decay=0.01),
             "momentum": lambda: oe.optim.SGD(lr=0.05, momentum=0.9, nesterov=True),
-            "ftrl": lambda: oe.optim.Ftrl(lr=0.05, lambda1=0.001)}[name]()
+            "ftrl": lambda: oe.optim.Ftrl(lr=0.05, lambda1=0.001, convention="oneflow")}[name]()
 
 
 def _host(a) -> np.ndarray:

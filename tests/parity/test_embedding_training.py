@@ -1,8 +1,9 @@
 """Training through MultiTableEmbedding equals a dense float64 implementation of the formulas.
 
 K steps on random batches with duplicate ids, new keys appearing mid-training and a padding_idx,
-for each of the five optimizers (SGD, SGD+momentum, Adagrad, Adam, Ftrl). The reference below
-restates REFERENCE.md's formulas independently of one_embedding.optim, computing in float64 and
+for each of the five optimizers (SGD, SGD+momentum, Adagrad, Adam, Ftrl), and Adam with AdamW's
+decoupled decay. The reference below restates OneFlow's formulas (weight decay an L2 term in the
+gradient) independently of one_embedding.optim, computing in float64 and
 storing rows as the line does (float32) after each step, so the comparison measures the update
 arithmetic rather than the storage format.
 """
@@ -18,19 +19,22 @@ PAD = 7
 
 
 def ref_update(kind, hp, w, states, g, t):
-    """float64 formulas of REFERENCE.md; w, states updated in place; g: (E,) float64."""
+    """float64 formulas (OneFlow's: weight_decay is an L2 term in the gradient, g += wd*w; with
+    hp["decoupled"] AdamW's lr*wd*w instead); w, states updated in place; g: (E,) float64."""
     lr, wd = hp["lr"], hp.get("weight_decay", 0.0)
+    l2, dwd = (0.0, wd) if hp.get("decoupled") else (wd, 0.0)
+    g = g + l2 * w
     if kind == "sgd":
-        w -= lr * (g + wd * w)
+        w -= lr * (g + dwd * w)
     elif kind == "momentum":
         m = states[0]
         m[:] = hp["momentum"] * m + g
-        w -= lr * m + lr * wd * w
+        w -= lr * m + lr * dwd * w
     elif kind == "adagrad":
         s = states[0]
         clr = lr / (1 + (t - 1) * hp["lr_decay"])
         s += g * g
-        w -= clr * g / (np.sqrt(s) + hp["eps"]) + clr * wd * w
+        w -= clr * g / (np.sqrt(s) + hp["eps"]) + clr * dwd * w
     elif kind == "adam":
         m, v = states
         b1, b2 = hp["betas"]
@@ -38,16 +42,20 @@ def ref_update(kind, hp, w, states, g, t):
         m[:] = b1 * m + (1 - b1) * g
         v[:] = b2 * v + (1 - b2) * g * g
         bc1, bc2 = 1 - b1**t, 1 - b2**t
-        w -= (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + hp["eps"]) + lr * wd * old
+        w -= (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + hp["eps"]) + lr * dwd * old
     elif kind == "ftrl":
+        # OneFlow's FtrlUpdateFunctor (n ** lr_power, lambda2, zero where |z| < lambda1), or
+        # TensorFlow's FTRL-Proximal (n ** -lr_power, 2 * lambda2, zero where |z| <= lambda1)
         n, z = states
-        p = -hp["lr_power"]
+        tf = hp.get("convention") == "tensorflow"
+        p = -hp["lr_power"] if tf else hp["lr_power"]
         n_new = n + g * g
         sigma = (n_new**p - n**p) / lr
         z += g - sigma * w
         n[:] = n_new
-        denom = (hp["beta"] + n**p) / lr + 2 * hp["lambda2"]
-        w[:] = np.where(np.abs(z) > hp["lambda1"], (np.sign(z) * hp["lambda1"] - z) / denom, 0.0)
+        denom = (hp["beta"] + n**p) / lr + (2 * hp["lambda2"] if tf else hp["lambda2"])
+        dead = np.abs(z) <= hp["lambda1"] if tf else np.abs(z) < hp["lambda1"]
+        w[:] = np.where(dead, 0.0, (np.sign(z) * hp["lambda1"] - z) / denom)
     else:
         raise ValueError(kind)
 
@@ -66,11 +74,24 @@ CASES = {
     "adam": (lambda hp: oe.optim.Adam(lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
                                       weight_decay=hp["weight_decay"]),
              {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.001}, [0.0, 0.0]),
+    "adam_decoupled": (lambda hp: oe.optim.Adam(lr=hp["lr"], betas=hp["betas"], eps=hp["eps"],
+                                                weight_decay=hp["weight_decay"],
+                                                weight_decay_mode="decoupled"),
+                       {"lr": 0.01, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01,
+                        "decoupled": True}, [0.0, 0.0]),
     "ftrl": (lambda hp: oe.optim.Ftrl(lr=hp["lr"], lr_power=hp["lr_power"],
                                       initial_accumulator_value=hp["iav"], lambda1=hp["lambda1"],
-                                      lambda2=hp["lambda2"], beta=hp["beta"]),
+                                      lambda2=hp["lambda2"], beta=hp["beta"],
+                                      convention="oneflow"),
              {"lr": 0.1, "lr_power": -0.5, "iav": 0.1, "lambda1": 0.001, "lambda2": 0.01,
               "beta": 0.5}, ["iav", 0.0]),
+    "ftrl_tensorflow": (lambda hp: oe.optim.Ftrl(lr=hp["lr"], lr_power=hp["lr_power"],
+                                                 initial_accumulator_value=hp["iav"],
+                                                 lambda1=hp["lambda1"], lambda2=hp["lambda2"],
+                                                 beta=hp["beta"], convention="tensorflow"),
+                        {"lr": 0.1, "lr_power": -0.5, "iav": 0.1, "lambda1": 0.001,
+                         "lambda2": 0.01, "beta": 0.5, "convention": "tensorflow"},
+                        ["iav", 0.0]),
 }
 
 
@@ -117,15 +138,15 @@ def test_training_matches_float64_formulas(kind, tmp_path):
         np.testing.assert_allclose(out, want_out, rtol=1e-6, atol=1e-7)
         summed: dict[int, np.ndarray] = {}
         for (b, j), key in np.ndenumerate(ids):
-            if key != PAD:
-                summed.setdefault(int(key), np.zeros(E))
-                summed[int(key)] += grad[b, j].astype(np.float64)
+            if key != PAD:  # summed in float32, as the gradient shuffle sums them
+                summed.setdefault(int(key), np.zeros(E, np.float32))
+                summed[int(key)] += grad[b, j]
         emb.backward(grad)
         opt.step()
         opt.zero_grad()
         for key, g in summed.items():
             w, *states = ref[key]
-            ref_update(kind, hp, w, states, g, t)
+            ref_update(kind.split("_")[0], hp, w, states, g.astype(np.float64), t)
             # the line stores float32: the reference stores what the formulas give, rounded once
             for a in (w, *states):
                 a[:] = a.astype(np.float32)

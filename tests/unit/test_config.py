@@ -96,6 +96,9 @@ def test_config_is_frozen_and_replace_validates_again():
     (dict(store="cached_ssd"), r"store='cached_ssd' needs --persistent-path"),
     (dict(warmup_steps=10, decay_steps=5, decay_start=3), r"decay_start=3 is before the end of the "
                                                           r"warmup \(warmup_steps=10\)"),
+    (dict(optimizer="ftrl", warmup_steps=10), r"warmup_steps=10 with optimizer='ftrl': .* lr 0 "
+                                              r".* use --warmup-steps 0"),
+    (dict(ftrl_convention="tf"), r"ftrl_convention='tf' \(--ftrl-convention\): choose one of"),
 ])
 def test_bad_values_name_the_value_the_flag_and_the_fix(kwargs, message):
     with pytest.raises(ConfigError, match=message):

@@ -71,7 +71,7 @@ def test_gradient_shape_and_order_errors(trained):
     [
         (lambda: oe.optim.Adam(lr=0.1), 2, "size_factor=3"),
         (lambda: oe.optim.Adagrad(lr=0.1), 1, "size_factor=2"),
-        (lambda: oe.optim.Ftrl(lr=0.1), 2, "size_factor=3"),
+        (lambda: oe.optim.Ftrl(lr=0.1, convention="oneflow"), 2, "size_factor=3"),
         (lambda: oe.optim.SGD(lr=0.1, momentum=0.9), 1, "size_factor=2"),
     ],
 )

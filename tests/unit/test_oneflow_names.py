@@ -54,7 +54,6 @@ NOTES = {
                 "(`opt.optimizer`) here",
     "state": "flow.optim.Optimizer's per-parameter state; an embedding row's state lives in its "
              "line here, a dense parameter's in the row optimizer",
-    "SmartDecayAdam": "not yet",
 }
 
 
@@ -63,7 +62,7 @@ def _instances():
     out = {name: getattr(oe, name)(f"names_{name}", 4, np.float32, np.int64, None, store,
                                    padding_idx=0) for name in EMBEDDINGS if hasattr(oe, name)}
     out["Optimizer"] = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[out["MultiTableEmbedding"]])
-    out["Ftrl"] = oe.Ftrl(lr=0.1)
+    out["Ftrl"] = oe.Ftrl(lr=0.1, convention="oneflow")
     return out
 
 

@@ -2,13 +2,14 @@
 import importlib.util
 import subprocess
 import sys
+import warnings
 import zlib
 
 import numpy as np
 import pytest
 
 from one_embedding.backend import cupy_available
-from one_embedding.errors import ConfigError, InputError
+from one_embedding.errors import ConfigError, ConventionWarning, InputError
 from one_embedding.optim import (SGD, Adagrad, Adam, Ftrl, LinearWarmup, MultiStepLR,
                                  PolynomialDecay, WarmupPolynomialDecay)
 
@@ -17,37 +18,47 @@ N_ROWS, DIM = 192, 16
 
 
 # ---------------------------------------------------------------------------------------------
-# float64 reference: the formulas of REFERENCE.md, written independently of the implementation
+# float64 reference: OneFlow's formulas (weight_decay an L2 term in the gradient, as OneFlow's
+# CastScaleRegularizeGradientFunctor adds l2 * w), written independently of the implementation
 # ---------------------------------------------------------------------------------------------
 def reference_step(opt, w, states, g, t):
     """One update in float64. w, states, g: float64 arrays; returns (w, states)."""
     lr = opt.lr
+    g = g + opt.weight_decay * w
     if isinstance(opt, SGD):
-        wd = opt.weight_decay
         if opt.momentum > 0:
             m = opt.momentum * states[0] + g
-            return w - lr * m - lr * wd * w, [m]
-        return w - lr * (g + wd * w), []
+            return w - lr * m, [m]
+        return w - lr * g, []
     if isinstance(opt, Adagrad):
         clr = lr / (1 + (t - 1) * opt.lr_decay)
         s = states[0] + g ** 2
-        return w - clr * g / (np.sqrt(s) + opt.eps) - clr * opt.weight_decay * w, [s]
+        return w - clr * g / (np.sqrt(s) + opt.eps), [s]
     if isinstance(opt, Adam):
         b1, b2 = opt.betas
         m = b1 * states[0] + (1 - b1) * g
         v = b2 * states[1] + (1 - b2) * g ** 2
         bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if opt.do_bias_correction else (1.0, 1.0)
-        return w - (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + opt.eps) \
-            - lr * opt.weight_decay * w, [m, v]
+        return w - (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + opt.eps), [m, v]
     if isinstance(opt, Ftrl):
-        n, z = states
-        n_new = n + g ** 2
-        sigma = (n_new ** -opt.lr_power - n ** -opt.lr_power) / lr
-        z = z + g - sigma * w
-        quad = (opt.beta + n_new ** -opt.lr_power) / lr + 2 * opt.lambda2
-        w_new = np.where(np.abs(z) > opt.lambda1, (np.sign(z) * opt.lambda1 - z) / quad, 0.0)
-        return w_new, [n_new, z]
+        return ftrl_reference_step(opt, w, states, g, lr)
     raise AssertionError(opt)
+
+
+def ftrl_reference_step(opt, w, states, g, lr):
+    """OneFlow's formula (FtrlUpdateFunctor: n ** lr_power, lambda2 as given, zero where
+    |z| < lambda1) or TensorFlow's FTRL-Proximal (n ** -lr_power, 2*lambda2, zero where
+    |z| <= lambda1); g already holds the L2 term."""
+    n, z = states
+    oneflow = opt.convention == "oneflow"
+    p = opt.lr_power if oneflow else -opt.lr_power
+    q = opt.lambda2 if oneflow else 2 * opt.lambda2
+    n_new = n + g ** 2
+    z = z + g - (n_new ** p - n ** p) / lr * w
+    dwd = opt.weight_decay if opt.weight_decay_mode == "decoupled" else 0.0
+    update = (np.sign(z) * opt.lambda1 - z) / ((opt.beta + n_new ** p) / lr + q) - lr * dwd * w
+    dead = np.abs(z) < opt.lambda1 if oneflow else np.abs(z) <= opt.lambda1
+    return np.where(dead, 0.0, update), [n_new, z]
 
 
 CASES = {
@@ -60,11 +71,17 @@ CASES = {
     "adam": lambda: Adam(0.01),
     "adam_wd_betas": lambda: Adam(0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05),
     "adam_no_bias_correction": lambda: Adam(0.01, do_bias_correction=False),
-    "ftrl": lambda: Ftrl(0.1),
+    "ftrl": lambda: Ftrl(0.1, convention="oneflow"),
     "ftrl_all": lambda: Ftrl(0.2, lr_power=-0.5, initial_accumulator_value=0.5, lambda1=0.05,
-                             lambda2=0.1, beta=0.5),
+                             lambda2=0.1, beta=0.5, convention="oneflow"),
     "ftrl_pow": lambda: Ftrl(0.1, lr_power=-0.7, initial_accumulator_value=0.2, lambda1=0.01,
-                             lambda2=0.02, beta=1.0),
+                             lambda2=0.02, beta=1.0, convention="oneflow"),
+    "ftrl_half": lambda: Ftrl(0.1, lr_power=0.5, lambda1=0.01, beta=1.0, convention="oneflow"),
+    "ftrl_tf": lambda: Ftrl(0.1, convention="tensorflow"),
+    "ftrl_tf_all": lambda: Ftrl(0.2, lr_power=-0.5, initial_accumulator_value=0.5, lambda1=0.05,
+                                lambda2=0.1, beta=0.5, convention="tensorflow"),
+    "ftrl_tf_pow": lambda: Ftrl(0.1, lr_power=-0.7, initial_accumulator_value=0.2, lambda1=0.01,
+                                lambda2=0.02, beta=1.0, convention="tensorflow"),
 }
 
 
@@ -174,7 +191,7 @@ def test_dense_parameters_of_any_shape_and_layout(case, shape):
 
 def test_new_states_for_a_dense_parameter():
     w = np.ones((3, 2), np.float32)
-    n, z = Ftrl(0.1, initial_accumulator_value=0.25).new_states(w)
+    n, z = Ftrl(0.1, initial_accumulator_value=0.25, convention="oneflow").new_states(w)
     assert n.dtype == z.dtype == np.float32 and n.shape == z.shape == (3, 2)
     assert np.all(n == 0.25) and np.all(z == 0.0)
     assert SGD(0.1).new_states(w) == []
@@ -200,8 +217,14 @@ TORCH_CASES = {
                                                      initial_accumulator_value=0.3, eps=1e-7)),
     "adam": (lambda: Adam(0.01, betas=(0.85, 0.99), eps=1e-6),
              lambda torch, p: torch.optim.Adam([p], lr=0.01, betas=(0.85, 0.99), eps=1e-6)),
+    # weight_decay as PyTorch's (and OneFlow's) Adam applies it: g += wd*w
+    "adam_wd": (lambda: Adam(0.01, weight_decay=0.1),
+                lambda torch, p: torch.optim.Adam([p], lr=0.01, weight_decay=0.1)),
+    "momentum_wd": (lambda: SGD(0.03, momentum=0.9, weight_decay=0.02),
+                    lambda torch, p: torch.optim.SGD([p], lr=0.03, momentum=0.9,
+                                                     weight_decay=0.02)),
     # Decoupled decay lr*wd*w on the old weight is exactly AdamW's w *= 1 - lr*wd first.
-    "adamw": (lambda: Adam(0.01, weight_decay=0.1),
+    "adamw": (lambda: Adam(0.01, weight_decay=0.1, weight_decay_mode="decoupled"),
               lambda torch, p: torch.optim.AdamW([p], lr=0.01, weight_decay=0.1)),
 }
 
@@ -226,8 +249,9 @@ def test_matches_torch_optim(case):
 # ---------------------------------------------------------------------------------------------
 # FTRL properties
 # ---------------------------------------------------------------------------------------------
-def test_ftrl_large_lambda1_gives_exact_zeros_but_keeps_accumulating():
-    opt = Ftrl(0.1, lambda1=1e3)
+@pytest.mark.parametrize("convention", ["oneflow", "tensorflow"])
+def test_ftrl_large_lambda1_gives_exact_zeros_but_keeps_accumulating(convention):
+    opt = Ftrl(0.1, lambda1=1e3, convention=convention)
     rng = np.random.default_rng(6)
     lines = make_lines(opt, rng)
     w, (n, z) = split(lines, 2)
@@ -239,8 +263,9 @@ def test_ftrl_large_lambda1_gives_exact_zeros_but_keeps_accumulating():
     assert np.abs(z).max() > 0
 
 
-def test_ftrl_zeroes_exactly_where_z_within_lambda1():
-    opt = Ftrl(0.1, lambda1=0.5, lambda2=0.1)
+@pytest.mark.parametrize("convention", ["oneflow", "tensorflow"])
+def test_ftrl_zeroes_exactly_where_z_within_lambda1(convention):
+    opt = Ftrl(0.1, lambda1=0.5, lambda2=0.1, convention=convention)
     rng = np.random.default_rng(7)
     lines = make_lines(opt, rng)
     w, (n, z) = split(lines, 2)
@@ -254,19 +279,23 @@ def test_ftrl_zeroes_exactly_where_z_within_lambda1():
     assert np.all(np.sign(w[~inside]) == -np.sign(z[~inside]))
 
 
-def test_ftrl_first_step_from_zero_is_adagrad_like():
-    # From w = 0 with no regularization: z = g, so w = -lr*g/sqrt(n0 + g^2).
-    opt = Ftrl(0.3, initial_accumulator_value=0.2)
+def test_ftrl_first_step_from_zero():
+    # From w = 0 with no regularization z = g, so FTRL-Proximal (TensorFlow's convention) gives
+    # the Adagrad-like w = -lr*g/sqrt(n0 + g^2), and OneFlow's n ** lr_power gives
+    # w = -lr*g*sqrt(n0 + g^2)
     g = np.random.default_rng(8).normal(size=(4, 5)).astype(np.float32)
-    w, n, z = np.zeros_like(g), np.full_like(g, 0.2), np.zeros_like(g)
-    opt.update(w, [n, z], g, 1)
     g64 = g.astype(np.float64)
-    np.testing.assert_allclose(w, -0.3 * g64 / np.sqrt(0.2 + g64 ** 2), rtol=1e-6)
-    np.testing.assert_array_equal(z, g)
+    for convention, want in [("tensorflow", -0.3 * g64 / np.sqrt(0.2 + g64 ** 2)),
+                             ("oneflow", -0.3 * g64 * np.sqrt(0.2 + g64 ** 2))]:
+        opt = Ftrl(0.3, initial_accumulator_value=0.2, convention=convention)
+        w, n, z = np.zeros_like(g), np.full_like(g, 0.2), np.zeros_like(g)
+        opt.update(w, [n, z], g, 1)
+        np.testing.assert_allclose(w, want, rtol=1e-6)
+        np.testing.assert_array_equal(z, g)
 
 
 def test_ftrl_refuses_zero_lr_from_a_schedule():
-    opt = Ftrl(0.1)
+    opt = Ftrl(0.1, convention="oneflow")
     opt.lr = 0.0
     w, n, z, g = (np.zeros((2, 2), np.float32) for _ in range(4))
     with pytest.raises(ConfigError, match=r"lr=0\.0.*start_factor > 0"):
@@ -281,7 +310,7 @@ def test_ftrl_refuses_zero_lr_from_a_schedule():
     (SGD(0.1, momentum=0.5), 1, (0.0,), 2),
     (Adagrad(0.1, initial_accumulator_value=0.25), 1, (0.25,), 2),
     (Adam(0.1), 2, (0.0, 0.0), 3),
-    (Ftrl(0.1, initial_accumulator_value=0.3), 2, (0.3, 0.0), 3),
+    (Ftrl(0.1, initial_accumulator_value=0.3, convention="oneflow"), 2, (0.3, 0.0), 3),
 ])
 def test_line_layout(opt, n_states, initial, size_factor):
     assert opt.n_states == n_states == len(opt.state_names)
@@ -307,7 +336,10 @@ def test_line_layout(opt, n_states, initial, size_factor):
     (lambda: Adam(0.1, eps=-1e-8), r"eps=-1e-08"),
     (lambda: Adam(0.1, do_bias_correction="yes"), r"do_bias_correction='yes'"),
     (lambda: Ftrl(0.0), r"Ftrl: lr=0\.0 .*\(0, inf\)"),
-    (lambda: Ftrl(0.1, lr_power=0.5), r"lr_power=0\.5 .*\(-inf, 0\]"),
+    (lambda: Ftrl(0.1, lr_power=0.5, convention="tensorflow"),
+     r"lr_power=0\.5 .*\(-inf, 0\].*TensorFlow's convention"),
+    (lambda: Ftrl(0.1, lr_power=float("nan")), r"lr_power=nan"),
+    (lambda: Ftrl(0.1, convention="tf"), r"convention='tf': use 'oneflow'"),
     (lambda: Ftrl(0.1, initial_accumulator_value=0.0), r"initial_accumulator_value=0\.0 .*\(0"),
     (lambda: Ftrl(0.1, lambda1=-1.0), r"lambda1=-1\.0"),
     (lambda: Ftrl(0.1, lambda2=float("inf")), r"lambda2=inf"),
@@ -377,38 +409,49 @@ class Target:
 
 
 def test_linear_warmup_values():
+    # OneFlow's LinearLR: update t is rated at t - 1, so the warmup starts at start_factor
     s = LinearWarmup(None, 2.0, warmup_steps=4)
-    assert [s.lr_at(t) for t in range(7)] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.0, 2.0]
+    assert [s.lr_at(t) for t in range(1, 8)] == [0.0, 0.5, 1.0, 1.5, 2.0, 2.0, 2.0]
     s = LinearWarmup(None, 2.0, warmup_steps=4, start_factor=0.5)
-    assert [s.lr_at(t) for t in (0, 1, 4, 9)] == [1.0, 1.25, 2.0, 2.0]
+    assert [s.lr_at(t) for t in (1, 2, 5, 10)] == [1.0, 1.25, 2.0, 2.0]
     assert LinearWarmup(None, 3.0, warmup_steps=0).lr_at(1) == 3.0
+    # before issue 23: one update ahead
+    s = LinearWarmup(None, 2.0, warmup_steps=4, step_origin=1)
+    assert [s.lr_at(t) for t in range(1, 6)] == [0.5, 1.0, 1.5, 2.0, 2.0]
 
 
 def test_polynomial_decay_values():
     s = PolynomialDecay(None, 1.0, decay_start=10, decay_steps=4)
-    assert [s.lr_at(t) for t in (1, 10, 11, 12, 13, 14, 100)] == \
-        [1.0, 1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]
+    assert [s.lr_at(t) for t in (1, 10, 11, 12, 13, 14, 15, 100)] == \
+        [1.0, 1.0, 1.0, 0.5625, 0.25, 0.0625, 0.0, 0.0]
     s = PolynomialDecay(None, 1.0, decay_start=0, decay_steps=4, end_lr=0.2, power=1.0)
-    assert s.lr_at(2) == pytest.approx(0.6) and s.lr_at(4) == s.lr_at(50) == 0.2
+    assert s.lr_at(3) == pytest.approx(0.6) and s.lr_at(5) == s.lr_at(50) == 0.2
 
 
-def mlperf_dlrm_lr(step_count, base, warmup, decay_start, decay_steps):
-    """The MLPerf DLRM reference's rate for its scheduler step_count (= our 1-based update t),
-    inside warmup or decay (the regions where the two schedules agree by design)."""
-    if step_count < warmup:
-        return base * (1.0 - (warmup - step_count) / warmup)
-    k = step_count - decay_start
-    return max(1e-7, base * ((decay_steps - k) / decay_steps) ** 2)
+def oneflow_dlrm_lr(t, base, warmup, decay_start, decay_steps):
+    """OneFlow's DLRM schedule at its step counter s = t - 1 (train_step during update t):
+    SequentialLR([LinearLR(start_factor=0, total_iters=warmup), PolynomialLR(decay_steps,
+    end_learning_rate=0, power=2)], milestones=[decay_start], interval_rescaling=True), from
+    python/oneflow/nn/optimizer/{linear_lr,polynomial_lr,sequential_lr}.py."""
+    s = t - 1
+    if s < decay_start:                      # bisect_right([decay_start], s) == 0: LinearLR
+        return base * (0.0 + (1.0 - 0.0) * (s / warmup)) if s < warmup else base
+    cur = min(s - decay_start, decay_steps)  # interval_rescaling: PolynomialLR from 0
+    return (base - 0.0) * (1 - cur / decay_steps) ** 2.0 + 0.0
 
 
-def test_warmup_polynomial_decay_matches_mlperf_dlrm():
+def test_warmup_polynomial_decay_is_oneflows_dlrm_schedule():
     base, warmup, start, steps = 24.0, 2750, 49315, 27772
     s = WarmupPolynomialDecay(None, base, warmup, start, steps)
-    for t in [1, 2, 100, 2749, start, start + 1, start + 13886, start + steps - 100]:
-        assert s.lr_at(t) == pytest.approx(mlperf_dlrm_lr(t, base, warmup, start, steps),
-                                           rel=1e-12), t
-    assert s.lr_at(warmup) == s.lr_at(start) == base
-    assert s.lr_at(start + steps) == s.lr_at(10 ** 7) == 0.0
+    for t in [1, 2, 3, 100, 2750, 2751, 2752, start, start + 1, start + 2, start + 13886,
+              start + steps, start + steps + 1, start + steps + 2, 10 ** 7]:
+        assert s.lr_at(t) == oneflow_dlrm_lr(t, base, warmup, start, steps), t
+    assert s.lr_at(1) == 0.0 and s.lr_at(2) == pytest.approx(base / warmup, rel=1e-15)
+    assert s.lr_at(warmup + 1) == s.lr_at(start + 1) == base
+    assert s.lr_at(start + steps + 1) == 0.0 < s.lr_at(start + steps)
+    # the schedule before issue 23 was one update ahead
+    old = WarmupPolynomialDecay(None, base, warmup, start, steps, step_origin=1)
+    assert all(old.lr_at(t) == s.lr_at(t + 1) for t in [1, 2, 2749, 2750, start, start + 7])
 
 
 def test_multistep_values_and_torch_parity():
@@ -429,15 +472,35 @@ def test_multistep_values_and_torch_parity():
 def test_schedule_drives_optimizers():
     emb, dense = SGD(99.0), Target()
     s = LinearWarmup([emb, dense], 1.0, warmup_steps=4)
-    assert emb.lr == dense.lr == 0.25 == s.current_lr
+    assert emb.lr == dense.lr == 0.0 == s.current_lr
     w, g = np.zeros((1, 1), np.float32), np.ones((1, 1), np.float32)
     for t in range(1, 6):
         assert emb.lr == s.lr_at(t)
         emb.update(w, [], g, t)
         assert s.step() == s.lr_at(t + 1) == dense.lr
-    assert w[0, 0] == pytest.approx(-(0.25 + 0.5 + 0.75 + 1.0 + 1.0))
+    assert w[0, 0] == pytest.approx(-(0.0 + 0.25 + 0.5 + 0.75 + 1.0))
     resumed = LinearWarmup(Target(), 1.0, warmup_steps=4, last_step=2)
-    assert resumed.targets[0].lr == 0.75
+    assert resumed.targets[0].lr == 0.5
+
+
+def test_a_schedule_state_saved_before_issue_23_resumes_one_update_ahead():
+    import one_embedding as oe
+
+    s = WarmupPolynomialDecay(Target(), 1.0, warmup_steps=4, decay_start=6, decay_steps=3)
+    for _ in range(2):
+        s.step()
+    state = s.state_dict()
+    assert state == {"last_step": 2, "step_origin": 0}
+    fresh = WarmupPolynomialDecay(Target(), 1.0, warmup_steps=4, decay_start=6, decay_steps=3)
+    fresh.load_state_dict(state)
+    assert fresh.targets[0].lr == s.lr_at(3) == 0.5
+    old = WarmupPolynomialDecay(Target(), 1.0, warmup_steps=4, decay_start=6, decay_steps=3)
+    with pytest.warns(oe.ConventionWarning, match=r"step_origin=1, saved before issue 23"):
+        old.load_state_dict({"last_step": 2})
+    assert old.step_origin == 1 and old.targets[0].lr == 0.75
+    multi = MultiStepLR(Target(), 1.0, milestones=[2])
+    multi.load_state_dict({"last_step": 2})     # MultiStepLR always matched OneFlow's
+    assert multi.step_origin == 0 and multi.targets[0].lr == pytest.approx(0.1)
 
 
 @pytest.mark.parametrize("make,error,pattern", [
@@ -456,6 +519,7 @@ def test_schedule_drives_optimizers():
     (lambda: MultiStepLR(None, 1.0, 7), ConfigError, r"milestones=7"),
     (lambda: MultiStepLR(None, 1.0, [2], gamma=0.0), ConfigError, r"gamma=0\.0"),
     (lambda: MultiStepLR(None, 1.0, [2]).lr_at(-1), InputError, r"step=-1"),
+    (lambda: LinearWarmup(None, 1.0, 4, step_origin=2), ConfigError, r"step_origin=2: use 0"),
 ])
 def test_bad_schedule_arguments_are_named(make, error, pattern):
     with pytest.raises(error, match=pattern):
@@ -495,13 +559,7 @@ def general_reference_step(opt, w, states, g, t):
         bc1, bc2 = (1 - b1 ** t, 1 - b2 ** t) if opt.do_bias_correction else (1.0, 1.0)
         return w - (lr / bc1) * m / (np.sqrt(v) / np.sqrt(bc2) + opt.eps) - lr * dwd * w, new
     if isinstance(opt, Ftrl):
-        n, z = states
-        p = -opt.lr_power
-        n_new = n + g ** 2
-        z = z + g - (n_new ** p - n ** p) / lr * w
-        quad = (opt.beta + n_new ** p) / lr + 2 * opt.lambda2
-        return np.where(np.abs(z) > opt.lambda1, (np.sign(z) * opt.lambda1 - z) / quad, 0.0), \
-            [n_new, z]
+        return ftrl_reference_step(opt, w, states, g, lr)
     raise AssertionError(opt)
 
 
@@ -509,18 +567,30 @@ NEW_CASES = {
     "momentum_dampening": lambda: SGD(lr=0.03, momentum=0.8, dampening=0.3),
     "nesterov_l2": lambda: SGD(lr=0.03, momentum=0.9, nesterov=True, weight_decay=0.02,
                                weight_decay_mode="l2"),
-    "nesterov_decoupled": lambda: SGD(lr=0.03, momentum=0.9, nesterov=True, weight_decay=0.02),
+    "nesterov_decoupled": lambda: SGD(lr=0.03, momentum=0.9, nesterov=True, weight_decay=0.02,
+                                      weight_decay_mode="decoupled"),
+    "adagrad_decoupled": lambda: Adagrad(lr=0.1, weight_decay=0.02, initial_accumulator_value=0.1,
+                                         weight_decay_mode="decoupled"),
+    "adam_decoupled": lambda: Adam(lr=0.02, weight_decay=0.05, weight_decay_mode="decoupled"),
     "sgd_l2_maximize": lambda: SGD(lr=0.05, weight_decay=0.03, weight_decay_mode="l2",
                                    maximize=True),
     "adagrad_l2": lambda: Adagrad(lr=0.1, lr_decay=0.05, weight_decay=0.01,
                                   initial_accumulator_value=0.1, weight_decay_mode="l2"),
     "adam_l2": lambda: Adam(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05,
                             weight_decay_mode="l2"),
-    "adam_amsgrad": lambda: Adam(lr=0.02, amsgrad=True, weight_decay=0.05),
+    "adam_amsgrad": lambda: Adam(lr=0.02, amsgrad=True, weight_decay=0.05,
+                                 weight_decay_mode="decoupled"),
     "adam_amsgrad_l2_maximize": lambda: Adam(lr=0.01, amsgrad=True, weight_decay=0.01,
                                              weight_decay_mode="l2", maximize=True),
     "ftrl_l2": lambda: Ftrl(lr=0.2, weight_decay=0.05, initial_accumulator_value=0.5,
-                            lambda1=0.05, lambda2=0.1, beta=0.5),
+                            lambda1=0.05, lambda2=0.1, beta=0.5, convention="oneflow"),
+    "ftrl_tf_l2": lambda: Ftrl(lr=0.2, weight_decay=0.05, initial_accumulator_value=0.5,
+                               lambda1=0.05, lambda2=0.1, beta=0.5, convention="tensorflow"),
+    "ftrl_decoupled": lambda: Ftrl(lr=0.2, weight_decay=0.05, lambda1=0.05, beta=0.5,
+                                   weight_decay_mode="decoupled", convention="oneflow"),
+    "ftrl_tf_decoupled_maximize": lambda: Ftrl(lr=0.2, weight_decay=0.05, lambda1=0.05,
+                                               weight_decay_mode="decoupled", maximize=True,
+                                               convention="tensorflow"),
     "adagrad_grad_scale": lambda: _with_grad_scale(Adagrad(lr=0.1, weight_decay=0.01), 1 / 1024),
 }
 
@@ -559,18 +629,19 @@ def test_defaults_are_bit_identical_to_naming_every_default(case):
     # The new arguments at their defaults change nothing: same bits as spelling them out.
     spelled = {
         "sgd": lambda: SGD(lr=0.05, momentum=0.0, dampening=0.0, weight_decay=0.0,
-                           nesterov=False, maximize=False, weight_decay_mode="decoupled"),
+                           nesterov=False, maximize=False, weight_decay_mode="l2"),
         "momentum_wd": lambda: SGD(lr=0.03, momentum=0.9, dampening=0.0, weight_decay=0.02,
-                                   nesterov=False, weight_decay_mode="decoupled"),
+                                   nesterov=False, weight_decay_mode="l2"),
         "adagrad_all": lambda: Adagrad(lr=0.1, lr_decay=0.05, weight_decay=0.01,
                                        initial_accumulator_value=0.1, eps=1e-6,
-                                       weight_decay_mode="decoupled", maximize=False),
+                                       weight_decay_mode="l2", maximize=False),
         "adam_wd_betas": lambda: Adam(lr=0.02, betas=(0.8, 0.95), eps=1e-6, weight_decay=0.05,
                                       amsgrad=False, do_bias_correction=True,
-                                      weight_decay_mode="decoupled"),
+                                      weight_decay_mode="l2"),
         "ftrl_all": lambda: Ftrl(lr=0.2, weight_decay=0.0, lr_power=-0.5,
                                  initial_accumulator_value=0.5, lambda1=0.05, lambda2=0.1,
-                                 beta=0.5),
+                                 beta=0.5, weight_decay_mode="l2", convention="oneflow",
+                                 maximize=False),
     }[case]
     results = []
     for make in (CASES[case], spelled):
@@ -628,7 +699,9 @@ def test_oneflow_defaults():
         assert names[:2 + len(defaults) - 1] == ["params", *defaults], cls
         for name, value in defaults.items():
             assert params[name].default == value, (cls, name)
-        opt = cls()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", ConventionWarning)   # Ftrl's default: OneFlow's formula
+            opt = cls()
         assert opt.lr == 0.001 and opt.params == []
 
 
@@ -642,8 +715,8 @@ def test_params_first_as_in_oneflow_and_lr_positionally_as_before():
     assert Adam(iter([p]), 0.01).params == [p]
     with pytest.raises(ConfigError, match=r"learning rate is given twice"):
         SGD(0.1, lr=0.2)
-    with pytest.raises(ConfigError, match=r"parameter groups .* not supported"):
-        Adam([{"params": [p], "lr": 0.1}])
+    grouped = Adam([{"params": [p], "lr": 0.1}])     # OneFlow's list of dicts
+    assert grouped.params == [p] and grouped.lr == 0.1 == grouped.param_groups[0]["lr"]
     with pytest.raises(ConfigError, match=r"has no \.data and \.grad"):
         Adagrad([np.zeros(3)])
     with pytest.raises(ConfigError, match=r"params=<object .* not an iterable"):
@@ -658,8 +731,7 @@ def test_params_first_as_in_oneflow_and_lr_positionally_as_before():
     (lambda: SGD(nesterov="yes"), r"nesterov='yes' must be True or False"),
     (lambda: Adam(amsgrad=1), r"amsgrad=1 must be True or False"),
     (lambda: Adagrad(maximize=None), r"maximize=None"),
-    (lambda: Adam(weight_decay_mode="adamw"), r"weight_decay_mode='adamw': use 'decoupled'"),
-    (lambda: Ftrl(weight_decay_mode="decoupled"), r"only 'l2'"),
+    (lambda: Adam(weight_decay_mode="adamw"), r"weight_decay_mode='adamw': use 'l2'"),
 ])
 def test_bad_new_arguments_are_named(make, pattern):
     with pytest.raises(ConfigError, match=pattern):
@@ -668,10 +740,11 @@ def test_bad_new_arguments_are_named(make, pattern):
 
 def test_bad_grad_scale_is_named():
     opt = SGD(lr=0.1)
-    opt.grad_scale = 0.0
     w = np.zeros((2, 2), np.float32)
-    with pytest.raises(ConfigError, match=r"grad_scale=0\.0 .*loss scaler sets 1/scale"):
-        opt.update(w, [], w.copy(), 1)
+    for bad in (-0.5, float("nan")):
+        opt.grad_scale = bad
+        with pytest.raises(ConfigError, match=r"grad_scale=.* loss scaler sets 1/scale"):
+            opt.update(w, [], w.copy(), 1)
 
 
 def _torch_zero_momentum(torch, topt, p):
@@ -708,7 +781,7 @@ NEW_TORCH_CASES = {
         lambda: Adam(lr=0.01, betas=(0.8, 0.9), amsgrad=True),
         lambda torch, p: torch.optim.Adam([p], lr=0.01, betas=(0.8, 0.9), amsgrad=True)),
     "amsgradw": (
-        lambda: Adam(lr=0.01, amsgrad=True, weight_decay=0.1),
+        lambda: Adam(lr=0.01, amsgrad=True, weight_decay=0.1, weight_decay_mode="decoupled"),
         lambda torch, p: torch.optim.AdamW([p], lr=0.01, amsgrad=True, weight_decay=0.1)),
 }
 

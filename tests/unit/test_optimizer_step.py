@@ -215,8 +215,8 @@ def test_bad_loss_scale_arguments_are_named(make, pattern):
 def test_a_row_optimizer_steps_its_own_params_as_oneflow_ftrl_does():
     p = Parameter(np.linspace(-1, 1, 6, dtype=np.float32).reshape(2, 3), name="w")
     q = Parameter(p.data.copy(), name="w")
-    ftrl = oe.Ftrl([p], lr=0.1, lambda1=0.01)
-    wrapper = oe.Optimizer(oe.Ftrl(lr=0.1, lambda1=0.01), parameters=[q])
+    ftrl = oe.Ftrl([p], lr=0.1, lambda1=0.01, convention="oneflow")
+    wrapper = oe.Optimizer(oe.Ftrl(lr=0.1, lambda1=0.01, convention="oneflow"), parameters=[q])
     rng = np.random.default_rng(1)
     for _ in range(4):
         p.grad[...] = q.grad[...] = rng.normal(size=(2, 3)).astype(np.float32)
@@ -241,5 +241,10 @@ def test_param_groups_as_torch_and_oneflow_code_walks_them():
         g["lr"] = 0.05
         g.setdefault("initial_lr", g["lr"])
     assert opt.optimizer.lr == 0.05 and opt.param_groups[0]["initial_lr"] == 0.05
-    with pytest.raises(ConfigError, match=r"\['momentum'\] is fixed .* only 'lr'"):
+    with pytest.raises(ConfigError, match=r"'momentum' is fixed .* per group: lr, weight_decay, "
+                                          r"clip_grad_max_norm, clip_grad_norm_type"):
         group["momentum"] = 0.5
+    group["clip_grad_max_norm"] = 1.0           # taken, and used by the next step
+    assert opt.param_groups[0].clips
+    with pytest.raises(ConfigError, match=r"no setting 'clip_grad_max_nrom'"):
+        group["clip_grad_max_nrom"] = 1.0

@@ -1,7 +1,8 @@
-"""The Trainer: its learning rates come from optim.lr_schedules, bit-identical to the warmup the
-training loop computed by hand before; its steps, evaluation, snapshots and final record."""
+"""The Trainer: its learning rates come from optim.lr_schedules, bit-identical to OneFlow's warmup
+(LinearLR from 0); its steps, evaluation, snapshots and final record."""
 import contextlib
 import json
+import os
 
 import numpy as np
 import pytest
@@ -15,9 +16,11 @@ from one_embedding.training import Trainer, make_lr_schedule, train
 TINY = dict(batch_size=128, synthetic_rows=4_000, synthetic_scale=0.001, eval_batches=2)
 
 
-def old_warmup_lr(lr, warmup_steps, t):
-    """The rate of update t as training.train computed it before the Trainer."""
-    return lr * min(1.0, t / warmup_steps) if warmup_steps else lr
+def oneflow_warmup_lr(lr, warmup_steps, t):
+    """The rate of update t under OneFlow's LinearLR(start_factor=0, total_iters=warmup_steps),
+    evaluated at its step counter t - 1 (python/oneflow/nn/optimizer/linear_lr.py)."""
+    s = t - 1
+    return lr * (0.0 + (1.0 - 0.0) * (s / warmup_steps)) if s < warmup_steps else lr
 
 
 class Target:
@@ -26,12 +29,12 @@ class Target:
 
 @pytest.mark.parametrize("lr", [0.05, 0.5, 1e-3, 24.0, 0.1, 0.7, 1 / 3])
 @pytest.mark.parametrize("warmup_steps", [0, 1, 3, 7, 10, 20, 49, 1000, 2750])
-def test_linear_warmup_rates_are_bit_identical_to_the_old_loop(lr, warmup_steps):
+def test_linear_warmup_rates_are_bit_identical_to_oneflows(lr, warmup_steps):
     target = Target()
     sched = make_lr_schedule(TrainConfig(lr=lr, warmup_steps=warmup_steps), target)
     assert isinstance(sched, LinearWarmup)
     for t in range(1, 3 * warmup_steps + 5):
-        assert target.lr == old_warmup_lr(lr, warmup_steps, t)   # exact, not approximate
+        assert target.lr == oneflow_warmup_lr(lr, warmup_steps, t)   # exact, not approximate
         sched.step()
 
 
@@ -60,7 +63,8 @@ def test_trainer_steps_with_the_scheduled_rates(tmp_path):
 
     trainer.optimizer.step = recording_step
     final = trainer.run()
-    assert seen == [old_warmup_lr(0.3, 4, t) for t in range(1, 8)]
+    assert seen == [oneflow_warmup_lr(0.3, 4, t) for t in range(1, 8)]
+    assert seen[:2] == [0.0, 0.075]
     assert trainer.lr_schedule.last_step == 7 and trainer.progress.step == 7
     assert trainer.progress.samples == 7 * 128 == final["samples"]
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
@@ -111,3 +115,46 @@ def test_docstring_examples_run():
     from one_embedding import training
 
     assert doctest.testmod(training).failed == 0
+
+
+def test_ftrl_convention_oneflow_for_a_new_run_and_the_checkpoints_on_resume(tmp_path, monkeypatch):
+    import warnings
+
+    import one_embedding.training as training
+
+    path = str(tmp_path / "table")
+    cfg = TrainConfig(steps=2, optimizer="ftrl", lr=0.05, persistent_path=path, **TINY)
+    assert cfg.ftrl_convention is None
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")          # the convention is chosen: no ConventionWarning
+        trainer = Trainer(cfg, metrics_path=str(tmp_path / "a.jsonl"), progress=False)
+    assert trainer.cfg.ftrl_convention == "oneflow" == trainer.optimizer.optimizer.convention
+    trainer.run()
+    resumed = dict(steps=4, optimizer="ftrl", lr=0.05, persistent_path=path, resume=True, **TINY)
+    again = Trainer(TrainConfig(**resumed), metrics_path=os.devnull, progress=False)
+    assert again.optimizer.optimizer.convention == "oneflow"
+    again.close()
+    with pytest.raises(ConfigError, match=r"ftrl_convention: 'oneflow' -> 'tensorflow'"):
+        Trainer(TrainConfig(**resumed, ftrl_convention="tensorflow"), metrics_path=os.devnull,
+                progress=False)
+    # a checkpoint written before the option existed: its run computed TensorFlow's convention
+    saved = training.saved_config
+
+    def without_convention(*args):
+        config = saved(*args)
+        del config["ftrl_convention"]
+        return config
+
+    monkeypatch.setattr(training, "saved_config", without_convention)
+    load = training.Optimizer.load_state_dict
+
+    def without_modes(self, state):              # nor did the optimizer state record modes
+        load(self, {k: v for k, v in state.items() if k != "modes"})
+
+    monkeypatch.setattr(training.Optimizer, "load_state_dict", without_modes)
+    old = Trainer(TrainConfig(**resumed), metrics_path=os.devnull, progress=False)
+    assert old.cfg.ftrl_convention == "tensorflow" == old.optimizer.optimizer.convention
+    old.close()
+    with pytest.raises(ConfigError, match=r"ftrl_convention: 'tensorflow' -> 'oneflow'"):
+        Trainer(TrainConfig(**resumed, ftrl_convention="oneflow"), metrics_path=os.devnull,
+                progress=False)

@@ -299,6 +299,18 @@ inline float __uint_as_float(unsigned u) {
   return x;
 }
 
+inline long long __double_as_longlong(double x) {
+  long long u;
+  memcpy(&u, &x, 8);
+  return u;
+}
+
+inline double __longlong_as_double(long long u) {
+  double x;
+  memcpy(&x, &u, 8);
+  return x;
+}
+
 inline long long min(long long a, long long b) { return a < b ? a : b; }
 
 #define ONE_EMBEDDING_KERNEL(name)                                                     \

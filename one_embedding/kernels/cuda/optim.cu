@@ -35,6 +35,38 @@ __device__ __forceinline__ double gradient_term(double g, double factor, double 
   return gi;
 }
 
+// n ** power in double; +-0.5 as sqrt and 1 / sqrt (correctly rounded), as the CPU kernels.
+__device__ __forceinline__ double ftrl_powered(double n, double power) {
+  if (power == 0.5) return sqrt(n);
+  if (power == -0.5) return 1.0 / sqrt(n);
+  return pow(n, power);
+}
+
+// x ** k for an integer k >= 0 by squaring, in the order optim/kernels.py's _powi multiplies.
+__device__ __forceinline__ double powi(double x, i64 k) {
+  double result = 1.0;
+  while (k > 0) {
+    if (k & 1) result = result * x;
+    x = x * x;
+    k >>= 1;
+  }
+  return result;
+}
+
+// A row's last-update step: an int64 in the line, OneFlow's layout (two float32 slots holding its
+// little-endian words, or one double).
+__device__ __forceinline__ i64 load_step(const float* p) {
+  return (i64)(((u64)__float_as_uint(p[1]) << 32) | (u64)__float_as_uint(p[0]));
+}
+__device__ __forceinline__ i64 load_step(const double* p) { return __double_as_longlong(p[0]); }
+__device__ __forceinline__ void store_step(float* p, i64 step) {
+  p[0] = __uint_as_float((unsigned)((u64)step & 0xffffffffull));
+  p[1] = __uint_as_float((unsigned)((u64)step >> 32));
+}
+__device__ __forceinline__ void store_step(double* p, i64 step) {
+  p[0] = __longlong_as_double(step);
+}
+
 }  // namespace optim
 }  // namespace oe
 
@@ -104,28 +136,65 @@ __global__ void optim_adam(T* lines, int line_size, const T* grads, oe::i64 n, i
   }
 }
 
-// FTRL-Proximal: n' = n + g'^2; z += g' - (n'^p - n^p) / lr * w; n = n';
-// w = (sign(z) l1 - z) / ((beta + n'^p) / lr + 2 l2) where |z| > l1, else 0
-// (p = power = -lr_power; states 1, 2 = n, z). p = 0.5 takes sqrt, as the CPU kernel does.
+// FTRL, both conventions of optim/ftrl.py: n' = n + g'^2; z += g' - (P(n') - P(n)) / lr * w;
+// n = n'; w = (sign(z) l1 - z) / ((beta + P(n')) / lr + quad_l2) - lr_wd * w outside the dead
+// zone (|z| < l1, or |z| <= l1 when closed), else 0; P(n) = n ** power (states 1, 2 = n, z).
 template <typename T>
 __global__ void optim_ftrl(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                            double factor, double l2, double inv_lr, double power, double l1,
-                           double lambda2, double beta) {
-  const bool use_sqrt = power == 0.5;
+                           double quad_l2, double beta, int closed, double lr_wd) {
   for (oe::i64 t = oe::grid_thread(); t < n * dim; t += oe::grid_threads()) {
     const oe::optim::Element e = oe::optim::element(t, dim, line_size);
     const double w = (double)lines[e.w];
     const double g = oe::optim::gradient_term((double)grads[e.g], factor, l2, w);
     const double acc = (double)lines[e.state(1)];
     const double acc_new = acc + g * g;
-    const double p_old = use_sqrt ? sqrt(acc) : pow(acc, power);
-    const double p_new = use_sqrt ? sqrt(acc_new) : pow(acc_new, power);
+    const double p_old = oe::optim::ftrl_powered(acc, power);
+    const double p_new = oe::optim::ftrl_powered(acc_new, power);
     const double z = (double)lines[e.state(2)] + g - (p_new - p_old) * inv_lr * w;
     lines[e.state(1)] = T(acc_new);
     lines[e.state(2)] = T(z);
-    lines[e.w] = fabs(z) > l1
-                     ? T((copysign(l1, z) - z) / ((beta + p_new) * inv_lr + 2.0 * lambda2))
-                     : T(0);
+    if (fabs(z) > l1 || (!closed && fabs(z) == l1)) {
+      double out = (copysign(l1, z) - z) / ((beta + p_new) * inv_lr + quad_l2);
+      if (lr_wd != 0.0) out = out - lr_wd * w;
+      lines[e.w] = T(out);
+    } else {
+      lines[e.w] = T(0);
+    }
+  }
+}
+
+// SmartDecayAdam on embedding rows (OneFlow's SmartDecaySparseAdamUpdateKernel): with
+// k = t - (the row's last step), m' = b1^k m + (1 - b1) g'; v' = b2^k v + (1 - b2) g'^2;
+// catchup = m b1 (1 - b1^(k-1)) / (1 - b1) when k > 1; w -= lr (m' + catchup) / (sqrt(v') + eps)
+// (states 1, 2 = m, v; the step at column step_col of the line). The steps are read here and
+// written by optim_smart_decay_adam_steps afterwards: a thread must not see its row's new step.
+template <typename T>
+__global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, oe::i64 n,
+                                       int dim, double factor, double l2, double b1, double b2,
+                                       double lr, double eps, oe::i64 t, int step_col) {
+  for (oe::i64 i = oe::grid_thread(); i < n * dim; i += oe::grid_threads()) {
+    const oe::optim::Element e = oe::optim::element(i, dim, line_size);
+    const oe::i64 k = t - oe::optim::load_step(lines + (i / dim) * line_size + step_col);
+    const double w = (double)lines[e.w];
+    const double g = oe::optim::gradient_term((double)grads[e.g], factor, l2, w);
+    const double m_old = (double)lines[e.state(1)];
+    const double catchup =
+        k > 1 ? m_old * b1 * (1.0 - oe::optim::powi(b1, k - 1)) / (1.0 - b1) : 0.0;
+    const double m = oe::optim::powi(b1, k) * m_old + (1.0 - b1) * g;
+    const double v = oe::optim::powi(b2, k) * (double)lines[e.state(2)] + (1.0 - b2) * (g * g);
+    lines[e.state(1)] = T(m);
+    lines[e.state(2)] = T(v);
+    lines[e.w] = T(w - lr * (m + catchup) / (sqrt(v) + eps));
+  }
+}
+
+// Record step t as every row's last update (after optim_smart_decay_adam, in stream order).
+template <typename T>
+__global__ void optim_smart_decay_adam_steps(T* lines, int line_size, oe::i64 n, oe::i64 t,
+                                             int step_col) {
+  for (oe::i64 row = oe::grid_thread(); row < n; row += oe::grid_threads()) {
+    oe::optim::store_step(lines + row * line_size + step_col, t);
   }
 }
 
@@ -135,4 +204,6 @@ ONE_EMBEDDING_KERNEL(optim_momentum)
 ONE_EMBEDDING_KERNEL(optim_adagrad)
 ONE_EMBEDDING_KERNEL(optim_adam)
 ONE_EMBEDDING_KERNEL(optim_ftrl)
+ONE_EMBEDDING_KERNEL(optim_smart_decay_adam)
+ONE_EMBEDDING_KERNEL(optim_smart_decay_adam_steps)
 #endif
