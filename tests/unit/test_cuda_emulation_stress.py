@@ -123,6 +123,13 @@ __global__ void planted_recursion(int depth, T* out) {
   if (threadIdx.x == 0) out[0] = T(planted::deep(depth));
 }
 
+// Thread 0 writes through a pointer made from an integer (a wild pointer): address 64, in no
+// mapping. out: (1,)
+template <typename T>
+__global__ void planted_wild_pointer(oe::u64 address, T* out) {
+  if (threadIdx.x == 0) *(T*)address = out[0];
+}
+
 // The block sum of common.cuh, as the loss kernel uses it (shared memory, two barriers, warp
 // shuffles): correct. x: (n,); out: (gridDim.x,)
 template <typename T>
@@ -142,6 +149,7 @@ ONE_EMBEDDING_KERNEL(planted_smooth)
 ONE_EMBEDDING_KERNEL(planted_accumulate)
 ONE_EMBEDDING_KERNEL(planted_block_order)
 ONE_EMBEDDING_KERNEL(planted_recursion)
+ONE_EMBEDDING_KERNEL(planted_wild_pointer)
 ONE_EMBEDDING_KERNEL(planted_block_sum)
 #endif
 """
@@ -267,11 +275,15 @@ def test_stress_interleaves_blocks_planted_block_order(planted):
     assert all(block_one(seed) == value for seed, value in seen.items())    # each seed repeats
 
 
-def test_stress_reports_a_planted_stack_overflow(planted):
+def test_stress_reports_planted_faults_outside_the_arguments(planted):
+    # (the default mode would crash the process on both)
     out = np.zeros(1, np.float32)
     _run(planted(1), "recursion", (1,), (32,), (np.int32(100), out))
     message = _fails(planted, 1, "recursion", (1,), (32,), (np.int32(1000), out))
     assert "stack overflow (fiber stacks are 256 KiB): thread (0,0) of block (0,0)" in message
+    message = _fails(planted, 2, "wild_pointer", (1,), (32,), (np.uint64(64), out))
+    assert ("invalid global write: thread (0,0) of block (0,0) writes address 0x40, in no "
+            "argument nor next to one") in message, message
 
 
 def test_stress_passes_the_planted_kernels_without_their_bugs(planted):

@@ -22,8 +22,9 @@
 //
 // Global memory. Each pointer argument runs on a copy in its own mapping, the copy's last byte
 // against a PROT_NONE guard page; arguments that overlap (y = f(h) in place) share one mapping.
-// An access past the end faults; on_fault turns a fault on a guard page (or on a fiber stack's
-// guard page) into a launch failure naming the argument, the element, the access and the thread.
+// An access past the end faults; on_fault turns a fault on a guard page into a launch failure
+// naming the argument, the element, the access and the thread (and any other fault of a kernel
+// thread, on a fiber stack's guard page or a wild address, into one naming the thread).
 // The bytes before the copy, up to the leading guard page, hold a canary: a write there fails
 // the launch after the fact (a read there returns garbage; further below is the guard page).
 // Copies go back to the caller's arrays only after a launch that passed.
@@ -347,7 +348,7 @@ static struct sigaction previous_segv, previous_bus;
 
 static void on_fault(int signal, siginfo_t* info, void* context) {
   char* address = (char*)info->si_addr;
-  if (running != nullptr && (region_of(address) != nullptr || on_stack_guard(address))) {
+  if (running != nullptr) {  // a kernel thread faulted (the emulator's own code runs outside)
     fault.pending = true;
     fault.fiber = running;
     fault.address = address;
@@ -360,7 +361,7 @@ static void on_fault(int signal, siginfo_t* info, void* context) {
     failed = true;
     setcontext(&scheduler);  // restores the scheduler's signal mask: SIGSEGV unblocked again
   }
-  // not ours: the handler that was there before gets the re-executed fault
+  // not a kernel's: the handler that was there before gets the re-executed fault
   sigaction(signal, signal == SIGSEGV ? &previous_segv : &previous_bus, nullptr);
 }
 
@@ -368,9 +369,15 @@ inline std::string describe_fault(const Fiber& f) {
   const char* access = fault.write == 1 ? "write" : (fault.write == 0 ? "read" : "access");
   const char* verb = fault.write == 1 ? "writes" : (fault.write == 0 ? "reads" : "accesses");
   const Region* r = region_of(fault.address);
-  if (r == nullptr) {
+  if (r == nullptr && on_stack_guard(fault.address)) {
     return "stack overflow (fiber stacks are " + std::to_string(STACK_BYTES / 1024) + " KiB): " +
            describe_thread(f);
+  }
+  if (r == nullptr) {
+    char address[32];
+    snprintf(address, sizeof address, "%p", (void*)fault.address);
+    return "invalid global " + std::string(access) + ": " + describe_thread(f) + " " + verb +
+           " address " + address + ", in no argument nor next to one";
   }
   const long long byte = (long long)(fault.address - r->data);
   const long long n = (long long)(r->bytes / r->itemsize);
