@@ -81,12 +81,43 @@ def emulation_lib(request, tmp_path_factory):
     return build(cm.EMBEDDING_FAMILIES, Path(folder))
 
 
+#: the emulator's stress seeds that tests marked ``stress_seeds`` run under in every run, beside
+#: the default mode (where ONE_EMBEDDING_CUDA_EMULATION_SEED is set, its seed alone runs instead)
+STRESS_SEEDS = (1, 2, 3)
+
+
+def pytest_generate_tests(metafunc):
+    """Tests marked ``stress_seeds`` that use the emulator (the ``emulation_seed`` fixture, through
+    ``launch`` or ``emulate``) run in its default mode and under each of STRESS_SEEDS."""
+    if "emulation_seed" not in metafunc.fixturenames:
+        return
+    if metafunc.definition.get_closest_marker("stress_seeds") is None:
+        return
+    from cuda_emulation import seed_from_environment
+
+    if seed_from_environment() is not None:
+        return
+    metafunc.parametrize("emulation_seed", [None, *STRESS_SEEDS], scope="session",
+                         ids=["default"] + [f"seed{s}" for s in STRESS_SEEDS])
+
+
 @pytest.fixture(scope="session")
-def launch(emulation_lib):
+def emulation_seed():
+    """The emulator's stress seed (None: the default mode): ONE_EMBEDDING_CUDA_EMULATION_SEED, or
+    each of STRESS_SEEDS for tests marked ``stress_seeds``."""
+    from cuda_emulation import seed_from_environment
+
+    return seed_from_environment()
+
+
+@pytest.fixture
+def launch(emulation_lib, emulation_seed):
     """The host emulator as the GPU: 256-thread blocks on a pretend device of one multiprocessor
-    (at most 8 blocks, so every grid-stride loop runs several rounds on the larger inputs)."""
+    (at most 8 blocks, so every grid-stride loop runs several rounds on the larger inputs), in the
+    stress mode when ``emulation_seed`` is set. One per test, so that a stress schedule depends on
+    the test alone: a failure reproduces by running that test with the seed it names."""
     from cuda_emulation import EmulatedLauncher
 
     from one_embedding.kernels import cuda_module as cm
 
-    return EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES)
+    return EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES, seed=emulation_seed)

@@ -7,8 +7,9 @@ test code, device glue, the embedding's device path, the CUDA kernels (emulated)
 
 What a dry run cannot check: CuPy's own functions and their numerics (numpy computes them),
 NVRTC, flush-to-zero, streams and concurrency, timing. It sets ONE_EMBEDDING_GPU_DRY_RUN=1, which
-the GPU tests read to shrink their sizes (the emulator runs kernels one thread at a time). Never
-load it in a normal run: every array "on the GPU" is a numpy array.
+the GPU tests read to shrink their sizes (the emulator runs kernels one thread at a time). With
+ONE_EMBEDDING_CUDA_EMULATION_SEED=<int> the emulator runs in its stress mode (tests/cuda_emulation.py).
+Never load it in a normal run: every array "on the GPU" is a numpy array.
 """
 from __future__ import annotations
 

@@ -12,7 +12,9 @@ NVRTC, flush-to-zero, streams running concurrently.
 Results are compared bit for bit: training with every store preset, with prefetch, with
 padding and table ids, with int8 / fp16 exchange and with two lookups per step equals the CPU
 embedding's (the initial values are exact here, where the emulated kernel and numpy share the
-host's libm; on a GPU they may differ by 1 ulp, rarely).
+host's libm; on a GPU they may differ by 1 ulp, rarely). The tests marked ``stress_seeds`` also
+run in the emulator's stress mode with seeds 1, 2, 3 (tests/conftest.py); with
+ONE_EMBEDDING_CUDA_EMULATION_SEED set, all of them run in it.
 """
 from __future__ import annotations
 
@@ -139,6 +141,7 @@ def test_device_embedding_trains_as_the_cpu_embedding(launch, tmp_path, preset, 
     assert kernels <= launch.launched
 
 
+@pytest.mark.stress_seeds
 @pytest.mark.parametrize("optim", ["momentum", "ftrl"])
 def test_device_embedding_other_optimizers(launch, tmp_path, optim):
     want = _train("cpu", "cached_host_mem", optim, tmp_path / "cpu", steps=4)
@@ -146,6 +149,7 @@ def test_device_embedding_other_optimizers(launch, tmp_path, optim):
     _same_bits(got[1][1], want[1][1])
 
 
+@pytest.mark.stress_seeds
 @pytest.mark.parametrize("depth", [1, 3])
 @pytest.mark.parametrize("preset", ["device_mem", "cached_host_mem", "cached_ssd_host"])
 def test_device_prefetch_gives_the_serial_bits(launch, tmp_path, preset, depth):
@@ -156,6 +160,7 @@ def test_device_prefetch_gives_the_serial_bits(launch, tmp_path, preset, depth):
     _same_bits(got[1][1], want[1][1])
 
 
+@pytest.mark.stress_seeds
 @pytest.mark.parametrize("depth", [0, 2])
 @pytest.mark.parametrize("preset", ["device_mem", "cached_host_mem", "cached_ssd_host"])
 def test_device_lifecycle_gives_the_cpu_bits(launch, tmp_path, preset, depth):
@@ -175,6 +180,7 @@ def test_device_lifecycle_gives_the_cpu_bits(launch, tmp_path, preset, depth):
     assert want[2][-1]["evicted_rows"] > 0 and want[2][-1]["not_admitted_lookups"] > 0
 
 
+@pytest.mark.stress_seeds
 def test_device_padding_exchange_dtypes_and_two_lookups(launch, tmp_path):
     for kwargs in [dict(padding_idx=11), dict(exchange_dtype="int8"), dict(exchange_dtype="fp16"),
                    dict(two_lookups=True)]:
@@ -186,6 +192,7 @@ def test_device_padding_exchange_dtypes_and_two_lookups(launch, tmp_path):
         shutil.rmtree(tmp_path)
 
 
+@pytest.mark.stress_seeds
 def test_device_table_ids_and_key_types(launch, tmp_path):
     rng = np.random.default_rng(3)
     ids = rng.integers(0, 2**31 - 1, size=(50, 4)).astype(np.int32)
@@ -200,6 +207,7 @@ def test_device_table_ids_and_key_types(launch, tmp_path):
     _same_bits(outs[1], outs[0])
 
 
+@pytest.mark.stress_seeds
 def test_device_chain_counts_every_crossing(launch, tmp_path):
     """cached_host_mem: misses of the device cache come up from the host store, evictions go
     down; each crossing's bytes are counted once, and a device_mem table crosses nothing."""
@@ -219,6 +227,7 @@ def test_device_chain_counts_every_crossing(launch, tmp_path):
     assert full[0]["d2h_bytes"] == rows * (8 + 4 * line) and full[0]["h2d_bytes"] == 0
 
 
+@pytest.mark.stress_seeds
 def test_device_snapshot_loads_on_the_cpu_and_back(launch, tmp_path):
     outs = {}
     for first, second in [(launch, "cpu"), ("cpu", launch)]:
@@ -244,6 +253,7 @@ def test_device_snapshot_loads_on_the_cpu_and_back(launch, tmp_path):
     _same_bits(outs[str(launch)], outs["cpu"])
 
 
+@pytest.mark.stress_seeds
 def test_dlrm_with_a_device_embedding_trains_as_on_the_cpu(launch):
     """A model builds its own embedding: ``embedding_device`` puts it on the device."""
     from one_embedding.models import DLRM
@@ -276,7 +286,7 @@ class _StreamRecorder(EmulatedLauncher):
     chain ask for can be checked (the emulator itself runs everything in issue order)."""
 
     def __init__(self, inner: EmulatedLauncher):
-        super().__init__(inner.lib, cm.EMBEDDING_FAMILIES)
+        super().__init__(inner.lib, cm.EMBEDDING_FAMILIES, seed=inner.seed)
         import threading
 
         self._local = threading.local()
@@ -309,6 +319,7 @@ class _StreamRecorder(EmulatedLauncher):
             self.log.append(("wait", self.current(), event))
 
 
+@pytest.mark.stress_seeds
 def test_device_prefetch_orders_the_streams_with_events(launch, tmp_path):
     rec = _StreamRecorder(launch)
     emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
@@ -343,6 +354,7 @@ def test_device_prefetch_orders_the_streams_with_events(launch, tmp_path):
     emb.close()
 
 
+@pytest.mark.stress_seeds
 @pytest.mark.parametrize("world", [1, 3, 8])
 def test_device_partition_by_owner_equals_the_cpu_partition(launch, world):
     """The ID shuffle's local half for several ranks (the exchange itself needs MPI)."""

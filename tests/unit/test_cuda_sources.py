@@ -265,59 +265,42 @@ def test_importing_the_cuda_modules_does_not_import_cupy():
 
 # ---------------------------------------------------------------- the kernels, executed on the host
 #
-# Each dense family is compiled with g++ against cuda/host_emulation.cuh (CUDA threads as fibers,
-# warp primitives through barriers) and launched with the argument tuples and launch shapes of
-# cuda_ops, on a pretend GPU of EMULATED_SMS multiprocessors so that grids are small and every
-# grid-stride loop and row-chunking path runs more than once. The results are compared with the
-# numpy reference. This checks index arithmetic, loop bounds, mask words, reductions and warp
-# convergence without a GPU; timing, memory coalescing and the cupy glue are left to the GPU tests.
+# The dense families are compiled with g++ against cuda/host_emulation.cuh (tests/cuda_emulation.py:
+# CUDA threads as fibers, warp primitives through barriers) and launched with the argument tuples
+# and launch shapes of cuda_ops, on a pretend GPU of EMULATED_SMS multiprocessors so that grids are
+# small and every grid-stride loop and row-chunking path runs more than once. The results are
+# compared with the numpy reference. This checks index arithmetic, loop bounds, mask words,
+# reductions and warp convergence without a GPU; timing, memory coalescing and the cupy glue are
+# left to the GPU tests. Each test also runs in the emulator's stress mode (seeds 1, 2, 3): the
+# shared memory of block_sum and column_block_sum checked for races and unwritten reads, every
+# shared and global index bounds-checked, threads and blocks interleaved at random.
 
 EMULATED_SMS = 1
-_SCALARS = {np.int32: ctypes.c_int32, np.int64: ctypes.c_int64, np.uint64: ctypes.c_uint64,
-            np.float32: ctypes.c_float, np.float64: ctypes.c_double}
-
-
-class _Emulator:
-    def __init__(self, lib):
-        self.lib = lib
-        lib.oe_emulate_launch.restype = ctypes.c_int
-        lib.oe_emulate_launch.argtypes = [ctypes.c_char_p] + [ctypes.c_uint] * 4 + [
-            ctypes.POINTER(ctypes.c_void_p), ctypes.c_char_p, ctypes.c_int]
-
-    def __call__(self, kernel, dtype, grid, block, args):
-        grid, block = tuple(grid) + (1,) * (2 - len(grid)), tuple(block) + (1,) * (2 - len(block))
-        values = []
-        for a in args:
-            if isinstance(a, np.ndarray):
-                assert a.flags.c_contiguous
-                values.append(ctypes.c_void_p(a.ctypes.data))
-            else:
-                values.append(_SCALARS[type(a)](a.item()))
-        params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        error = ctypes.create_string_buffer(512)
-        name = f"{kernel}<{cm.CTYPES[np.dtype(dtype)]}>".encode()
-        status = self.lib.oe_emulate_launch(name, *grid, *block, params, error, 512)
-        assert status == 0, error.value.decode()
 
 
 @pytest.fixture(scope="module")
-def emulate(tmp_path_factory):
+def dense_lib(request, tmp_path_factory):
+    from cuda_emulation import build
+
     if shutil.which("g++") is None:
         pytest.skip("g++ not on PATH")
-    work = tmp_path_factory.mktemp("cuda_emulation")
-    emulators = {}
-    for family in cm.DENSE_FAMILIES:     # the embedding families: tests/test_device_cache_emulation.py
-        src = work / f"{family}.cpp"
-        src.write_text(f'#include "host_emulation.cuh"\n#define ONE_EMBEDDING_INSTANTIATE\n'
-                       f'#include "{family}.cu"\n')
-        lib = work / f"{family}.so"
-        subprocess.run(["g++", "-std=c++17", "-O1", "-shared", "-fPIC", "-pthread", "-Wall", "-Werror",
-                        "-I", str(cm.CUDA_DIR), str(src), "-o", str(lib)],
-                       check=True, capture_output=True, timeout=300)
-        emulators[family] = _Emulator(ctypes.CDLL(str(lib)))
+    cache = getattr(request.config, "cache", None)
+    folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
+    return build(cm.DENSE_FAMILIES, Path(folder))
+
+
+@pytest.fixture
+def emulate(dense_lib, emulation_seed):
+    """``emulate(kernel, dtype, grid, block, args)``: the dense families on the host emulator (in
+    its stress mode when ``emulation_seed`` is set), every launch checked against the kernel's
+    parameter list."""
+    from cuda_emulation import EmulatedLauncher
+
+    launcher = EmulatedLauncher(dense_lib, cm.DENSE_FAMILIES, seed=emulation_seed)
 
     def launch(kernel, dtype, grid, block, args):
-        emulators[kernel.split("_", 1)[0]](kernel, dtype, grid, block, args)
+        family, name = kernel.split("_", 1)
+        launcher.run(family, name, dtype, grid, block, args)
 
     return launch
 
@@ -335,7 +318,7 @@ def _column_grid(rows, cols):
     return (max(1, -(-cols // 32)), n_chunks), (32, cm.COLUMN_BLOCK_ROWS), n_chunks, per_chunk
 
 
-@pytest.mark.slow
+@pytest.mark.stress_seeds
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_emulated_mlp_kernels_match_reference(emulate, dtype):
     from one_embedding.kernels import reference as ref
@@ -375,7 +358,7 @@ def test_emulated_mlp_kernels_match_reference(emulate, dtype):
         np.testing.assert_array_equal(dx, ref.dropout_backward(dy, keep_ref, rate))
 
 
-@pytest.mark.slow
+@pytest.mark.stress_seeds
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_emulated_interaction_kernels_match_reference(emulate, dtype):
     from one_embedding.kernels import reference as ref
@@ -408,7 +391,7 @@ def test_emulated_interaction_kernels_match_reference(emulate, dtype):
             np.testing.assert_array_equal(dconcat, dconcat_ref)
 
 
-@pytest.mark.slow
+@pytest.mark.stress_seeds
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_emulated_cross_kernels_match_reference(emulate, dtype):
     from one_embedding.kernels import reference as ref
@@ -452,7 +435,7 @@ def test_emulated_cross_kernels_match_reference(emulate, dtype):
         close_at_dtype(db_partial.sum(0), db_ref, dtype)
 
 
-@pytest.mark.slow
+@pytest.mark.stress_seeds
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_emulated_fm_and_loss_kernels_match_reference(emulate, dtype):
     from one_embedding.kernels import reference as ref

@@ -16,6 +16,10 @@ against the twin:
 - the fused optimizer updates vs optim.kernels (numba), bit for bit;
 - the int8 and fp16 codecs vs parallel.codec, byte for byte.
 
+Every test also runs in the emulator's stress mode with seeds 1, 2, 3 (``stress_seeds``,
+tests/conftest.py): threads and blocks interleaved at random, the cache's shared set state checked
+for races and unwritten reads, every index bounds-checked, fresh buffers full of garbage.
+
 What is left to the GPU tests (tests/test_device_gpu.py): CuPy's own functions, NVRTC's code
 generation, flush-to-zero, real concurrency between blocks and timing.
 """
@@ -46,13 +50,16 @@ from helpers import TierProbe
 
 ROOT = helpers.ROOT
 
+# every test here that runs kernels also runs in the emulator's stress mode (tests/conftest.py)
+pytestmark = pytest.mark.stress_seeds
 
 
 
-@pytest.fixture(scope="module")
-def launch32(emulation_lib):
+
+@pytest.fixture
+def launch32(emulation_lib, emulation_seed):
     """One warp per block: many blocks, one set / key / row per warp and round."""
-    return EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES, block=32)
+    return EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES, block=32, seed=emulation_seed)
 
 
 def _ulps(a, b):

@@ -6,7 +6,11 @@ pinned here on the host emulator of the CUDA kernels:
 - the int8 codec of a row holding NaN or inf is defined and the same on both backends (the warp
   max of a NaN depended on the lane order, and the float -> int8 cast of NaN is undefined);
 - the tier chain's first call waits for an event recorded when its tiers were built, so a
-  prefetch stream (which does not wait for the null stream) reads the tiers' buffers filled.
+  prefetch stream (which does not wait for the null stream) reads the tiers' buffers filled;
+- the write log is written and read on the consumer's thread only (disproved as a race).
+
+The two kernel tests also run in the emulator's stress mode (seeds 1, 2, 3: threads racing
+between barriers and blocks interleaved, so repeated keys really race for buckets).
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from one_embedding.parallel import codec
 from one_embedding.tiers import HashIndex
 
 
+@pytest.mark.stress_seeds
 def test_device_find_or_insert_gives_a_repeated_key_one_slot_as_the_cpu(launch):
     rng = np.random.default_rng(3)
     dev, cpu = DeviceHashIndex(0, launch=launch), HashIndex(0)
@@ -55,6 +60,7 @@ def _poisoned_rows(dtype):
     return rows.astype(dtype)
 
 
+@pytest.mark.stress_seeds
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_int8_codec_of_nan_and_inf_rows_is_defined_and_equal_on_both_backends(launch, dtype):
     rows = _poisoned_rows(dtype)
