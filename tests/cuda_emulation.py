@@ -45,7 +45,13 @@ import numpy as np
 from one_embedding.kernels import cuda_module as cm
 from one_embedding.kernels.device_ops import Launcher
 
-GXX_OPTIONS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-Wall", "-Wextra", "-Werror")
+#: hidden visibility and no GNU-unique symbols: every library built here keeps its own kernel
+#: registry, shared-memory statics and fiber state, even when a test loads a second build of the
+#: same families (a rewritten source) into the process; with default visibility the dynamic
+#: linker binds C++'s "unique" statics (the kernel registry among them) process-wide, and the
+#: second library's kernels replaced the first's in its registry
+GXX_OPTIONS = ("-std=c++17", "-O1", "-shared", "-fPIC", "-fvisibility=hidden",
+               "-fvisibility-inlines-hidden", "-fno-gnu-unique", "-Wall", "-Wextra", "-Werror")
 #: the stress mode's switch: an integer seed
 SEED_ENV = "ONE_EMBEDDING_CUDA_EMULATION_SEED"
 

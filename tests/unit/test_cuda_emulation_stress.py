@@ -347,6 +347,29 @@ def test_stress_catches_a_barrier_planted_out_of_the_cache_kernel(tmp_path):
             "a missing barrier" in message, message
 
 
+def test_two_builds_in_one_process_keep_their_own_kernels(tmp_path, emulation_lib):
+    """A second build of the embedding families (a changed source, as the test above loads) must
+    not take over the first's kernels: C++'s GNU-unique statics (the kernel registry) are bound
+    process-wide unless the builds hide them, and then every later launch of the first library ran
+    the second's code with the first's scheduler state (seen in the full suite: a segfault)."""
+    from one_embedding.kernels import device_ops
+    from one_embedding.parallel import codec
+
+    if shutil.which("g++") is None:
+        pytest.skip("g++ not on PATH")
+    line = "      out[c] = (unsigned char)(signed char)(int)q;\n"
+    source = cm.source_path("codec").read_text()
+    assert source.count(line) == 1
+    (tmp_path / "codec.cu").write_text(source.replace(line, "      out[c] = 7;\n"))
+    changed = build(cm.EMBEDDING_FAMILIES, tmp_path / "build", source_dir=tmp_path)
+    rows = np.random.default_rng(3).standard_normal((5, 40)).astype(np.float32)
+    original = EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES)
+    other = EmulatedLauncher(changed, cm.EMBEDDING_FAMILIES, source_dir=tmp_path)
+    assert (device_ops.encode(rows, "int8", launch=other)[:, :40] == 7).all()
+    np.testing.assert_array_equal(device_ops.encode(rows, "int8", launch=original),
+                                  codec.encode(rows, "int8"))
+
+
 # ---------------------------------------------------------------- the switch and the rewrite
 
 def test_seed_comes_from_the_environment(monkeypatch, planted_lib):

@@ -676,8 +676,10 @@ def test_emulator_reports_divergent_barriers_instead_of_hanging(tmp_path):
     src = tmp_path / "divergent.cpp"
     src.write_text(_DIVERGENT)
     lib_path = tmp_path / "divergent.so"
-    subprocess.run(["g++", "-std=c++17", "-O0", "-shared", "-fPIC", "-I", str(cm.CUDA_DIR), str(src),
-                    "-o", str(lib_path)], check=True, capture_output=True, timeout=300)
+    # hidden visibility, as every emulation build: its kernel registry stays its own
+    subprocess.run(["g++", "-std=c++17", "-O0", "-shared", "-fPIC", "-fvisibility=hidden",
+                    "-fvisibility-inlines-hidden", "-fno-gnu-unique", "-I", str(cm.CUDA_DIR),
+                    str(src), "-o", str(lib_path)], check=True, capture_output=True, timeout=300)
     lib = ctypes.CDLL(str(lib_path))
     lib.oe_emulate_launch.restype = ctypes.c_int
     out = np.zeros(64, np.int32)

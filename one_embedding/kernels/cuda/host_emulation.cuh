@@ -575,11 +575,15 @@ inline long long min(long long a, long long b) { return a < b ? a : b; }
   static oe_emulation::Registrar name##_float_registrar(#name "<float>", &name<float>); \
   static oe_emulation::Registrar name##_double_registrar(#name "<double>", &name<double>);
 
+// The entry points are the library's only visible symbols (tests/cuda_emulation.py builds with
+// -fvisibility=hidden, so two builds loaded into one process keep their state apart).
+#define OE_EMULATION_EXPORT extern "C" __attribute__((visibility("default")))
+
 // Runs kernel `name` over the grid in the default mode; returns 0, or 1 with the reason in
 // `error` (size error_size).
-extern "C" int oe_emulate_launch(const char* name, unsigned grid_x, unsigned grid_y,
-                                 unsigned block_x, unsigned block_y, void** args, char* error,
-                                 int error_size) {
+OE_EMULATION_EXPORT int oe_emulate_launch(const char* name, unsigned grid_x, unsigned grid_y,
+                                          unsigned block_x, unsigned block_y, void** args,
+                                          char* error, int error_size) {
   using namespace oe_emulation;
   if (!prepare(name, grid_x, grid_y, block_x, block_y, error, error_size)) return 1;
   stress = false;
@@ -594,11 +598,14 @@ extern "C" int oe_emulate_launch(const char* name, unsigned grid_x, unsigned gri
 // Runs kernel `name` in the stress mode with schedule `seed`. arg_bytes[i] is the byte size of
 // array argument i, or -1 for a scalar; arg_itemsize[i] its element size; arg_names[i] its name
 // for messages. Array arguments are run on guarded copies and copied back on success.
-extern "C" int oe_emulate_launch_stress(const char* name, unsigned grid_x, unsigned grid_y,
-                                        unsigned block_x, unsigned block_y, void** args,
-                                        int n_args, const long long* arg_bytes,
-                                        const int* arg_itemsize, const char* const* arg_names,
-                                        unsigned long long seed, char* error, int error_size) {
+OE_EMULATION_EXPORT int oe_emulate_launch_stress(const char* name, unsigned grid_x,
+                                                 unsigned grid_y, unsigned block_x, unsigned block_y,
+                                                 void** args, int n_args,
+                                                 const long long* arg_bytes,
+                                                 const int* arg_itemsize,
+                                                 const char* const* arg_names,
+                                                 unsigned long long seed, char* error,
+                                                 int error_size) {
   using namespace oe_emulation;
 #ifndef ONE_EMBEDDING_EMULATION_REWRITTEN
   (void)grid_x, (void)grid_y, (void)block_x, (void)block_y, (void)args, (void)n_args;
