@@ -25,6 +25,7 @@ operations (``kernels.device_ops``), and gives the same results.
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Sequence
 
 import numpy as np
@@ -132,7 +133,9 @@ class MultiTableMultiColumnEmbedding:
                 "make_cached_host_mem_store_options or make_cached_ssd_store_options (or pass "
                 "OneFlow's store options dict)"
             )
-        self.store_options = store_options
+        # its own copy: an edit of the caller's options through the dict form (store_dict.py)
+        # after this point must not make them disagree with the tiers built from them
+        self.store_options = dataclasses.replace(store_options)
         self.tables = self._check_tables(tables, default_initializer)
         self.padding_idx = None if padding_idx is None else self._check_padding(padding_idx)
         if comm is not None and not isinstance(comm, Communicator):

@@ -90,3 +90,12 @@ def test_the_embedding_takes_oneflows_own_dict(tmp_path):
     np.testing.assert_array_equal(np.asarray(emb(ids)), np.asarray(want(ids)))
     with pytest.raises(ConfigError, match="no 'kv_store'"):
         oe.MultiTableEmbedding("v", 4, np.float32, np.int64, None, {"size_factor": 1})
+
+
+def test_an_edit_after_the_embedding_is_built_leaves_it_as_built(tmp_path):
+    store = oe.make_cached_host_mem_store_options(1, str(tmp_path), 1000)
+    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None, store)
+    store["kv_store"]["caches"][0]["cache_memory_budget_mb"] = 64
+    assert store.caches[0].budget_mb == 64
+    assert emb.store_options.caches[0].budget_mb == 1     # what its tiers were built from
+    emb.close()
