@@ -534,16 +534,7 @@ def _patch(rows: OwnerRows, newer: list):
     for put_keys, put_lines in newer:
         slots = index.find(put_keys)
         hit = slots >= 0
-        slots = slots[hit]
-        if put_lines is None:
-            erased = np.zeros(rows.keys.shape[0], np.bool_) if erased is None else erased
-            erased[slots] = True
-            rows.found[slots] = False
-            continue
-        rows.lines[slots] = put_lines[hit]
-        rows.found[slots] = True
-        if erased is not None:
-            erased[slots] = False
+        erased = _apply_put(np, rows, slots[hit], put_lines, hit, erased)
     return erased
 
 
@@ -561,14 +552,20 @@ def _patch_on_device(xp, rows: OwnerRows, newer: list):
         put_keys = xp.asarray(put_keys)
         pos = xp.minimum(xp.searchsorted(sorted_keys, put_keys), v - 1)
         hit = xp.flatnonzero(sorted_keys[pos] == put_keys)
-        slots = order[pos[hit]]
-        if put_lines is None:
-            erased = xp.zeros(v, dtype=xp.bool_) if erased is None else erased
-            erased[slots] = True
-            rows.found[slots] = False
-            continue
-        rows.lines[slots] = put_lines[hit]
-        rows.found[slots] = True
-        if erased is not None:
-            erased[slots] = False
+        erased = _apply_put(xp, rows, order[pos[hit]], put_lines, hit, erased)
+    return erased
+
+
+def _apply_put(xp, rows: OwnerRows, slots, put_lines, hit, erased):
+    """One logged put (or erase, ``put_lines`` None) into ``rows`` at ``slots`` (its keys
+    ``hit`` among the put's); returns the rows erased so far and not put again (or None)."""
+    if put_lines is None:
+        erased = xp.zeros(rows.keys.shape[0], dtype=xp.bool_) if erased is None else erased
+        erased[slots] = True
+        rows.found[slots] = False
+        return erased
+    rows.lines[slots] = put_lines[hit]
+    rows.found[slots] = True
+    if erased is not None:
+        erased[slots] = False
     return erased

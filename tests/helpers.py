@@ -104,3 +104,40 @@ class TierProbe:
 
     def __getattr__(self, name):
         return getattr(self.tier, name)
+
+def row_optimizer_cases() -> dict:
+    """name -> factory of every row-optimizer setting the update kernels must match in (the
+    device twins of tests/gpu and their emulation): each optimizer, weight-decay mode, Adam
+    variant and Ftrl convention."""
+    from one_embedding.optim import SGD, Adagrad, Adam, Ftrl
+
+    return {
+        "sgd": lambda: SGD(lr=0.1),
+        "sgd_wd": lambda: SGD(lr=0.1, weight_decay=0.01),
+        "momentum": lambda: SGD(lr=0.05, momentum=0.9),
+        "momentum_dampening_l2": lambda: SGD(lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.02,
+                                             weight_decay_mode="l2"),
+        "nesterov_decoupled": lambda: SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01,
+                                          weight_decay_mode="decoupled"),
+        "momentum_wd": lambda: SGD(lr=0.05, momentum=0.9, weight_decay=0.01),
+        "adagrad": lambda: Adagrad(lr=0.1, initial_accumulator_value=0.1),
+        "adagrad_decay_wd": lambda: Adagrad(lr=0.1, lr_decay=0.01, weight_decay=0.01, eps=1e-6),
+        "adagrad_decoupled": lambda: Adagrad(lr=0.1, weight_decay=0.01, weight_decay_mode="decoupled"),
+        "adagrad_l2_maximize": lambda: Adagrad(lr=0.1, weight_decay=0.05, weight_decay_mode="l2",
+                                               maximize=True),
+        "adam": lambda: Adam(lr=0.01),
+        "adam_wd_no_bias_correction": lambda: Adam(lr=0.01, weight_decay=0.1, do_bias_correction=False),
+        "adam_decoupled": lambda: Adam(lr=0.01, weight_decay=0.1, weight_decay_mode="decoupled"),
+        "adam_amsgrad_l2": lambda: Adam(lr=0.01, betas=(0.8, 0.99), amsgrad=True, weight_decay=0.01,
+                                        weight_decay_mode="l2"),
+        "ftrl": lambda: Ftrl(lr=0.1, convention="oneflow"),
+        "ftrl_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5, weight_decay=0.01,
+                                        convention="oneflow"),
+        "ftrl_half_decoupled": lambda: Ftrl(lr=0.05, lr_power=0.5, lambda1=0.01, weight_decay=0.01,
+                                            weight_decay_mode="decoupled", convention="oneflow"),
+        "ftrl_power": lambda: Ftrl(lr=0.05, lr_power=-0.7, initial_accumulator_value=0.5,
+                                   convention="oneflow"),
+        "ftrl_tensorflow": lambda: Ftrl(lr=0.1, convention="tensorflow"),
+        "ftrl_tensorflow_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5,
+                                                   weight_decay=0.01, convention="tensorflow"),
+    }

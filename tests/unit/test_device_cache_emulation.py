@@ -39,7 +39,7 @@ from one_embedding.errors import CapacityError, ConfigError, InputError
 from one_embedding.initializers import fill_initial_values, initial_values
 from one_embedding.kernels import cuda_module as cm
 from one_embedding.kernels import device_ops, reference
-from one_embedding.optim import SGD, Adagrad, Adam, Ftrl
+from one_embedding.optim import SGD, Adam
 from one_embedding.parallel import codec
 from one_embedding.parallel.unique import segment_sum, unique_ids
 from one_embedding.store.memory import MemoryStore
@@ -476,42 +476,11 @@ def test_initial_values_argument_checks(launch):
 # ---------------------------------------------------------------- fused optimizer updates
 
 
-def _optimizers():
-    return {
-        "sgd": lambda: SGD(lr=0.1),
-        "sgd_wd": lambda: SGD(lr=0.1, weight_decay=0.01),
-        "momentum": lambda: SGD(lr=0.05, momentum=0.9),
-        "momentum_dampening_l2": lambda: SGD(lr=0.05, momentum=0.8, dampening=0.3, weight_decay=0.02,
-                                             weight_decay_mode="l2"),
-        "nesterov_decoupled": lambda: SGD(lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.01,
-                                          weight_decay_mode="decoupled"),
-        "momentum_wd": lambda: SGD(lr=0.05, momentum=0.9, weight_decay=0.01),
-        "adagrad": lambda: Adagrad(lr=0.1, initial_accumulator_value=0.1),
-        "adagrad_decay_wd": lambda: Adagrad(lr=0.1, lr_decay=0.01, weight_decay=0.01, eps=1e-6),
-        "adagrad_decoupled": lambda: Adagrad(lr=0.1, weight_decay=0.01, weight_decay_mode="decoupled"),
-        "adagrad_l2_maximize": lambda: Adagrad(lr=0.1, weight_decay=0.05, weight_decay_mode="l2",
-                                               maximize=True),
-        "adam": lambda: Adam(lr=0.01),
-        "adam_wd_no_bias_correction": lambda: Adam(lr=0.01, weight_decay=0.1, do_bias_correction=False),
-        "adam_decoupled": lambda: Adam(lr=0.01, weight_decay=0.1, weight_decay_mode="decoupled"),
-        "adam_amsgrad_l2": lambda: Adam(lr=0.01, betas=(0.8, 0.99), amsgrad=True, weight_decay=0.01,
-                                        weight_decay_mode="l2"),
-        "ftrl": lambda: Ftrl(lr=0.1, convention="oneflow"),
-        "ftrl_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5, weight_decay=0.01,
-                                        convention="oneflow"),
-        "ftrl_half_decoupled": lambda: Ftrl(lr=0.05, lr_power=0.5, lambda1=0.01, weight_decay=0.01,
-                                            weight_decay_mode="decoupled", convention="oneflow"),
-        "ftrl_power": lambda: Ftrl(lr=0.05, lr_power=-0.7, initial_accumulator_value=0.5,
-                                   convention="oneflow"),
-        "ftrl_tensorflow": lambda: Ftrl(lr=0.1, convention="tensorflow"),
-        "ftrl_tensorflow_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5,
-                                                   weight_decay=0.01, convention="tensorflow"),
-    }
 
 
-@pytest.mark.parametrize("name", list(_optimizers()))
+@pytest.mark.parametrize("name", list(helpers.row_optimizer_cases()))
 def test_fused_optimizer_update_is_the_cpu_update_bit_for_bit(launch, name):
-    make = _optimizers()[name]
+    make = helpers.row_optimizer_cases()[name]
     gpu_opt, cpu_opt = make(), make()
     rng = np.random.default_rng(len(name))
     n, dim = 300, 13
@@ -631,7 +600,7 @@ def test_every_embedding_kernel_has_a_launch_in_the_glue():
 
 
 def test_optimizer_kernel_names_exist():
-    for make in _optimizers().values():
+    for make in helpers.row_optimizer_cases().values():
         opt = make()
         name, scalars = device_ops.optimizer_kernel(opt, opt.lr, 1)
         assert f"optim_{name}" in cm.kernel_names("optim")
