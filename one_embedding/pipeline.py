@@ -19,6 +19,15 @@ cache: they stay available until used even when the cache is far smaller than a 
 
 ``depth=0`` prepares each batch on the calling thread, right before it is used.
 
+Ranks: each ``prepare`` runs the ID shuffle, a collective every rank must enter for the same
+batch. So stopping early (``close``, or leaving the loop) cannot simply abandon the thread where
+it happens to be: one rank's thread may have entered batch k's shuffle while another's stopped
+before it, and both would wait for ever. With more than one rank the thread therefore goes on to
+a point every rank computes alike from what its consumer took, ``consumed + depth + 1`` batches
+prepared (the most a thread can have begun, or the end of the batches), then stops. Those extra
+preparations change nothing (unused steps are dropped) and cost a few lookups; a loop that knows
+its length (``itertools.islice``) has none.
+
 On a GPU (an embedding built with ``device="cuda"``) the background thread issues its work on a
 CUDA stream of its own, so the next batches' kernels and copies overlap the current step's on
 the device as well. Two events keep the order: the thread records one after preparing each
@@ -68,6 +77,10 @@ class Prefetcher:
         # the embedding's device launcher (None on the CPU): streams and events
         self._launch = getattr(embedding, "launch", None)
         self._in_use: collections.deque = collections.deque()  # (state, event) yielded, not run
+        self._consumed = 0          # batches yielded to the consumer
+        self._prepared = 0          # batches whose prepare the thread began
+        # after close: the thread stops once it has begun this many (see the module docstring)
+        self._stop_after = 0
 
     def _prepare(self, batch):
         return self.embedding.prepare(self._ids(batch), self._table_ids(batch))
@@ -91,6 +104,7 @@ class Prefetcher:
                 batch, state, ready = item
                 if self._launch is not None:
                     self._launch.wait(ready)        # the consumer's stream: after the prepare
+                self._consumed += 1
                 yield batch, state
                 self._retire(state)
         finally:
@@ -110,8 +124,9 @@ class Prefetcher:
         try:
             with launch.stream() if launch is not None else contextlib.nullcontext():
                 for batch in self._batches:
-                    if self._stop.is_set():
+                    if self._stop.is_set() and self._prepared >= self._stop_after:
                         return
+                    self._prepared += 1
                     state = self._prepare(batch)
                     ready = launch.record() if launch is not None else None
                     self._put((batch, state, ready))
@@ -129,7 +144,11 @@ class Prefetcher:
                 continue
 
     def close(self) -> None:
-        """Stop the thread; prepared but unused steps are dropped (they change nothing)."""
+        """Stop the thread; prepared but unused steps are dropped (they change nothing). With
+        more than one rank the thread first reaches ``consumed + depth + 1`` batches begun, the
+        same on every rank (module docstring)."""
+        if getattr(self.embedding, "world", 1) > 1:
+            self._stop_after = self._consumed + self.depth + 1
         self._stop.set()
         if self._thread is not None:
             self._thread.join()

@@ -497,7 +497,10 @@ class Trainer:
 
             bar = tqdm(total=cfg.steps, initial=progress.step, unit="step", file=sys.stderr,
                        dynamic_ncols=True)
-        prefetcher = Prefetcher(self.epoch_batches(), self.embedding, depth=cfg.prefetch_depth,
+        batches = self.epoch_batches()
+        if cfg.steps is not None:   # the prefetch thread prepares no batch past the last step
+            batches = itertools.islice(batches, max(0, cfg.steps - progress.step))
+        prefetcher = Prefetcher(batches, self.embedding, depth=cfg.prefetch_depth,
                                 ids=lambda item: item[1].ids)
         try:
             with prefetcher:

@@ -195,3 +195,41 @@ def test_an_uncaught_exception_on_one_rank_ends_a_python_job(tmp_path, where):
     assert "unreachable" not in proc.stdout
     assert ("ValueError: a bad batch" if where == "main" else "ZeroDivisionError") in proc.stderr
     assert "ending the job" in proc.stderr
+
+
+SCRIPT_EARLY_BREAK = """
+import time
+import numpy as np, one_embedding as oe
+from one_embedding.pipeline import Prefetcher
+
+emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None,
+                             oe.make_device_mem_store_options(None, 1000))
+
+def batches():
+    for i in range(50):
+        if emb.rank == 0 and i >= 1:
+            time.sleep(0.3)  # rank 0's thread lags: it has not begun batch 1 when its loop ends
+        yield np.arange(8) + 8 * i
+
+with Prefetcher(batches(), emb, depth=2, ids=lambda ids: ids) as prefetcher:
+    for ids, state in prefetcher:
+        if emb.rank == 1:
+            time.sleep(0.5)  # rank 1's thread has begun batch 1's ID shuffle and waits in it
+        break
+rows = emb(np.arange(8))  # a collective of the main communicator on both ranks
+print(f"rank {emb.rank}: prepared {prefetcher._prepared}, rows {rows.shape}", flush=True)
+"""
+
+
+def test_leaving_a_prefetched_loop_early_on_two_ranks_does_not_hang(tmp_path):
+    """A loop left early stops both ranks' prefetch threads after the same batch: before, rank 1's
+    thread waited for ever in an ID shuffle rank 0's thread never began (the 2-rank training CLI
+    hung this way at its last step, about one run in ten)."""
+    script = tmp_path / "job.py"
+    script.write_text(SCRIPT_EARLY_BREAK)
+    proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(script)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # consumed 1 + depth 2 + 1: the most any rank's thread can have begun, on both ranks
+    for rank in (0, 1):
+        assert f"rank {rank}: prepared 4, rows (8, 4)" in proc.stdout, proc.stdout
