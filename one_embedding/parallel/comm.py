@@ -305,16 +305,27 @@ def abort_enabled() -> bool:
 
 
 def end_job(comm: Communicator, why: str, error: BaseException | None = None) -> None:
-    """Print ``error``'s traceback (if any) and one line naming this rank and ``why``, then end
-    every rank of ``comm``'s job (``comm.abort(1)``: MPI_Abort, which does not return)."""
+    """Report ``error`` (if any) and one line naming this rank and ``why``, then end every rank
+    of ``comm``'s job (``comm.abort``: MPI_Abort, which does not return). As the CLI does: an
+    error this library raises on purpose is its one-line message and exit code 2, Ctrl-C 130,
+    anything else its traceback and 1."""
     import sys
     import traceback
 
-    if error is not None:
+    from ..errors import OneEmbeddingError
+
+    code = 1
+    if isinstance(error, OneEmbeddingError):
+        print(f"one_embedding: rank {comm.rank} of {comm.world}: error: {error}",
+              file=sys.stderr)
+        code = 2
+    elif isinstance(error, KeyboardInterrupt):
+        code = 130
+    elif error is not None:
         traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
     print(f"one_embedding: rank {comm.rank} of {comm.world}: {why}: ending the job (set "
           f"{ABORT_ENV}=0 to leave the other ranks running)", file=sys.stderr, flush=True)
-    comm.abort(1)
+    comm.abort(code)
 
 
 def abort_on_uncaught_exception(comm: Communicator, enable: bool | None = None) -> None:

@@ -106,6 +106,23 @@ def test_an_error_in_the_with_block_aborts_the_ranks(capsys):
     assert "rank 1 of 2: raised ValueError with prefetch on: ending the job" in err
 
 
+def test_a_library_error_is_one_line_and_exit_code_2(capsys):
+    from one_embedding.errors import StoreError
+
+    emb = StuckPeerEmbedding(world=2, stuck_from=10**9)
+
+    def body():
+        with Prefetcher(iter(range(100)), emb, depth=2, ids=lambda b: b) as prefetcher:
+            for batch, state in prefetcher:
+                raise StoreError("disk full on this rank: free space")
+
+    out, _ = _bounded(body)
+    assert isinstance(out.get("error"), StoreError) and emb.comm.aborted == [2]
+    err = capsys.readouterr().err
+    assert "rank 1 of 2: error: disk full on this rank: free space" in err
+    assert "Traceback" not in err
+
+
 def test_the_opt_out_keeps_the_ranks_running(monkeypatch):
     monkeypatch.setenv(comm_mod.ABORT_ENV, "0")
     emb = StuckPeerEmbedding(world=2, stuck_from=10**9)
