@@ -25,6 +25,7 @@ operations (``kernels.device_ops``), and gives the same results.
 """
 from __future__ import annotations
 
+import logging
 from typing import Sequence
 
 import numpy as np
@@ -45,6 +46,8 @@ from .parallel.comm import default_comm
 from .parallel.shuffle import Traffic
 from .shard import EmbeddingShard
 from .step import LineLayout, StepState
+
+log = logging.getLogger(__name__)
 
 _KEY_TYPES = {
     "int32": np.int32, "int64": np.int64, "uint32": np.uint32, "uint64": np.uint64,
@@ -545,8 +548,9 @@ class MultiTableMultiColumnEmbedding:
     def __del__(self):
         try:
             self.close()
-        except Exception:
-            pass
+        except Exception as e:  # garbage collection cannot raise: the reason is logged
+            log.warning("embedding %r was not closed, and closing it at garbage collection "
+                        "failed: %r (call close() to see the error)", self.name, e)
 
 
 class MultiTableEmbedding(MultiTableMultiColumnEmbedding):
