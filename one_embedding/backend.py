@@ -3,14 +3,19 @@
 The namespace ``xp`` is resolved once at a public entry point and passed down. CuPy arrays are
 recognised by their type's module, so ``import one_embedding`` never imports cupy.
 
-An embedding's device is chosen when it is built (``MultiTableEmbedding(device="cuda")``); code
-that builds embeddings for its caller (a model) picks up ``embedding_device(...)``'s default.
+An embedding's device is chosen when it is built (``MultiTableEmbedding(device="cuda")``) and
+held by it; code that builds embeddings for its caller (a model) picks up the default that
+``embedding_device(...)`` sets for the calling thread.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
+import threading
 
 import numpy as np
+
+log = logging.getLogger(__name__)
 
 
 def is_cupy_array(a) -> bool:
@@ -47,33 +52,37 @@ def cupy_available() -> bool:
         import cupy
 
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # no cupy, no driver, or no device: all mean "no GPU backend"
+    except Exception as e:  # no cupy, no driver, or no device: all mean "no GPU backend"
+        log.debug("no GPU backend: %s: %s", type(e).__name__, e)
         return False
 
 
 # ---------------------------------------------------------------- the embedding's default device
 
-_embedding_device = "cpu"
+#: per thread: a thread that builds an embedding (a serving follower, a test's helper) never
+#: picks up the device another thread set for its own builds (a trainer's "cuda")
+_embedding_device = threading.local()
 
 
 def default_embedding_device() -> str:
-    """The device an embedding built without ``device=`` goes to: "cpu" unless set by
-    ``embedding_device``."""
-    return _embedding_device
+    """The device an embedding built without ``device=`` on this thread goes to: "cpu" unless
+    this thread is inside ``embedding_device``."""
+    return getattr(_embedding_device, "device", "cpu")
 
 
 @contextlib.contextmanager
 def embedding_device(device: str):
-    """Build embeddings on ``device`` ("cpu", "cuda", "cuda:N") while inside: for code that
-    builds its embedding itself (the models, from ``store_options``), as ``--device cuda`` does.
+    """Build embeddings on ``device`` ("cpu", "cuda", "cuda:N") while inside, on this thread
+    only: for code that builds its embedding itself (the models, from ``store_options``), as
+    ``--device cuda`` does. Other threads keep their own default ("cpu").
 
         >>> with embedding_device("cpu"):
         ...     default_embedding_device()
         'cpu'
     """
-    global _embedding_device
-    previous, _embedding_device = _embedding_device, device
+    previous = default_embedding_device()
+    _embedding_device.device = device
     try:
         yield device
     finally:
-        _embedding_device = previous
+        _embedding_device.device = previous

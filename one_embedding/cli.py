@@ -8,6 +8,7 @@ import sys
 import traceback
 
 from .errors import ConfigError, OneEmbeddingError
+from .store.file_limit import raise_open_file_limit
 
 
 def _add_train_args(p: argparse.ArgumentParser) -> None:
@@ -246,6 +247,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
+    # the process is the CLI's own: the library never changes its limits by itself
+    raise_open_file_limit("a slot-engine table keeps one file open per live segment")
     try:
         return args.func(args)
     except OneEmbeddingError as e:

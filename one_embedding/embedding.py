@@ -25,7 +25,7 @@ operations (``kernels.device_ops``), and gives the same results.
 """
 from __future__ import annotations
 
-import dataclasses
+import logging
 from typing import Sequence
 
 import numpy as np
@@ -46,7 +46,8 @@ from .parallel.comm import default_comm
 from .parallel.shuffle import Traffic
 from .shard import EmbeddingShard
 from .step import LineLayout, StepState
-from .store_dict import from_oneflow_dict
+
+log = logging.getLogger(__name__)
 
 _KEY_TYPES = {
     "int32": np.int32, "int64": np.int64, "uint32": np.uint32, "uint64": np.uint64,
@@ -126,16 +127,16 @@ class MultiTableMultiColumnEmbedding:
         self.key_type = resolve_key_type(key_type)
         self.seed = int(seed)
         if isinstance(store_options, dict):          # OneFlow's dict form (store_dict.py)
-            store_options = from_oneflow_dict(store_options)
+            store_options = StoreOptions.from_dict(store_options)
         if not isinstance(store_options, StoreOptions):
             raise ConfigError(
                 f"store_options={store_options!r}: build it with make_device_mem_store_options, "
                 "make_cached_host_mem_store_options or make_cached_ssd_store_options (or pass "
                 "OneFlow's store options dict)"
             )
-        # its own copy: an edit of the caller's options through the dict form (store_dict.py)
-        # after this point must not make them disagree with the tiers built from them
-        self.store_options = dataclasses.replace(store_options)
+        # frozen (store_dict.py): no later edit of the caller's can make them disagree with the
+        # tiers built from them
+        self.store_options = store_options
         self.tables = self._check_tables(tables, default_initializer)
         self.padding_idx = None if padding_idx is None else self._check_padding(padding_idx)
         if comm is not None and not isinstance(comm, Communicator):
@@ -547,8 +548,9 @@ class MultiTableMultiColumnEmbedding:
     def __del__(self):
         try:
             self.close()
-        except Exception:
-            pass
+        except Exception as e:  # garbage collection cannot raise: the reason is logged
+            log.warning("embedding %r was not closed, and closing it at garbage collection "
+                        "failed: %r (call close() to see the error)", self.name, e)
 
 
 class MultiTableEmbedding(MultiTableMultiColumnEmbedding):

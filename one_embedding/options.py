@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Sequence, Union
 
 from .errors import ConfigError
+from .store_dict import oneflow_dict_fields, read_only, refuse_edit, to_oneflow_dict
 
 # ---------------------------------------------------------------- initializers
 
@@ -329,32 +330,41 @@ class StoreOptions:
             raise ConfigError(f"at most two cache levels, got {len(self.caches)}")
         object.__setattr__(self, "caches", tuple(self.caches))
 
-    # OneFlow's dict form (store_dict.py): store["kv_store"]["caches"][0][...] reads and edits
+    # OneFlow's dict form (store_dict.py): reads through store["kv_store"]..., edits on a copy
     def __getitem__(self, key: str):
-        from .store_dict import live_item
-
-        return live_item(self, key)
+        """``options[key]`` of OneFlow's dict: a read-only view (edit ``to_dict()`` instead)."""
+        tree = to_oneflow_dict(self)
+        if key not in tree:
+            raise KeyError(f"{key!r}: OneFlow's store options hold {sorted(tree)}")
+        return read_only(tree[key], f"[{key!r}]")
 
     def __setitem__(self, key: str, value) -> None:
-        from .store_dict import set_item
+        raise refuse_edit(f"[{key!r}]")
 
-        set_item(self, key, value)
+    def __delitem__(self, key: str) -> None:
+        raise refuse_edit(f"[{key!r}]")
 
     def __contains__(self, key) -> bool:
         return key in self.keys()
 
     def keys(self):
-        from .store_dict import to_oneflow_dict
-
         return to_oneflow_dict(self).keys()
 
     def get(self, key: str, default=None):
         return self[key] if key in self else default
 
-    def _replace_from(self, other: "StoreOptions") -> None:
-        """Take every field of ``other`` (an edit through the dict form, already checked)."""
-        for name in self.__dataclass_fields__:
-            object.__setattr__(self, name, getattr(other, name))
+    def to_dict(self) -> dict:
+        """OneFlow's dict of these options: a new, plain dict the caller may edit (the options
+        stay as they are); ``from_dict`` or ``MultiTableEmbedding`` take it back."""
+        return to_oneflow_dict(self)
+
+    @classmethod
+    def from_dict(cls, store: dict) -> "StoreOptions":
+        """New options from OneFlow's dict (``to_dict()``'s, edited or not, or OneFlow's own),
+        checked: a bad value raises ``ConfigError`` naming its key."""
+        if isinstance(store, StoreOptions):
+            return store
+        return cls(**oneflow_dict_fields(store, CacheOptions))
 
 
 def make_device_mem_store_options(

@@ -28,6 +28,15 @@ prepared (the most a thread can have begun, or the end of the batches), then sto
 preparations change nothing (unused steps are dropped) and cost a few lookups; a loop that knows
 its length (``itertools.islice``) has none.
 
+A rank that raises mid-step cannot stop that way: its peers wait in the step's collectives, or
+their threads in an ID shuffle this rank's thread will never begin. So with more than one rank,
+an exception leaving the ``with Prefetcher(...)`` block ends the whole job at once
+(``comm.abort``: MPI_Abort, after printing the traceback and the rank), unless
+``ONE_EMBEDDING_ABORT_ON_ERROR=0``. (A bare ``for`` loop cannot see its body raise: use the
+``with`` form.) And ``close`` waits at most ``close_timeout`` seconds for the thread: past that,
+with several ranks, it is waiting for a peer that will not come, and the job is aborted the
+same way; otherwise (or with the abort off) ``PrefetchTimeout`` says so.
+
 On a GPU (an embedding built with ``device="cuda"``) the background thread issues its work on a
 CUDA stream of its own, so the next batches' kernels and copies overlap the current step's on
 the device as well. Two events keep the order: the thread records one after preparing each
@@ -45,9 +54,18 @@ import queue
 import threading
 from typing import Callable, Iterable, Iterator
 
-from .errors import ConfigError
+from .errors import ConfigError, OneEmbeddingError
+from .parallel.comm import abort_enabled, end_job
 
 _DONE = object()
+
+#: seconds ``close`` waits for the prefetch thread by default: the prepare it is in, and with
+#: several ranks up to ``depth + 1`` more, each an ID shuffle its peers must join
+CLOSE_TIMEOUT = 300.0
+
+
+class PrefetchTimeout(OneEmbeddingError, TimeoutError):
+    """The prefetch thread did not stop within ``close_timeout`` seconds."""
 
 
 def _batch_ids(batch):
@@ -58,14 +76,20 @@ class Prefetcher:
     """Yields ``(batch, state)`` for every batch of ``batches``, ``state = emb.prepare(ids)``.
 
     batches: any iterable; ids: batch -> ids (default ``batch.ids``); table_ids: batch -> table
-    ids or None (default None: column j of ids is table j); depth: batches prepared ahead.
-    Use it as a context manager (or call ``close``) to stop the thread early.
+    ids or None (default None: column j of ids is table j); depth: batches prepared ahead;
+    close_timeout: the most seconds ``close`` waits for the thread (module docstring).
+    Use it as a context manager (or call ``close``) to stop the thread early; with several
+    ranks, the context manager also ends the job when its block raises.
     """
 
     def __init__(self, batches: Iterable, embedding, depth: int = 1,
-                 ids: Callable = _batch_ids, table_ids: Callable | None = None):
+                 ids: Callable = _batch_ids, table_ids: Callable | None = None,
+                 close_timeout: float = CLOSE_TIMEOUT):
         if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
             raise ConfigError(f"prefetch depth={depth!r} must be an integer >= 0 (0 = off)")
+        if not isinstance(close_timeout, (int, float)) or not close_timeout > 0:
+            raise ConfigError(f"close_timeout={close_timeout!r} must be a number of seconds > 0")
+        self.close_timeout = float(close_timeout)
         self.embedding = embedding
         self.depth = depth
         self._batches = batches
@@ -143,16 +167,22 @@ class Prefetcher:
             except queue.Full:
                 continue
 
+    def _several_ranks(self) -> bool:
+        return getattr(self.embedding, "world", 1) > 1
+
     def close(self) -> None:
         """Stop the thread; prepared but unused steps are dropped (they change nothing). With
         more than one rank the thread first reaches ``consumed + depth + 1`` batches begun, the
-        same on every rank (module docstring)."""
-        if getattr(self.embedding, "world", 1) > 1:
+        same on every rank (module docstring). Waits at most ``close_timeout`` seconds: then,
+        with several ranks, the job is aborted; else ``PrefetchTimeout``."""
+        if self._several_ranks():
             self._stop_after = self._consumed + self.depth + 1
         self._stop.set()
         if self._thread is not None:
-            self._thread.join()
-            self._thread = None
+            thread, self._thread = self._thread, None
+            thread.join(self.close_timeout)
+            if thread.is_alive():
+                self._timed_out()
         if self._queue is not None:
             while not self._queue.empty():
                 self._queue.get_nowait()
@@ -160,8 +190,26 @@ class Prefetcher:
             self._launch.synchronize(self._in_use[-1][1])   # their memory may be reused after
         self._in_use.clear()
 
+    def _timed_out(self) -> None:
+        why = (f"the prefetch thread did not stop within {self.close_timeout:g} s (batches "
+               f"begun {self._prepared}, used {self._consumed}")
+        if self._several_ranks():
+            why += (f", stopping after {self._stop_after}): it waits in an ID shuffle another "
+                    "rank's thread has not begun (a rank that failed or left its loop elsewhere)")
+            comm = getattr(self.embedding, "comm", None)
+            if comm is not None and abort_enabled():
+                end_job(comm, why)
+        else:
+            why += "): its prepare (a lookup through the store) has not returned"
+        raise PrefetchTimeout(why)
+
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
+        comm = getattr(self.embedding, "comm", None)
+        if exc_type is not None and self._several_ranks() and comm is not None \
+                and abort_enabled():
+            # the other ranks wait for this one in a collective it will never enter
+            end_job(comm, f"raised {exc_type.__name__} with prefetch on", exc)
         self.close()

@@ -1,6 +1,6 @@
-"""Store options as OneFlow's dicts: what ``flow.one_embedding.make_*_store_options`` return, read
-and edited the way OneFlow scripts do (``store["kv_store"]["caches"][0]["cache_memory_budget_mb"]
-= 4096``), and accepted by ``MultiTableEmbedding`` as they are.
+"""Store options as OneFlow's dicts: the layout ``flow.one_embedding.make_*_store_options`` return,
+read the way OneFlow scripts read it (``store["kv_store"]["caches"][0]["policy"]``), and accepted
+by ``MultiTableEmbedding`` as it is.
 
 OneFlow's layout (python/oneflow/one_embedding.py, facts only)::
 
@@ -19,9 +19,17 @@ caches only are cached_ssd. What OneFlow has no key for travels under ``"one_emb
 (OneFlow ignores the key): the SSD engine, ``storage_dim``, the lifecycle options. Also accepted:
 policy "lfu" and physical block sizes up to 65536 (this library's own).
 
-An edit through ``StoreOptions[...]`` is checked and applied at once (a bad value raises
-``ConfigError`` naming it, and the options stay as they were); the view is rebuilt from the
-options at every ``[...]``.
+``StoreOptions`` are frozen (hashable, shared by the embeddings built from them), so the dict form
+never edits them: ``store[key]`` is a read-only view (an edit through it raises ``TypeError``
+saying what to do), ``store.to_dict()`` a plain dict of one's own to edit as OneFlow scripts do,
+and ``StoreOptions.from_dict(d)`` (or ``MultiTableEmbedding(..., d)``) new, checked options::
+
+    d = store.to_dict()
+    d["kv_store"]["caches"][0]["cache_memory_budget_mb"] = 4096
+    store = StoreOptions.from_dict(d)
+
+This module knows the layout only: it imports nothing from ``options`` (``options`` imports it),
+so the classes come in as arguments.
 """
 from __future__ import annotations
 
@@ -33,7 +41,7 @@ _EXTENSION = "one_embedding"
 
 
 def to_oneflow_dict(options) -> dict:
-    """A ``StoreOptions`` -> OneFlow's dict (a new, plain one)."""
+    """A ``StoreOptions`` -> OneFlow's dict (a new, plain one the caller may edit)."""
     caches = []
     for cache in options.caches:
         entry = {"policy": cache.policy, "value_memory_kind": cache.location}
@@ -65,10 +73,9 @@ def _need(mapping, key: str, where: str):
     return mapping[key]
 
 
-def from_oneflow_dict(store: dict):
-    """OneFlow's dict -> ``StoreOptions`` (checked; errors name the key and the fix)."""
-    from .options import CacheOptions, StoreOptions
-
+def oneflow_dict_fields(store: dict, cache_type) -> dict:
+    """OneFlow's dict -> the keyword arguments of ``StoreOptions`` (checked; errors name the key
+    and the fix). ``cache_type``: ``CacheOptions``, built (and so checked) for each cache."""
     kv = _need(store, "kv_store", "the dict")
     table = _need(kv, "persistent_table", "kv_store")
     path = _need(table, "path", "kv_store['persistent_table']")
@@ -88,9 +95,9 @@ def from_oneflow_dict(store: dict):
         location = _need(cache, "value_memory_kind", where)
         if policy == "full":
             capacity = cache.get("capacity") or capacity
-            levels.append(CacheOptions("full", location))
+            levels.append(cache_type("full", location))
         else:
-            levels.append(CacheOptions(policy, location, cache.get("cache_memory_budget_mb")))
+            levels.append(cache_type(policy, location, cache.get("cache_memory_budget_mb")))
     kinds = [(c.policy == "full", c.location) for c in levels]
     if kinds == [(True, "device")]:
         kind = "device_mem"
@@ -105,122 +112,70 @@ def from_oneflow_dict(store: dict):
                           "table (cached_ssd)")
     extension = store.get(_EXTENSION) or {}
     engine = extension.get("engine") or ("slots" if kind == "cached_ssd" else None)
-    return StoreOptions(kind, path, int(capacity) if capacity else None,
-                        store.get("size_factor", 1), extension.get("storage_dim", -1),
-                        table.get("physical_block_size", 4096), caches=tuple(levels),
-                        engine=engine if kind == "cached_ssd" else None,
-                        lifecycle=extension.get("lifecycle"))
+    return dict(kind=kind, persistent_path=path, capacity=int(capacity) if capacity else None,
+                size_factor=store.get("size_factor", 1),
+                storage_dim=extension.get("storage_dim", -1),
+                physical_block_size=table.get("physical_block_size", 4096), caches=tuple(levels),
+                engine=engine if kind == "cached_ssd" else None,
+                lifecycle=extension.get("lifecycle"))
 
 
-class _Node:
-    """Shared by the view's dicts and lists: any change re-parses the whole view into the
-    options (``_root.commit``)."""
+# ---------------------------------------------------------------- the read-only view
 
-    _root: "_View"
-
-    def _changed(self):
-        self._root.commit()
+_FROZEN = ("store options are frozen (hashable, and shared by the embeddings built from them): "
+           "edit a copy of OneFlow's dict instead, d = store.to_dict(); d{where} = ...; then pass d "
+           "to MultiTableEmbedding, or build new options with StoreOptions.from_dict(d)")
 
 
-class _Dict(_Node, dict):
-    def __setitem__(self, key, value):
-        dict.__setitem__(self, key, _wrap(value, self._root))
-        self._changed()
-
-    def __delitem__(self, key):
-        dict.__delitem__(self, key)
-        self._changed()
-
-    def update(self, *args, **kwargs):
-        for key, value in dict(*args, **kwargs).items():
-            dict.__setitem__(self, key, _wrap(value, self._root))
-        self._changed()
-
-    def pop(self, *args):
-        value = dict.pop(self, *args)
-        self._changed()
-        return value
-
-    def setdefault(self, key, default=None):
-        if key not in self:
-            self[key] = default
-        return self[key]
+def refuse_edit(where: str = "[...]"):
+    """The ``TypeError`` an edit of frozen store options raises (``where``: the key path)."""
+    return TypeError(_FROZEN.format(where=where))
 
 
-class _List(_Node, list):
-    def __setitem__(self, index, value):
-        list.__setitem__(self, index, _wrap(value, self._root))
-        self._changed()
+class _ReadOnly:
+    """What the view's dicts and lists share: every edit raises ``refuse_edit``."""
 
-    def __delitem__(self, index):
-        list.__delitem__(self, index)
-        self._changed()
+    _where = ""
 
-    def append(self, value):
-        list.append(self, _wrap(value, self._root))
-        self._changed()
+    def _refuse(self, *args, **kwargs):
+        raise refuse_edit(self._where + "[...]")
 
-    def insert(self, index, value):
-        list.insert(self, index, _wrap(value, self._root))
-        self._changed()
+    __setitem__ = __delitem__ = __iadd__ = __imul__ = __ior__ = _refuse
 
-    def pop(self, index=-1):
-        value = list.pop(self, index)
-        self._changed()
-        return value
+    def __reduce__(self):   # pickles (and unpickles) as the same read-only view
+        return read_only, (plain(self), self._where)
+
+    def __copy__(self):
+        return plain(self)
+
+    def __deepcopy__(self, memo):
+        return plain(self)
 
 
-def _wrap(value, root):
-    if isinstance(value, dict) and not isinstance(value, _Dict):
-        node = _Dict()
-        node._root = root
-        for k, v in value.items():
-            dict.__setitem__(node, k, _wrap(v, root))
-        return node
-    if isinstance(value, (list, tuple)) and not isinstance(value, _List):
-        node = _List()
-        node._root = root
-        for v in value:
-            list.append(node, _wrap(v, root))
-        return node
-    return value
+class _ReadOnlyDict(_ReadOnly, dict):
+    update = pop = popitem = clear = setdefault = _ReadOnly._refuse
 
 
-class _View:
-    """The live OneFlow dict of one ``StoreOptions``."""
-
-    def __init__(self, options):
-        self.options = options
-        self.tree = _wrap(to_oneflow_dict(options), self)
-
-    def commit(self) -> None:
-        plain = _plain(self.tree)
-        try:
-            parsed = from_oneflow_dict(plain)
-        except ConfigError:
-            self.tree = _wrap(to_oneflow_dict(self.options), self)     # as it was
-            raise
-        self.options._replace_from(parsed)
+class _ReadOnlyList(_ReadOnly, list):
+    append = extend = insert = pop = remove = clear = sort = reverse = _ReadOnly._refuse
 
 
-def _plain(value):
+def read_only(value, where: str = ""):
+    """A read-only copy of a tree of dicts and lists (equal to the plain one)."""
     if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
+        node = _ReadOnlyDict((k, read_only(v, f"{where}[{k!r}]")) for k, v in value.items())
+    elif isinstance(value, (list, tuple)):
+        node = _ReadOnlyList(read_only(v, f"{where}[{i}]") for i, v in enumerate(value))
+    else:
+        return value
+    node._where = where
+    return node
+
+
+def plain(value):
+    """A plain, editable deep copy of a (read-only or plain) tree of dicts and lists."""
+    if isinstance(value, dict):
+        return {k: plain(v) for k, v in value.items()}
     if isinstance(value, list):
-        return [_plain(v) for v in value]
+        return [plain(v) for v in value]
     return copy.copy(value)
-
-
-def live_item(options, key: str):
-    """``options[key]`` of OneFlow's dict, edits applied to ``options``."""
-    view = _View(options)
-    if key not in view.tree:
-        raise KeyError(f"{key!r}: OneFlow's store options hold 'kv_store', 'size_factor' (and "
-                       f"{_EXTENSION!r} here)")
-    return view.tree[key]
-
-
-def set_item(options, key: str, value) -> None:
-    """``options[key] = value`` of OneFlow's dict, applied to ``options``."""
-    view = _View(options)
-    view.tree[key] = value

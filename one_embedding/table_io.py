@@ -26,6 +26,7 @@ embedding saved (export a trained table), while that embedding's process may del
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -40,6 +41,8 @@ from .errors import ConfigError, InputError, SnapshotError
 from .parallel.shuffle import owner_rank
 from .store.lock import PathLock
 from .store.snapshots import SnapshotDirectory, check_snapshot_name
+
+log = logging.getLogger(__name__)
 
 #: The engines a writer can fill, by the ``engine`` keyword: the store name its manifest records.
 ENGINES = {"slots": "ssd.slots", "rocksdb": "ssd.rocksdb"}
@@ -278,8 +281,9 @@ class PersistentTableWriter:
     def __del__(self):
         try:
             self._discard()
-        except Exception:
-            pass
+        except Exception as e:  # garbage collection cannot raise: the reason is logged
+            log.warning("a table writer was neither closed nor aborted, and discarding it at "
+                        "garbage collection failed: %r", e)
 
 
 def make_persistent_table_writer(paths, snapshot_name, key_type, value_type, storage_dim,

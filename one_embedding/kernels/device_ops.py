@@ -210,12 +210,12 @@ def device_launcher(device) -> Launcher | None:
     try:
         import cupy
 
-        count = cupy.cuda.runtime.getDeviceCount()
-    except Exception:  # no cupy, no driver, or no device: all mean "no GPU backend"
-        count = 0
+        count, why = cupy.cuda.runtime.getDeviceCount(), "no GPU"
+    except Exception as e:  # no cupy, no driver, or no device: all mean "no GPU backend"
+        count, why = 0, f"{type(e).__name__}: {e}"
     if count == 0:
-        raise ConfigError(f"device={device!r}: no CUDA device is visible to CuPy (not installed, no "
-                          "driver, or no GPU): install one_embedding[gpu] on a GPU machine, or use "
+        raise ConfigError(f"device={device!r}: no CUDA device is visible to CuPy ({why}; not "
+                          "installed, no driver, or no GPU): install one_embedding[gpu] on a GPU machine, or use "
                           "device='cpu'")
     if index is None:
         return cupy_launcher()

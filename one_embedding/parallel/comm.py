@@ -298,6 +298,36 @@ ABORT_ENV = "ONE_EMBEDDING_ABORT_ON_ERROR"
 _HOOKED: list = []
 
 
+def abort_enabled() -> bool:
+    """Whether an error on one rank ends the whole job (``ONE_EMBEDDING_ABORT_ON_ERROR``, on
+    unless set to 0)."""
+    return os.environ.get(ABORT_ENV, "1") != "0"
+
+
+def end_job(comm: Communicator, why: str, error: BaseException | None = None) -> None:
+    """Report ``error`` (if any) and one line naming this rank and ``why``, then end every rank
+    of ``comm``'s job (``comm.abort``: MPI_Abort, which does not return). As the CLI does: an
+    error this library raises on purpose is its one-line message and exit code 2, Ctrl-C 130,
+    anything else its traceback and 1."""
+    import sys
+    import traceback
+
+    from ..errors import OneEmbeddingError
+
+    code = 1
+    if isinstance(error, OneEmbeddingError):
+        print(f"one_embedding: rank {comm.rank} of {comm.world}: error: {error}",
+              file=sys.stderr)
+        code = 2
+    elif isinstance(error, KeyboardInterrupt):
+        code = 130
+    elif error is not None:
+        traceback.print_exception(type(error), error, error.__traceback__, file=sys.stderr)
+    print(f"one_embedding: rank {comm.rank} of {comm.world}: {why}: ending the job (set "
+          f"{ABORT_ENV}=0 to leave the other ranks running)", file=sys.stderr, flush=True)
+    comm.abort(code)
+
+
 def abort_on_uncaught_exception(comm: Communicator, enable: bool | None = None) -> None:
     """Make an exception nobody catches, on the main thread or any other, end every rank of
     ``comm``'s job (MPI_Abort) after printing its traceback, instead of leaving the other ranks
@@ -307,7 +337,7 @@ def abort_on_uncaught_exception(comm: Communicator, enable: bool | None = None) 
     import threading
 
     if enable is None:
-        enable = os.environ.get(ABORT_ENV, "1") != "0"
+        enable = abort_enabled()
     if not enable:
         if _HOOKED:
             sys.excepthook, threading.excepthook = _HOOKED.pop()

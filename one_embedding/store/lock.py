@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import errno
 import fcntl
+import logging
 import os
 
 from ..errors import LockedError, StoreError
+
+log = logging.getLogger(__name__)
 
 LOCK_FILE = "LOCK"
 
@@ -94,5 +97,6 @@ class PathLock:
     def __del__(self):
         try:
             self.release()
-        except Exception:
-            pass
+        except Exception as e:  # garbage collection cannot raise: the reason is logged
+            log.warning("the lock of %r was not released, and releasing it at garbage "
+                        "collection failed: %r", getattr(self, "directory", "?"), e)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 import time
@@ -42,7 +43,11 @@ from .direct_io import probe_direct_io
 from .durable import copy_file, file_crc32, fsync_dir, fsync_path, write_bytes_atomic
 from .snapshots import read_manifest
 
+log = logging.getLogger(__name__)
+
 DB_DIR = "rocksdb"
+#: the most ``flush(wait_idle=True)`` waits for RocksDB's flushes and compactions to settle
+IDLE_WAIT_SECONDS = 120.0
 INFO_FILE = "rocksdb.json"
 #: the column family of the stored keys (empty values): the row count's existence checks
 KEYS_CF = "keys"
@@ -186,12 +191,17 @@ class RocksDBStore(StoreTier):
     def _int_property(self, name: str, both: bool = False) -> int:
         """A RocksDB integer property of the rows' column family (``both``: summed with the keys
         column family's)."""
+        if self._db is None:
+            raise StoreError(f"{self.name}: RocksDB property {name!r} read after close()")
         total = 0
         for table in (self._db, self._keys) if both else (self._db,):
             try:
-                total += int(table.property_int_value(name) or 0)
-            except Exception:
-                pass
+                value = table.property_int_value(name)
+            except Exception as e:  # rocksdict raises plain Exception (e.g. not an integer)
+                raise StoreError(f"{self.name}: RocksDB property {name!r}: {e}") from e
+            if value is None:
+                raise StoreError(f"{self.name}: RocksDB has no integer property {name!r}")
+            total += int(value)
         return total
 
     # -- Tier -------------------------------------------------------------------------------
@@ -220,14 +230,27 @@ class RocksDBStore(StoreTier):
             self._db.set_options({"blob_file_size": str(mb << 20)})
             self._blob_file_mb = mb
 
-    def flush(self, wait_idle: bool = False) -> None:
+    def flush(self, wait_idle: bool = False, idle_timeout: float = IDLE_WAIT_SECONDS) -> bool:
         """Write both column families' memtables to SSTs; ``wait_idle``: then wait until no
-        flush or compaction runs (their writes and RAM have settled: what measurements want)."""
+        flush or compaction runs (their writes and RAM have settled: what measurements want),
+        at most ``idle_timeout`` seconds. Returns False when it stopped waiting with work still
+        running (logged, with what ran), else True."""
         self._db.flush()
         self._keys.flush()
+        if not wait_idle:
+            return True
         busy = ("rocksdb.num-running-compactions", "rocksdb.num-running-flushes",
                 "rocksdb.compaction-pending")
-        while wait_idle and any(self._int_property(p, both=True) for p in busy):
+        deadline = time.monotonic() + idle_timeout
+        while True:
+            running = {p: self._int_property(p, both=True) for p in busy}
+            if not any(running.values()):
+                return True
+            if time.monotonic() >= deadline:
+                log.warning("%s: RocksDB still busy after %.0f s (%s); going on without waiting "
+                            "for it", self.name, idle_timeout,
+                            ", ".join(f"{p}={v}" for p, v in running.items() if v))
+                return False
             time.sleep(0.02)
 
     def _reclaim(self, age_cutoff: float = BLOB_GC_AGE_CUTOFF) -> None:
@@ -487,10 +510,13 @@ class RocksDBStore(StoreTier):
             self._pool = None
 
     def __del__(self):
+        if getattr(self, "_db", None) is None:   # closed, or never opened
+            return
         try:
             self.close()
-        except Exception:
-            pass
+        except Exception as e:  # garbage collection cannot raise: the reason is logged
+            log.warning("%s was not closed, and closing it at garbage collection failed: %r",
+                        self.name, e)
 
 
 def _link_or_copy(src: str, dst: str) -> None:

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import os
 import re
-import resource
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -36,6 +35,7 @@ from numba import njit
 from ..errors import SnapshotError, StoreError
 from .direct_io import check_alignment, open_block_file, warn_buffered
 from .durable import file_crc32, fsync_dir
+from .file_limit import too_many_open_files
 
 _ID_RE = re.compile(r"^([0-9a-f]{16})\.(rows|keys|sums|dead)$")
 KINDS = ("rows", "keys", "sums", "dead")
@@ -90,18 +90,6 @@ def default_segment_rows(line_size: int, target_bytes: int = 64 << 20) -> int:
     (so the 32-bit locations of the directory address 2**32 rows whatever the row size)."""
     rows = max(1, target_bytes // (4 * line_size))
     return 1 << min(20, max(8, int(round(np.log2(rows)))))
-
-
-def raise_open_file_limit() -> None:
-    """Every live segment keeps its rows file open: lift the soft limit on descriptors to the
-    hard one (a TB table has thousands of segments; the usual soft limit is 1024)."""
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or hard > soft:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
-                                                         else max(soft, 1 << 20), hard))
-    except (ValueError, OSError):
-        pass
 
 
 @dataclass
@@ -179,7 +167,6 @@ class SegmentPool:
         self.segment_rows = int(segment_rows)
         self.direct = direct
         os.makedirs(folder, exist_ok=True)
-        raise_open_file_limit()
 
     # -- layout -----------------------------------------------------------------------------
     def adopt(self, rows_per_block: int, block_bytes: int, segment_rows: int) -> None:
@@ -210,26 +197,33 @@ class SegmentPool:
             fd, direct = open_block_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.direct,
                                          warn_as=self.folder)
         except OSError as e:
-            raise StoreError(f"cannot create the segment {path!r} ({e.strerror or e}): give a "
-                             "persistent_path this process can write") from None
+            raise too_many_open_files(path, e) or StoreError(
+                f"cannot create the segment {path!r} ({e.strerror or e}): give a "
+                "persistent_path this process can write") from None
+        keys_path = self.path(seg_id, "keys")
         try:
             _allocate(fd, 0, self.blocks_for(capacity) * self.block_bytes)
             if direct and not check_alignment(fd, self.block_bytes):
                 os.close(fd)
+                fd = None       # closed: an error opening it again must not close it twice
                 fd = os.open(path, os.O_RDWR)
                 direct = False
                 warn_buffered(self.folder, f"O_DIRECT refuses {self.block_bytes}-byte blocks here")
+            keys_fd = os.open(keys_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
         except OSError as e:
-            os.close(fd)
+            # nothing of the segment stays behind: neither its descriptor nor its rows file
+            # (a keys file is created last: a failure to create it leaves none)
+            if fd is not None:
+                os.close(fd)
             os.unlink(path)
-            raise StoreError(
+            raise too_many_open_files(path, e) or StoreError(
                 f"cannot allocate the segment {path!r} ({e.strerror or e}); free disk space or "
                 "move persistent_path to a bigger disk. The rows held so far are unchanged and "
                 "the last snapshot is intact") from None
         self.direct = direct
         seg = Segment(self, seg_id, index, fd, False, np.empty(0, np.uint64), 0, True, capacity)
         seg.sums = np.zeros(self.blocks_for(capacity), np.uint64)
-        seg.keys_fd = os.open(self.path(seg_id, "keys"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        seg.keys_fd = keys_fd
         return seg
 
     def seal(self, seg: Segment) -> SegmentInfo:
@@ -291,15 +285,25 @@ class SegmentPool:
         try:
             fd, direct = open_block_file(path, os.O_RDONLY, self.direct, warn_as=self.folder)
         except OSError as e:
-            raise SnapshotError(f"cannot open segment {path!r} ({e.strerror or e})") from None
-        if direct and info.rows_bytes and not check_alignment(fd, self.block_bytes):
-            os.close(fd)
-            fd = os.open(path, os.O_RDONLY)
-            warn_buffered(self.folder, f"O_DIRECT refuses {self.block_bytes}-byte blocks here")
-        seg = Segment(self, info.id, index, fd, True,
-                      _map_array(self.path(info.id, "keys", folder), info.slots), info.slots, owned,
-                      info.slots)
-        seg.sums = _map_array(self.path(info.id, "sums", folder), info.rows_bytes // self.block_bytes)
+            raise too_many_open_files(path, e) or SnapshotError(
+                f"cannot open segment {path!r} ({e.strerror or e})") from None
+        try:
+            if direct and info.rows_bytes and not check_alignment(fd, self.block_bytes):
+                os.close(fd)
+                fd = None       # closed: an error opening it again must not close it twice
+                fd = os.open(path, os.O_RDONLY)
+                warn_buffered(self.folder, f"O_DIRECT refuses {self.block_bytes}-byte blocks here")
+            keys = _map_array(self.path(info.id, "keys", folder), info.slots)
+            sums = _map_array(self.path(info.id, "sums", folder),
+                              info.rows_bytes // self.block_bytes)
+        except (OSError, ValueError) as e:     # ValueError: numpy maps a file shorter than n
+            if fd is not None:
+                os.close(fd)
+            limit = too_many_open_files(path, e) if isinstance(e, OSError) else None
+            raise limit or SnapshotError(f"cannot open segment {info.id:016x} in {folder!r} "
+                                         f"({e}): damaged or incomplete") from None
+        seg = Segment(self, info.id, index, fd, True, keys, info.slots, owned, info.slots)
+        seg.sums = sums
         seg.info = info
         return seg
 

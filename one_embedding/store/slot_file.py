@@ -32,6 +32,7 @@ them (``slot_snapshots.py``). A snapshot written by the earlier format (``keys.n
 """
 from __future__ import annotations
 
+import logging
 import os
 import time
 import zlib
@@ -50,6 +51,8 @@ from .segments import (SegmentPool, block_layout, block_sums, default_segment_ro
                        first_bad_block)
 from .slot_snapshots import SlotSnapshots
 from .snapshots import SnapshotDirectory
+
+log = logging.getLogger(__name__)
 
 __all__ = ["SlotFileStore", "block_layout"]
 
@@ -572,10 +575,13 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         self._io = None
 
     def __del__(self):
+        if getattr(self, "_io", None) is None:   # closed, or never fully built
+            return
         try:
             self.close()
-        except Exception:
-            pass
+        except Exception as e:  # garbage collection cannot raise: the reason is logged
+            log.warning("%s was not closed, and closing it at garbage collection failed: %r",
+                        self.name, e)
 
 
 def _allocated(path: str) -> int:

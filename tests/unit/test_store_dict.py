@@ -1,14 +1,17 @@
-"""Store options in OneFlow's dict form (store_dict.py): read and edited as OneFlow scripts do,
-round-tripped for every preset, OneFlow's own dicts accepted by the embedding, bad edits refused
-with the options left as they were."""
-import dataclasses
+"""Store options in OneFlow's dict form (store_dict.py): read as OneFlow scripts do, edited on a
+copy (``to_dict``) that builds new options (``from_dict``), round-tripped for every preset,
+OneFlow's own dicts accepted by the embedding, bad edits refused. The options themselves are
+frozen: an edit through ``store[...]`` raises and neither their value nor their hash changes."""
+import copy
+import pickle
 
 import numpy as np
 import pytest
 
 import one_embedding as oe
 from one_embedding.errors import ConfigError
-from one_embedding.store_dict import from_oneflow_dict, to_oneflow_dict
+from one_embedding.options import StoreOptions
+from one_embedding.store_dict import to_oneflow_dict
 
 
 def _presets(tmp_path):
@@ -25,7 +28,8 @@ def _presets(tmp_path):
 
 def test_every_preset_round_trips_through_the_oneflow_dict(tmp_path):
     for options in _presets(tmp_path):
-        assert from_oneflow_dict(to_oneflow_dict(options)) == options
+        assert StoreOptions.from_dict(to_oneflow_dict(options)) == options
+        assert StoreOptions.from_dict(options.to_dict()) == options
         assert set(options.keys()) == {"kv_store", "size_factor", "one_embedding"}
         assert options["size_factor"] == options.size_factor
 
@@ -44,35 +48,88 @@ def test_oneflow_layout_is_read_as_oneflow_writes_it(tmp_path):
                                              "capacity": 77}]
 
 
-def test_edits_through_the_dict_change_the_options(tmp_path):
+def test_edits_of_the_dict_build_new_options(tmp_path):
+    # was test_edits_through_the_dict_change_the_options: edits through store[...] mutated the
+    # frozen options in place (issue 34, item 4); now they go to a copy, from_dict builds new ones
     store = oe.make_cached_ssd_store_options(64, str(tmp_path), capacity=1000)
-    store["kv_store"]["caches"][0]["cache_memory_budget_mb"] = 1024
-    store["kv_store"]["persistent_table"]["physical_block_size"] = 512
-    store["size_factor"] = 3
-    store["kv_store"]["caches"].append({"policy": "lru", "value_memory_kind": "host",
-                                        "cache_memory_budget_mb": 256})
-    assert store.caches[0].budget_mb == 1024 and store.physical_block_size == 512
-    assert store.size_factor == 3 and [c.location for c in store.caches] == ["device", "host"]
-    assert store.kind == "cached_ssd" and store.engine == "slots"
+    before, before_hash = copy.deepcopy(store), hash(store)
+    d = store.to_dict()
+    d["kv_store"]["caches"][0]["cache_memory_budget_mb"] = 1024
+    d["kv_store"]["persistent_table"]["physical_block_size"] = 512
+    d["size_factor"] = 3
+    d["kv_store"]["caches"].append({"policy": "lru", "value_memory_kind": "host",
+                                    "cache_memory_budget_mb": 256})
+    edited = StoreOptions.from_dict(d)
+    assert edited.caches[0].budget_mb == 1024 and edited.physical_block_size == 512
+    assert edited.size_factor == 3 and [c.location for c in edited.caches] == ["device", "host"]
+    assert edited.kind == "cached_ssd" and edited.engine == "slots"
     # a "full" host cache under the device cache makes it OneFlow's cached_host_mem
-    store["kv_store"]["caches"][1] = {"policy": "full", "value_memory_kind": "host"}
-    assert store.kind == "cached_host_mem" and store.engine is None
+    d["kv_store"]["caches"][1] = {"policy": "full", "value_memory_kind": "host"}
+    again = StoreOptions.from_dict(d)
+    assert again.kind == "cached_host_mem" and again.engine is None
+    assert store == before and hash(store) == before_hash          # the original as it was
+    assert edited.caches[0].budget_mb == 1024                       # a later edit of d: neither
+    assert {store: 1}[before] == 1                                  # still found by its hash
+
+
+@pytest.mark.parametrize("edit", [
+    lambda s: s["kv_store"]["caches"][0].__setitem__("cache_memory_budget_mb", 4096),
+    lambda s: s["kv_store"]["persistent_table"].update(physical_block_size=512),
+    lambda s: s.__setitem__("size_factor", 3),
+    lambda s: s.__delitem__("size_factor"),
+    lambda s: s["kv_store"]["caches"].append({"policy": "lru", "value_memory_kind": "host"}),
+    lambda s: s["kv_store"]["caches"].pop(),
+    lambda s: s["kv_store"]["caches"][0].pop("policy"),
+    lambda s: s["kv_store"].__setitem__("caches", []),
+])
+def test_the_frozen_options_refuse_edits_through_the_view(tmp_path, edit):
+    # before issue 34 these edited the frozen options in place, changing their hash while in use
+    store = oe.make_cached_ssd_store_options(64, str(tmp_path), capacity=1000)
+    before, before_hash = copy.deepcopy(store), hash(store)
+    with pytest.raises(TypeError, match=r"frozen.*to_dict\(\).*from_dict"):
+        edit(store)
+    assert store == before and hash(store) == before_hash
+    assert store["kv_store"] == before["kv_store"]
+
+
+def test_the_view_reads_as_plain_dicts_and_copies_to_plain_ones(tmp_path):
+    store = oe.make_cached_host_mem_store_options(16, str(tmp_path), 5000)
+    kv = store["kv_store"]
+    assert kv == store.to_dict()["kv_store"] and isinstance(kv, dict)
+    mine = copy.deepcopy(kv)               # a copy of the view is a plain, editable dict
+    mine["caches"][0]["cache_memory_budget_mb"] = 1
+    assert store.caches[0].budget_mb == 16 and type(mine["caches"]) is list
+    assert pickle.loads(pickle.dumps(kv)) == kv
+    with pytest.raises(KeyError, match="kv_store"):
+        store["kvstore"]
+    assert store.get("kvstore") is None and "size_factor" in store
+
+
+def test_a_dict_and_its_options_pass_the_same_checks(tmp_path):
+    d = oe.make_cached_ssd_store_options(64, str(tmp_path), capacity=1000).to_dict()
+    d["kv_store"]["caches"][0]["policy"] = "fifo"
+    with pytest.raises(ConfigError, match="'fifo'"):
+        StoreOptions.from_dict(d)
+    with pytest.raises(ConfigError, match="'fifo'"):
+        oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None, d)
 
 
 @pytest.mark.parametrize("edit, message", [
-    (lambda s: s["kv_store"]["caches"][0].__setitem__("policy", "fifo"), "'fifo'"),
-    (lambda s: s["kv_store"]["persistent_table"].__setitem__("physical_block_size", 1000), "1000"),
-    (lambda s: s.__setitem__("size_factor", 0), "size_factor=0"),
-    (lambda s: s["kv_store"]["caches"][0].pop("value_memory_kind"), "'value_memory_kind'"),
-    (lambda s: s["kv_store"]["persistent_table"].__setitem__("path", ["/a", "/b"]), "one per rank"),
-    (lambda s: s["kv_store"].__setitem__("caches", []), "one or two cache dicts"),
+    (lambda d: d["kv_store"]["caches"][0].__setitem__("policy", "fifo"), "'fifo'"),
+    (lambda d: d["kv_store"]["persistent_table"].__setitem__("physical_block_size", 1000), "1000"),
+    (lambda d: d.__setitem__("size_factor", 0), "size_factor=0"),
+    (lambda d: d["kv_store"]["caches"][0].pop("value_memory_kind"), "'value_memory_kind'"),
+    (lambda d: d["kv_store"]["persistent_table"].__setitem__("path", ["/a", "/b"]), "one per rank"),
+    (lambda d: d["kv_store"].__setitem__("caches", []), "one or two cache dicts"),
 ])
-def test_bad_edits_are_refused_and_change_nothing(tmp_path, edit, message):
+def test_bad_edits_are_refused(tmp_path, edit, message):
+    # was test_bad_edits_are_refused_and_change_nothing: the check now runs in from_dict, and
+    # the options cannot change at all
     store = oe.make_cached_ssd_store_options(64, str(tmp_path), capacity=1000)
-    before = dataclasses.replace(store)
+    d = store.to_dict()
+    edit(d)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
-        edit(store)
-    assert store == before and store["kv_store"] == before["kv_store"]
+        StoreOptions.from_dict(d)
 
 
 def test_the_embedding_takes_oneflows_own_dict(tmp_path):
@@ -93,9 +150,22 @@ def test_the_embedding_takes_oneflows_own_dict(tmp_path):
 
 
 def test_an_edit_after_the_embedding_is_built_leaves_it_as_built(tmp_path):
+    # was: the edit went through store[...] into the caller's options; now it goes to a copy
     store = oe.make_cached_host_mem_store_options(1, str(tmp_path), 1000)
-    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None, store)
-    store["kv_store"]["caches"][0]["cache_memory_budget_mb"] = 64
-    assert store.caches[0].budget_mb == 64
+    d = store.to_dict()
+    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None, d)
+    d["kv_store"]["caches"][0]["cache_memory_budget_mb"] = 64
+    assert StoreOptions.from_dict(d).caches[0].budget_mb == 64
     assert emb.store_options.caches[0].budget_mb == 1     # what its tiers were built from
+    assert emb.store_options == store
     emb.close()
+
+
+def test_options_and_store_dict_import_no_cycle(root):
+    """options imports store_dict; store_dict imports nothing of options (before issue 34 each
+    imported the other inside functions)."""
+    import ast
+
+    tree = ast.parse((root / "one_embedding" / "store_dict.py").read_text())
+    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
+    assert "options" not in imported and imported <= {"__future__", "errors"}
