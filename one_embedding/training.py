@@ -75,9 +75,10 @@ TRAIN_RECORD_EVERY = 10
 
 def lifecycle_options_for(cfg: TrainConfig):
     """The admission / eviction rules of ``cfg`` (None when it stores every id for ever)."""
+    # an unset sketch size is the LifecycleOptions default
+    sketch = {} if cfg.admit_sketch_mb is None else {"sketch_mb": cfg.admit_sketch_mb}
     options = make_lifecycle_options(cfg.admit_min_count, cfg.steps_to_live, cfg.max_rows,
-                                     sketch_mb=cfg.admit_sketch_mb,
-                                     evict_interval=cfg.evict_interval,
+                                     **sketch, evict_interval=cfg.evict_interval,
                                      frequency_half_life=cfg.frequency_half_life)
     return options if options.active else None
 
@@ -278,6 +279,10 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, metrics_path: str | None = None, progress: bool = True):
         if not isinstance(cfg, TrainConfig):
             raise ConfigError(f"cfg is a {type(cfg).__name__}; pass a TrainConfig(...)")
+        if cfg.snapshot_interval and not cfg.persistent_path:
+            raise ConfigError(f"snapshot_interval={cfg.snapshot_interval} (--snapshot-interval) "
+                              "writes checkpoints into the run's folder, and there is none: add "
+                              "--persistent-path DIR or drop --snapshot-interval")
         self.cfg = cfg
         self.comm = default_comm()
         share_cores(self.comm.local_size)
@@ -391,7 +396,7 @@ class Trainer:
             self.write(record)
 
     def maybe_snapshot(self, step: int) -> None:
-        """Checkpoint ``step-N`` every ``snapshot_interval`` steps (nothing without a path), then
+        """Checkpoint ``step-N`` every ``snapshot_interval`` steps (which needs a path), then
         drop the interval checkpoints beyond the ``keep_snapshots`` newest."""
         if self.cfg.snapshot_interval and step % self.cfg.snapshot_interval == 0 \
                 and self.cfg.persistent_path:
@@ -435,7 +440,11 @@ class Trainer:
             saved = {**asdict(TrainConfig()), **LEGACY_CONFIG, **(saved or {})}
             if cfg.ftrl_convention is None:  # unset: continue as the checkpoint's run did
                 cfg = self.cfg = replace(cfg, ftrl_convention=saved["ftrl_convention"])
+            if cfg.admit_sketch_mb is None and cfg.admit_min_count > 1:  # the same
+                cfg = self.cfg = replace(cfg, admit_sketch_mb=saved["admit_sketch_mb"])
             free = RESUME_MAY_CHANGE | ({"ftrl_convention"} if cfg.optimizer != "ftrl" else set())
+            if cfg.admit_min_count <= 1:  # no sketch: its size changes nothing (before issue
+                free = free | {"admit_sketch_mb"}  # 29 a config held 32 even without admission)
             diffs = config_differences(saved, asdict(cfg), free)
             if diffs:
                 raise ConfigError(

@@ -160,6 +160,20 @@ def test_add_arguments_works_on_any_parser():
     (["--metrics", "{tmp}/missing/m.jsonl"], r"--metrics '.*/missing/m\.jsonl': its folder .* does "
                                              r"not exist: create it"),
     (["--metrics", "{tmp}"], r"--metrics '.*' is a folder: give a file in it"),
+    # issue 29: a sketch beyond RAM (was numpy's _ArrayMemoryError), and options that act only
+    # with another one (were silently ignored)
+    (["--admit-min-count", "2", "--admit-sketch-mb", "1e9"],
+     r"admit_sketch_mb=1e\+09 \(--admit-sketch-mb, MiB per rank\) is more than this machine's "
+     r"[\d,]+ MB of RAM.*--admit-sketch-mb 32"),
+    (["--admit-sketch-mb", "64"],
+     r"admit_sketch_mb=64 \(--admit-sketch-mb\).*only --admit-min-count > 1 uses.*add "
+     r"--admit-min-count N"),
+    (["--admit-sketch-mb", "32", "--admit-min-count", "1"],  # given, even at the usual size
+     r"admit_sketch_mb=32 \(--admit-sketch-mb\).*add --admit-min-count N"),
+    (["--evict-interval", "5"],
+     r"evict_interval=5 \(--evict-interval\).*only --steps-to-live > 0 runs.*add "
+     r"--steps-to-live N"),
+    (["--evict-interval", "5", "--max-rows", "1000"], r"evict_interval=5 .*add --steps-to-live N"),
 ])
 def test_cli_refuses_bad_numbers_and_names_before_training(argv, message, tmp_path, capsys,
                                                            monkeypatch):
@@ -189,3 +203,26 @@ def test_config_refuses_a_cache_beyond_ram_and_names_the_ram(monkeypatch):
 
 def test_seed_at_the_64_bit_limit_is_accepted():
     assert TrainConfig(seed=2**63 - 1).seed == 2**63 - 1
+
+
+def test_options_that_need_another_one_are_accepted_with_it():
+    """issue 29: what the combination errors ask for is accepted, and "unset" stays unset."""
+    assert TrainConfig().admit_sketch_mb is None  # LifecycleOptions' default (32) applies
+    assert parse("train", "--admit-min-count", "2", "--admit-sketch-mb", "8").admit_sketch_mb == 8
+    assert parse("train", "--steps-to-live", "20", "--evict-interval", "5").evict_interval == 5
+    from one_embedding.training import lifecycle_options_for
+
+    assert lifecycle_options_for(TrainConfig(admit_min_count=2)).sketch_mb == 32.0
+    assert lifecycle_options_for(TrainConfig(admit_min_count=2, admit_sketch_mb=8)).sketch_mb == 8
+
+
+def test_snapshot_interval_without_a_path_is_refused_before_training(tmp_path, capsys):
+    """issue 29: --snapshot-interval wrote nothing without --persistent-path, silently."""
+    metrics = tmp_path / "m.jsonl"
+    assert cli.main(["train", "--steps", "2", "--no-progress", "--snapshot-interval", "1",
+                     "--metrics", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"one-embedding train: error: snapshot_interval=1 \(--snapshot-interval\) "
+                     r"writes checkpoints into the run's folder, and there is none: add "
+                     r"--persistent-path DIR", err), err
+    assert "Traceback" not in err and not metrics.exists()  # refused before the first step

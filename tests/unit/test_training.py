@@ -158,3 +158,29 @@ def test_ftrl_convention_oneflow_for_a_new_run_and_the_checkpoints_on_resume(tmp
     with pytest.raises(ConfigError, match=r"ftrl_convention: 'tensorflow' -> 'oneflow'"):
         Trainer(TrainConfig(**resumed, ftrl_convention="oneflow"), metrics_path=os.devnull,
                 progress=False)
+
+
+@pytest.mark.parametrize("admission", [{}, {"admit_min_count": 2}])
+def test_checkpoints_from_before_the_unset_sketch_size_resume(tmp_path, monkeypatch, admission):
+    """issue 29 made --admit-sketch-mb "unset" (None) unless given; a checkpoint written before
+    holds admit_sketch_mb 32.0 even without admission. It resumes without the flag: with
+    admission the run carries on with the checkpoint's size, without it the size means nothing."""
+    import one_embedding.training as training
+
+    path = str(tmp_path / "table")
+    Trainer(TrainConfig(steps=2, persistent_path=path, **admission, **TINY),
+            metrics_path=os.devnull, progress=False).run()
+    saved = training.saved_config
+
+    def as_before(*args):
+        return {**saved(*args), "admit_sketch_mb": 32.0}
+
+    monkeypatch.setattr(training, "saved_config", as_before)
+    resumed = Trainer(TrainConfig(steps=4, persistent_path=path, resume=True, **admission, **TINY),
+                      metrics_path=os.devnull, progress=False)
+    assert resumed.cfg.admit_sketch_mb == (32.0 if admission else None)
+    assert resumed.run()["steps"] == 4
+    if admission:  # a size given that differs from the checkpoint's still changes results
+        with pytest.raises(ConfigError, match=r"admit_sketch_mb: 32.0 -> 8.0"):
+            Trainer(TrainConfig(steps=6, persistent_path=path, resume=True, admit_sketch_mb=8,
+                                **admission, **TINY), metrics_path=os.devnull, progress=False)
