@@ -24,8 +24,9 @@ import os
 
 import numpy as np
 
-from .errors import SnapshotError
+from .errors import LockedError, SnapshotError
 from .store.durable import fsync_path
+from .store.lock import PathLock
 from .store.snapshots import SnapshotDirectory, read_manifest
 
 TRAINER_DIR = "trainer"
@@ -188,6 +189,24 @@ def newest_checkpoint(path: str, rank: int, world: int, comm) -> str | None:
     return None
 
 
+def resumable_checkpoint(path: str, world: int) -> tuple[int, str] | None:
+    """(step, name) of the checkpoint ``--resume`` would continue from, read from the disk
+    alone (no collective: for a run that is being interrupted): the newest step that every rank
+    folder of ``world`` visible here holds; failing that, the newest complete set saved by
+    another number of ranks. None when there is none."""
+    folders = rank_folders(path)
+    for other in [world] + sorted((w for w in folders if w != world), reverse=True):
+        ranks = folders.get(other, {})
+        if not ranks or (other != world and sorted(ranks) != list(range(other))):
+            continue
+        per_rank = [dict(checkpoints(folder)) for folder in ranks.values()]
+        shared = set(per_rank[0]).intersection(*per_rank[1:])
+        if shared:
+            step = max(shared)
+            return step, per_rank[0][step]
+    return None
+
+
 def saved_config(path: str, name: str) -> dict | None:
     """The run config stored with checkpoint ``name`` (read from any rank folder holding it)."""
     for ranks in rank_folders(path).values():
@@ -228,9 +247,24 @@ def prune_checkpoints(embedding, keep: int, prefix: str = "step-") -> list[str]:
 
 
 def remove_snapshots(path: str) -> None:
-    """Delete every snapshot under a persistent path (``--overwrite``)."""
-    for ranks in rank_folders(path).values():
-        for folder in ranks.values():
+    """Delete every snapshot under a persistent path (``--overwrite``).
+
+    Every rank folder's LOCK is taken first, all of them before anything is deleted: a folder
+    that another live process holds (a run still training there) raises ``LockedError`` naming
+    its pid, with nothing deleted anywhere. The locks are released on return, so the embedding
+    built next can take its own."""
+    folders = [folder for ranks in rank_folders(path).values() for folder in ranks.values()]
+    locks = []
+    try:
+        for folder in folders:
+            try:
+                locks.append(PathLock(folder))
+            except LockedError as e:
+                raise LockedError(f"--overwrite deleted nothing: {e}") from None
+        for folder in folders:
             snaps = SnapshotDirectory(folder, create=False)
             for name in snaps.names():
                 snaps.delete(name)
+    finally:
+        for lock in locks:
+            lock.release()

@@ -47,6 +47,7 @@ from .checkpoint import (
     newest_checkpoint,
     prune_checkpoints,
     remove_snapshots,
+    resumable_checkpoint,
     save_checkpoint,
     saved_config,
     snapshots_under,
@@ -63,7 +64,8 @@ from .options import (
     make_lifecycle_options,
 )
 
-__all__ = ["TrainConfig", "Trainer", "train", "evaluate", "MODELS", "OPTIMIZERS", "STORES"]
+__all__ = ["TrainConfig", "Trainer", "TrainingInterrupted", "train", "evaluate", "MODELS",
+           "OPTIMIZERS", "STORES"]
 
 #: Criteo's integer features I1..I13, every model's dense input here
 DENSE_FEATURES = 13
@@ -194,6 +196,36 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
         return {"auc": float("nan"), "logloss": float("nan"), "eval_samples": 0}
     y, z = np.concatenate(labels), np.concatenate(logits)
     return {"auc": roc_auc(y, z), "logloss": log_loss(y, z), "eval_samples": int(y.size)}
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during ``Trainer.run``: where the run stood and what continues it.
+
+    step: the steps finished when it was interrupted (None: before the run began); persistent_path: the run's folder (None:
+    nothing was saved); checkpoint: (step, name) of the newest checkpoint ``resume=True``
+    (``--resume``) continues from, None when none is saved yet. A KeyboardInterrupt, so code
+    that stops on Ctrl-C still stops."""
+
+    def __init__(self, step: int | None, persistent_path: str | None,
+                 checkpoint: tuple[int, str] | None):
+        self.step, self.persistent_path, self.checkpoint = step, persistent_path, checkpoint
+        super().__init__(self.describe())
+
+    def describe(self, how_to_resume: bool = True) -> str:
+        """One sentence: the step, the last checkpoint, and (``how_to_resume``) that
+        ``resume=True`` continues from it."""
+        at = "interrupted before training began" if self.step is None else \
+            f"interrupted at step {self.step}"
+        if not self.persistent_path:
+            return (f"{at}; nothing was saved (no persistent_path): --persistent-path DIR with "
+                    "--snapshot-interval N writes checkpoints that --resume continues from")
+        if self.checkpoint is None:
+            return (f"{at}; no checkpoint was saved under {self.persistent_path!r} yet, so there "
+                    "is nothing to resume: start the run again")
+        step, name = self.checkpoint
+        saved = (f"{at}; the last checkpoint saved is {name!r} (step {step}) under "
+                 f"{self.persistent_path!r}")
+        return f"{saved}: resume=True (--resume) continues from it" if how_to_resume else saved
 
 
 class MetricsWriter:
@@ -485,7 +517,20 @@ class Trainer:
     # --- the whole run -----------------------------------------------------------------------
 
     def run(self) -> dict:
-        """Train as configured, evaluate, snapshot; returns the final record (also written)."""
+        """Train as configured, evaluate, snapshot; returns the final record (also written).
+        Ctrl-C raises ``TrainingInterrupted``, naming the checkpoint a resume continues from."""
+        try:
+            return self._run()
+        except TrainingInterrupted:
+            raise
+        except KeyboardInterrupt as e:
+            # the disk says what is saved: an interrupted save published nothing, and a
+            # finished one may have pruned older checkpoints already
+            path = self.cfg.persistent_path
+            saved = resumable_checkpoint(path, self.comm.world) if path else None
+            raise TrainingInterrupted(self.progress.step, path, saved) from e
+
+    def _run(self) -> dict:
         cfg, progress = self.cfg, self.progress
         done = cfg.steps is not None and progress.step >= cfg.steps
         if done and self._finished():
