@@ -51,7 +51,12 @@ def cmd_train(args) -> int:
     try:
         final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress)
     except KeyboardInterrupt as e:  # Ctrl-C: say what is saved and how to go on (main exits 130)
-        if default_comm().rank == 0:
+        rank = default_comm().rank
+        if rank != 0:
+            # rank 0 reports and ends the job (main: MPI_Abort) at once; rank 1 reports instead
+            # when rank 0 is still there after a second (stuck in a collective this rank left)
+            time.sleep(1.0)
+        if rank <= 1:
             print(_interrupted(e, cfg, getattr(args, "argv", None)), file=sys.stderr, flush=True)
         raise
     if default_comm().rank != 0:  # with several ranks, rank 0 alone reports (as it logs)
@@ -290,8 +295,6 @@ def main(argv=None) -> int:
         print(f"one-embedding {args.command}: error: {e}", file=sys.stderr, flush=True)
         return _end_job(2)
     except KeyboardInterrupt:
-        if _other_ranks() and _rank() != 0:
-            time.sleep(1.0)  # rank 0 says where the run stands before the job is ended
         return _end_job(130)
     except BrokenPipeError:  # the reader of our output went away (e.g. `| head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
@@ -301,12 +304,6 @@ def main(argv=None) -> int:
             traceback.print_exc()
             _end_job(1)
         raise
-
-
-def _rank() -> int:
-    from .parallel.comm import default_comm
-
-    return default_comm().rank
 
 
 def _other_ranks() -> bool:
