@@ -226,3 +226,21 @@ def test_snapshot_interval_without_a_path_is_refused_before_training(tmp_path, c
                      r"writes checkpoints into the run's folder, and there is none: add "
                      r"--persistent-path DIR", err), err
     assert "Traceback" not in err and not metrics.exists()  # refused before the first step
+
+
+def test_a_config_saved_before_issue_29_still_builds_the_served_model():
+    """Checkpoints written before issue 29 hold admit_sketch_mb 32.0 without admission (and
+    may hold an --evict-interval without --steps-to-live, then ignored): ``serve`` rebuilds
+    the model from that config, and must not refuse it (serving has no feature lifecycle)."""
+    from one_embedding.serving.predictor import _serving_config
+
+    saved = {**dataclasses.asdict(TrainConfig()), "admit_sketch_mb": 32.0, "evict_interval": 5}
+    saved = json_round_trip(saved)
+    cfg = _serving_config(saved)
+    assert cfg.model == "dlrm" and cfg.admit_min_count == 1 and cfg.admit_sketch_mb is None
+
+
+def json_round_trip(record):
+    import json
+
+    return json.loads(json.dumps(record))
