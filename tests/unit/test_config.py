@@ -244,3 +244,30 @@ def json_round_trip(record):
     import json
 
     return json.loads(json.dumps(record))
+
+
+def test_the_resume_command_after_ctrl_c_is_the_same_command_with_resume(monkeypatch, tmp_path):
+    """issue 29: --overwrite (or a prefix argparse took for it) gives way to --resume, which is
+    added once; a relative path says the folder to run it in; no checkpoint, no command."""
+    import shlex
+
+    from one_embedding.training import TrainingInterrupted
+
+    monkeypatch.setattr("sys.argv", ["/usr/bin/one-embedding"])
+    cfg = TrainConfig(persistent_path=str(tmp_path / "t"), steps=50, snapshot_interval=5)
+    error = TrainingInterrupted(7, cfg.persistent_path, (5, "step-5"))
+    argv = ["train", "--steps", "50", "--persistent-path", str(tmp_path / "t"), "--over"]
+    text = cli._interrupted(error, cfg, argv)
+    head, command = text.split("\n  ")
+    assert head == (f"one-embedding train: interrupted at step 7; the last checkpoint saved is "
+                    f"'step-5' (step 5) under {str(tmp_path / 't')!r}. Continue from it with:")
+    assert shlex.split(command) == ["one-embedding", *argv[:-1], "--resume"]
+    text = cli._interrupted(error, cfg, [*argv[:-1], "--res"])
+    assert shlex.split(text.split("\n  ")[1]) == ["one-embedding", *argv[:-1], "--res"]
+    monkeypatch.chdir(tmp_path)
+    relative = TrainConfig(persistent_path="t", steps=50, snapshot_interval=5)
+    assert f"Continue from it with (in {tmp_path}):" in cli._interrupted(error, relative, argv)
+    none = TrainingInterrupted(3, cfg.persistent_path, None)
+    assert cli._interrupted(none, cfg, argv) == (
+        f"one-embedding train: interrupted at step 3; no checkpoint was saved under "
+        f"{cfg.persistent_path!r} yet, so there is nothing to resume: start the run again")
