@@ -201,10 +201,10 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C (SIGINT) during ``Trainer.run``: where the run stood and what continues it.
 
-    step: the steps finished when it was interrupted (None: before the run began); persistent_path: the run's folder (None:
-    nothing was saved); checkpoint: (step, name) of the newest checkpoint ``resume=True``
-    (``--resume``) continues from, None when none is saved yet. A KeyboardInterrupt, so code
-    that stops on Ctrl-C still stops."""
+    step: the steps finished when it was interrupted (None: before the run began);
+    persistent_path: the run's folder (None: nothing was saved); checkpoint: (step, name) of the
+    newest checkpoint ``resume=True`` (``--resume``) continues from, None when none is saved yet.
+    A KeyboardInterrupt, so code that stops on Ctrl-C still stops."""
 
     def __init__(self, step: int | None, persistent_path: str | None,
                  checkpoint: tuple[int, str] | None):
