@@ -73,9 +73,8 @@ def _interrupted(error: KeyboardInterrupt, cfg, argv: list[str] | None) -> str:
     command that resumes from it (this one, with --resume instead of --overwrite)."""
     import shlex
 
-    from .checkpoint import resumable_checkpoint
+    from .checkpoint import TrainingInterrupted, resumable_checkpoint
     from .parallel.comm import launched_world_size
-    from .training import TrainingInterrupted
 
     world = launched_world_size() or 1
     if not isinstance(error, TrainingInterrupted):  # before the training loop began

@@ -41,6 +41,7 @@ from .nn.loss import BCEWithLogits
 from .optim.loss_scale import LossScaler
 from .optim.lr_schedules import LinearWarmup, LRSchedule, WarmupPolynomialDecay
 from .checkpoint import (
+    TrainingInterrupted,
     checkpoints,
     config_differences,
     load_checkpoint,
@@ -196,36 +197,6 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
         return {"auc": float("nan"), "logloss": float("nan"), "eval_samples": 0}
     y, z = np.concatenate(labels), np.concatenate(logits)
     return {"auc": roc_auc(y, z), "logloss": log_loss(y, z), "eval_samples": int(y.size)}
-
-
-class TrainingInterrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) during ``Trainer.run``: where the run stood and what continues it.
-
-    step: the steps finished when it was interrupted (None: before the run began);
-    persistent_path: the run's folder (None: nothing was saved); checkpoint: (step, name) of the
-    newest checkpoint ``resume=True`` (``--resume``) continues from, None when none is saved yet.
-    A KeyboardInterrupt, so code that stops on Ctrl-C still stops."""
-
-    def __init__(self, step: int | None, persistent_path: str | None,
-                 checkpoint: tuple[int, str] | None):
-        self.step, self.persistent_path, self.checkpoint = step, persistent_path, checkpoint
-        super().__init__(self.describe())
-
-    def describe(self, how_to_resume: bool = True) -> str:
-        """One sentence: the step, the last checkpoint, and (``how_to_resume``) that
-        ``resume=True`` continues from it."""
-        at = "interrupted before training began" if self.step is None else \
-            f"interrupted at step {self.step}"
-        if not self.persistent_path:
-            return (f"{at}; nothing was saved (no persistent_path): --persistent-path DIR with "
-                    "--snapshot-interval N writes checkpoints that --resume continues from")
-        if self.checkpoint is None:
-            return (f"{at}; no checkpoint was saved under {self.persistent_path!r} yet, so there "
-                    "is nothing to resume: start the run again")
-        step, name = self.checkpoint
-        saved = (f"{at}; the last checkpoint saved is {name!r} (step {step}) under "
-                 f"{self.persistent_path!r}")
-        return f"{saved}: resume=True (--resume) continues from it" if how_to_resume else saved
 
 
 class MetricsWriter:
