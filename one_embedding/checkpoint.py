@@ -24,8 +24,9 @@ import os
 
 import numpy as np
 
-from .errors import SnapshotError
+from .errors import LockedError, SnapshotError
 from .store.durable import fsync_path
+from .store.lock import PathLock
 from .store.snapshots import SnapshotDirectory, read_manifest
 
 TRAINER_DIR = "trainer"
@@ -188,6 +189,54 @@ def newest_checkpoint(path: str, rank: int, world: int, comm) -> str | None:
     return None
 
 
+def resumable_checkpoint(path: str, world: int) -> tuple[int, str] | None:
+    """(step, name) of the checkpoint ``--resume`` would continue from, read from the disk
+    alone (no collective: for a run that is being interrupted): the newest step that every rank
+    folder of ``world`` visible here holds; failing that, the newest complete set saved by
+    another number of ranks. None when there is none."""
+    folders = rank_folders(path)
+    for other in [world] + sorted((w for w in folders if w != world), reverse=True):
+        ranks = folders.get(other, {})
+        if not ranks or (other != world and sorted(ranks) != list(range(other))):
+            continue
+        per_rank = [dict(checkpoints(folder)) for folder in ranks.values()]
+        shared = set(per_rank[0]).intersection(*per_rank[1:])
+        if shared:
+            step = max(shared)
+            return step, per_rank[0][step]
+    return None
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) during ``Trainer.run``: where the run stood and what continues it.
+
+    step: the steps finished when it was interrupted (None: before the run began);
+    persistent_path: the run's folder (None: nothing was saved); checkpoint: (step, name) of the
+    newest checkpoint ``resume=True`` (``--resume``) continues from, None when none is saved yet.
+    A KeyboardInterrupt, so code that stops on Ctrl-C still stops."""
+
+    def __init__(self, step: int | None, persistent_path: str | None,
+                 checkpoint: tuple[int, str] | None):
+        self.step, self.persistent_path, self.checkpoint = step, persistent_path, checkpoint
+        super().__init__(self.describe())
+
+    def describe(self, how_to_resume: bool = True) -> str:
+        """One sentence: the step, the last checkpoint, and (``how_to_resume``) that
+        ``resume=True`` continues from it."""
+        at = "interrupted before training began" if self.step is None else \
+            f"interrupted at step {self.step}"
+        if not self.persistent_path:
+            return (f"{at}; nothing was saved (no persistent_path): --persistent-path DIR with "
+                    "--snapshot-interval N writes checkpoints that --resume continues from")
+        if self.checkpoint is None:
+            return (f"{at}; no checkpoint was saved under {self.persistent_path!r} yet, so there "
+                    "is nothing to resume: start the run again")
+        step, name = self.checkpoint
+        saved = (f"{at}; the last checkpoint saved is {name!r} (step {step}) under "
+                 f"{self.persistent_path!r}")
+        return f"{saved}: resume=True (--resume) continues from it" if how_to_resume else saved
+
+
 def saved_config(path: str, name: str) -> dict | None:
     """The run config stored with checkpoint ``name`` (read from any rank folder holding it)."""
     for ranks in rank_folders(path).values():
@@ -228,9 +277,24 @@ def prune_checkpoints(embedding, keep: int, prefix: str = "step-") -> list[str]:
 
 
 def remove_snapshots(path: str) -> None:
-    """Delete every snapshot under a persistent path (``--overwrite``)."""
-    for ranks in rank_folders(path).values():
-        for folder in ranks.values():
+    """Delete every snapshot under a persistent path (``--overwrite``).
+
+    Every rank folder's LOCK is taken first, all of them before anything is deleted: a folder
+    that another live process holds (a run still training there) raises ``LockedError`` naming
+    its pid, with nothing deleted anywhere. The locks are released on return, so the embedding
+    built next can take its own."""
+    folders = [folder for ranks in rank_folders(path).values() for folder in ranks.values()]
+    locks = []
+    try:
+        for folder in folders:
+            try:
+                locks.append(PathLock(folder))
+            except LockedError as e:
+                raise LockedError(f"--overwrite deleted nothing: {e}") from None
+        for folder in folders:
             snaps = SnapshotDirectory(folder, create=False)
             for name in snaps.names():
                 snaps.delete(name)
+    finally:
+        for lock in locks:
+            lock.release()

@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import sys
+import time
 import traceback
 
 from .errors import ConfigError, OneEmbeddingError
@@ -48,7 +49,17 @@ def cmd_train(args) -> int:
 
     cfg = _config(args)
     _check_metrics_path(args.metrics)
-    final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress)
+    try:
+        final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress)
+    except KeyboardInterrupt as e:  # Ctrl-C: say what is saved and how to go on (main exits 130)
+        rank = default_comm().rank
+        if rank != 0:
+            # rank 0 reports and ends the job (main: MPI_Abort) at once; rank 1 reports instead
+            # when rank 0 is still there after a second (stuck in a collective this rank left)
+            time.sleep(1.0)
+        if rank <= 1:
+            print(_interrupted(e, cfg, getattr(args, "argv", None)), file=sys.stderr, flush=True)
+        raise
     if default_comm().rank != 0:  # with several ranks, rank 0 alone reports (as it logs)
         return 0
     print(f"final: AUC {final['auc']:.4f}, logloss {final['logloss']:.4f}, "
@@ -56,6 +67,35 @@ def cmd_train(args) -> int:
           f"(loss {final['loss_first_10pct']:.4f} -> {final['loss_last_10pct']:.4f})",
           file=sys.stderr)
     return 0
+
+
+def _interrupted(error: KeyboardInterrupt, cfg, argv: list[str] | None) -> str:
+    """What an interrupted ``train`` prints: the step, the last checkpoint saved, and the
+    command that resumes from it (this one, with --resume instead of --overwrite)."""
+    import shlex
+
+    from .checkpoint import TrainingInterrupted, resumable_checkpoint
+    from .parallel.comm import launched_world_size
+
+    world = launched_world_size() or 1
+    if not isinstance(error, TrainingInterrupted):  # before the training loop began
+        saved = resumable_checkpoint(cfg.persistent_path, world) if cfg.persistent_path else None
+        error = TrainingInterrupted(None, cfg.persistent_path, saved)
+    if error.checkpoint is None or argv is None:
+        return f"one-embedding train: {error.describe()}"
+    text = f"one-embedding train: {error.describe(how_to_resume=False)}"
+    # argparse takes an unambiguous prefix of a flag too (--over): drop those as well
+    kept = [a for a in argv if not (a.startswith("--ov") and "--overwrite".startswith(a))]
+    if not any(a.startswith("--res") and "--resume".startswith(a) for a in kept):
+        kept.append("--resume")
+    if os.path.basename(sys.argv[0]) == "__main__.py":  # python -m one_embedding
+        program = [sys.executable, "-m", "one_embedding"]
+    else:
+        program = ["one-embedding"]
+    launcher = ["mpiexec", "-n", str(world)] if world > 1 else []
+    command = shlex.join(launcher + program + kept)
+    where = "" if os.path.isabs(cfg.persistent_path) else f" (in {os.getcwd()})"
+    return f"{text}. Continue from it with{where}:\n  {command}"
 
 
 #: train flags that bench decides itself, per run: --stores names the stores, each on a scratch path
@@ -246,9 +286,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else [str(a) for a in argv]
     args = build_parser().parse_args(argv)
     # the process is the CLI's own: the library never changes its limits by itself
     raise_open_file_limit("a slot-engine table keeps one file open per live segment")
+    args.argv = argv  # train's Ctrl-C message repeats the command, with --resume
     try:
         return args.func(args)
     except OneEmbeddingError as e:

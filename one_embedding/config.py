@@ -29,6 +29,7 @@ from . import optim
 from .errors import ConfigError, OneEmbeddingError
 from .nn.amp import PRECISIONS
 from .parallel.codec import EXCHANGE_DTYPES
+from .procstats import physical_memory_mb
 
 MODELS = ("dlrm", "dcn", "deepfm")
 #: --optimizer name -> row optimizer class (the same update for embedding rows and dense weights)
@@ -154,10 +155,11 @@ class TrainConfig:
                                   help="an id gets a stored row once it has appeared in this many "
                                        "training steps (1: at first sight); before that its lookup "
                                        "gives the initializer's value and its gradient is dropped")
-    admit_sketch_mb: float = option(32.0, group="lifecycle", above=0.0,
-                                    help="MiB per rank of the count-min sketch that counts ids not "
-                                         "admitted yet (4 rows of 16-bit counters, halved each "
-                                         "time it has counted half a row's width of ids)")
+    admit_sketch_mb: float | None = option(
+        None, group="lifecycle", above=0.0,
+        help="MiB per rank of the count-min sketch that counts ids not admitted yet (4 rows of "
+             "16-bit counters, halved each time it has counted half a row's width of ids); "
+             "only with --admit-min-count > 1 (default 32)")
     steps_to_live: int = option(0, group="lifecycle", at_least=0,
                                 help="evict a row not looked up in training for this many steps "
                                      "(0: never)")
@@ -166,7 +168,8 @@ class TrainConfig:
                                 "(frequency with decay) are evicted down to 90%% of it (0: no "
                                 "limit)")
     evict_interval: int = option(0, group="lifecycle", at_least=0,
-                                 help="steps between time-to-live sweeps (0: steps_to_live / 4)")
+                                 help="steps between time-to-live sweeps, with --steps-to-live "
+                                      "(0: steps_to_live / 4)")
     frequency_half_life: int = option(1000, group="lifecycle", at_least=0,
                                       help="steps over which a row's use frequency halves, for "
                                            "--max-rows (0: no decay)")
@@ -204,6 +207,19 @@ class TrainConfig:
             flag = "--resume" if self.resume else "--overwrite"
             raise ConfigError(f"{flag} needs --persistent-path: the folder of the run's "
                               "checkpoints")
+        # a setting that only acts together with another one is refused alone, not ignored
+        if self.admit_sketch_mb is not None and self.admit_min_count <= 1:
+            raise ConfigError(
+                f"admit_sketch_mb={self.admit_sketch_mb:g} (--admit-sketch-mb) sizes the "
+                "admission sketch, which only --admit-min-count > 1 uses (admit_min_count="
+                f"{self.admit_min_count} stores every id at first sight): add --admit-min-count "
+                "N (N >= 2) or drop --admit-sketch-mb")
+        if self.evict_interval and not self.steps_to_live:
+            raise ConfigError(
+                f"evict_interval={self.evict_interval} (--evict-interval) spaces the "
+                "time-to-live sweeps, which only --steps-to-live > 0 runs (--max-rows sweeps "
+                "whenever the table is over its limit): add --steps-to-live N or drop "
+                "--evict-interval")
         if self.optimizer == "ftrl" and self.warmup_steps:
             raise ConfigError(f"warmup_steps={self.warmup_steps} with optimizer='ftrl': the "
                               "warmup gives the first update lr 0 (OneFlow's schedule), which "
@@ -231,6 +247,12 @@ class TrainConfig:
         except OneEmbeddingError as e:
             raise ConfigError(f"--snapshot-name: {e}") from None
         ram_mb = physical_memory_mb()
+        if ram_mb is not None and self.admit_sketch_mb is not None \
+                and self.admit_sketch_mb > ram_mb:
+            raise ConfigError(
+                f"admit_sketch_mb={self.admit_sketch_mb:g} (--admit-sketch-mb, MiB per rank) is "
+                f"more than this machine's {ram_mb:,.0f} MB of RAM: use a sketch that fits, e.g. "
+                "--admit-sketch-mb 32 (the default; each MiB counts ~131,000 ids)")
         cache_mb = self.cache_mb + self.host_cache_mb
         if ram_mb is not None and cache_mb > ram_mb:
             flags = "--cache-mb" + (" + --host-cache-mb" if self.host_cache_mb else "")
@@ -267,14 +289,6 @@ class TrainConfig:
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":
         """The config from a namespace parsed by a parser that ``add_arguments`` built."""
         return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
-
-
-def physical_memory_mb() -> float | None:
-    """This machine's RAM in MB (2**20 bytes), or None where the OS does not say."""
-    try:
-        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def _flag(name: str) -> str:

@@ -31,8 +31,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .errors import InputError, SnapshotError
+from .errors import ConfigError, InputError, SnapshotError
 from .hashing import mix64
+from .procstats import physical_memory_mb
 from .store.durable import read_array, write_array
 
 #: floats behind the line: last-seen step (int32 bits), frequency
@@ -86,8 +87,17 @@ class CountMinSketch:
 
     @classmethod
     def sized(cls, megabytes: float, depth: int) -> "CountMinSketch":
-        """The widest power-of-two sketch of ``depth`` rows within ``megabytes`` MiB."""
-        return cls(cls.width_for(megabytes, depth), depth)
+        """The widest power-of-two sketch of ``depth`` rows within ``megabytes`` MiB; a
+        ConfigError, before anything is allocated, when that is more than the machine's RAM."""
+        width = cls.width_for(megabytes, depth)
+        sketch_mb = width * depth * np.dtype(np.uint16).itemsize / 2**20
+        ram_mb = physical_memory_mb()
+        if ram_mb is not None and sketch_mb > ram_mb:
+            raise ConfigError(
+                f"sketch_mb={megabytes:g} (--admit-sketch-mb) asks for an admission sketch of "
+                f"{sketch_mb:,.0f} MB ({depth} x {width:,} counters), more than this machine's "
+                f"{ram_mb:,.0f} MB of RAM: use a smaller one, e.g. sketch_mb=32 (the default)")
+        return cls(width, depth)
 
     @property
     def nbytes(self) -> int:

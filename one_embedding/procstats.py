@@ -15,6 +15,15 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import gc
+import os
+
+
+def physical_memory_mb() -> float | None:
+    """This machine's RAM in MB (2**20 bytes), or None where the OS does not say."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**20
+    except (AttributeError, ValueError, OSError):
+        return None
 
 
 def rss_anon() -> int:

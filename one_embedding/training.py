@@ -41,12 +41,14 @@ from .nn.loss import BCEWithLogits
 from .optim.loss_scale import LossScaler
 from .optim.lr_schedules import LinearWarmup, LRSchedule, WarmupPolynomialDecay
 from .checkpoint import (
+    TrainingInterrupted,
     checkpoints,
     config_differences,
     load_checkpoint,
     newest_checkpoint,
     prune_checkpoints,
     remove_snapshots,
+    resumable_checkpoint,
     save_checkpoint,
     saved_config,
     snapshots_under,
@@ -63,7 +65,8 @@ from .options import (
     make_lifecycle_options,
 )
 
-__all__ = ["TrainConfig", "Trainer", "train", "evaluate", "MODELS", "OPTIMIZERS", "STORES"]
+__all__ = ["TrainConfig", "Trainer", "TrainingInterrupted", "train", "evaluate", "MODELS",
+           "OPTIMIZERS", "STORES"]
 
 #: Criteo's integer features I1..I13, every model's dense input here
 DENSE_FEATURES = 13
@@ -75,9 +78,10 @@ TRAIN_RECORD_EVERY = 10
 
 def lifecycle_options_for(cfg: TrainConfig):
     """The admission / eviction rules of ``cfg`` (None when it stores every id for ever)."""
+    # an unset sketch size is the LifecycleOptions default
+    sketch = {} if cfg.admit_sketch_mb is None else {"sketch_mb": cfg.admit_sketch_mb}
     options = make_lifecycle_options(cfg.admit_min_count, cfg.steps_to_live, cfg.max_rows,
-                                     sketch_mb=cfg.admit_sketch_mb,
-                                     evict_interval=cfg.evict_interval,
+                                     **sketch, evict_interval=cfg.evict_interval,
                                      frequency_half_life=cfg.frequency_half_life)
     return options if options.active else None
 
@@ -278,6 +282,10 @@ class Trainer:
     def __init__(self, cfg: TrainConfig, metrics_path: str | None = None, progress: bool = True):
         if not isinstance(cfg, TrainConfig):
             raise ConfigError(f"cfg is a {type(cfg).__name__}; pass a TrainConfig(...)")
+        if cfg.snapshot_interval and not cfg.persistent_path:
+            raise ConfigError(f"snapshot_interval={cfg.snapshot_interval} (--snapshot-interval) "
+                              "writes checkpoints into the run's folder, and there is none: add "
+                              "--persistent-path DIR or drop --snapshot-interval")
         self.cfg = cfg
         self.comm = default_comm()
         share_cores(self.comm.local_size)
@@ -391,7 +399,7 @@ class Trainer:
             self.write(record)
 
     def maybe_snapshot(self, step: int) -> None:
-        """Checkpoint ``step-N`` every ``snapshot_interval`` steps (nothing without a path), then
+        """Checkpoint ``step-N`` every ``snapshot_interval`` steps (which needs a path), then
         drop the interval checkpoints beyond the ``keep_snapshots`` newest."""
         if self.cfg.snapshot_interval and step % self.cfg.snapshot_interval == 0 \
                 and self.cfg.persistent_path:
@@ -435,7 +443,11 @@ class Trainer:
             saved = {**asdict(TrainConfig()), **LEGACY_CONFIG, **(saved or {})}
             if cfg.ftrl_convention is None:  # unset: continue as the checkpoint's run did
                 cfg = self.cfg = replace(cfg, ftrl_convention=saved["ftrl_convention"])
+            if cfg.admit_sketch_mb is None and cfg.admit_min_count > 1:  # the same
+                cfg = self.cfg = replace(cfg, admit_sketch_mb=saved["admit_sketch_mb"])
             free = RESUME_MAY_CHANGE | ({"ftrl_convention"} if cfg.optimizer != "ftrl" else set())
+            if cfg.admit_min_count <= 1:  # no sketch: its size changes nothing (before issue
+                free = free | {"admit_sketch_mb"}  # 29 a config held 32 even without admission)
             diffs = config_differences(saved, asdict(cfg), free)
             if diffs:
                 raise ConfigError(
@@ -476,7 +488,20 @@ class Trainer:
     # --- the whole run -----------------------------------------------------------------------
 
     def run(self) -> dict:
-        """Train as configured, evaluate, snapshot; returns the final record (also written)."""
+        """Train as configured, evaluate, snapshot; returns the final record (also written).
+        Ctrl-C raises ``TrainingInterrupted``, naming the checkpoint a resume continues from."""
+        try:
+            return self._run()
+        except TrainingInterrupted:
+            raise
+        except KeyboardInterrupt as e:
+            # the disk says what is saved: an interrupted save published nothing, and a
+            # finished one may have pruned older checkpoints already
+            path = self.cfg.persistent_path
+            saved = resumable_checkpoint(path, self.comm.world) if path else None
+            raise TrainingInterrupted(self.progress.step, path, saved) from e
+
+    def _run(self) -> dict:
         cfg, progress = self.cfg, self.progress
         done = cfg.steps is not None and progress.step >= cfg.steps
         if done and self._finished():

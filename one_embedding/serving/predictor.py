@@ -259,6 +259,9 @@ def _serving_config(saved: dict):
     fields = {k: v for k, v in saved.items() if k in known}
     fields.update(store="device_mem", persistent_path=None, resume=False, overwrite=False,
                   device="cpu", amp="off")
+    # serving has no feature lifecycle; an older config's unused lifecycle options would be refused
+    fields.update(admit_min_count=1, admit_sketch_mb=None, steps_to_live=0, max_rows=0,
+                  evict_interval=0)
     for k in ("data", "bottom_mlp", "top_mlp", "dnn"):
         if isinstance(fields.get(k), list):
             fields[k] = tuple(fields[k])

@@ -233,3 +233,66 @@ def test_leaving_a_prefetched_loop_early_on_two_ranks_does_not_hang(tmp_path):
     # consumed 1 + depth 2 + 1: the most any rank's thread can have begun, on both ranks
     for rank in (0, 1):
         assert f"rank {rank}: prepared 4, rows (8, 4)" in proc.stdout, proc.stdout
+
+
+def _start(tmp_path, path, *args):
+    cmd = [mpiexec(), "-n", "2", sys.executable, "-m", "one_embedding", "train", *SMALL,
+           "--snapshot-interval", "5", "--persistent-path", str(path), "--metrics",
+           str(tmp_path / f"{path.name}.jsonl"), *map(str, args)]
+    return cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def _wait_for_a_checkpoint(proc, path):
+    deadline = time.monotonic() + 120
+    while not all(published_steps(path / f) for f in ("0-2", "1-2")):
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+
+
+def test_ctrl_c_ends_every_rank_and_names_the_checkpoint_and_resume_command(tmp_path):
+    """issue 29: Ctrl-C of mpiexec (it passes SIGINT to every rank) -> exit 130, one message
+    with the last checkpoint and the mpiexec command that resumes, which then finishes; SIGINT
+    to one rank alone (the other goes on into a collective) still ends the job, with the
+    message."""
+    import re
+    import shlex
+
+    path = tmp_path / "run"
+    cmd, proc = _start(tmp_path, path, "--steps", 100)
+    try:
+        _wait_for_a_checkpoint(proc, path)
+        proc.send_signal(signal.SIGINT)
+        t = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    found = re.findall(r"the last checkpoint saved is '(step-\d+)' \(step \d+\) under '.*'\. "
+                       r"Continue from it with:\n  (.*)\n", err)
+    assert len(found) == 1, err  # rank 0 alone reports
+    name, command = found[0]
+    assert name == f"step-{max(published_steps(path / '0-2') & published_steps(path / '1-2'))}"
+    argv = shlex.split(command)
+    assert argv[:3] == ["mpiexec", "-n", "2"] and argv[3:] == cmd[3:] + ["--resume"]
+    resumed = subprocess.run([mpiexec(), *argv[1:]], capture_output=True, text=True, timeout=300)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [json.loads(x) for x in (tmp_path / "run.jsonl").read_text().splitlines()]
+    assert [r["checkpoint"] for r in records if r["event"] == "resume"] == [name]
+    assert final(records)["steps"] == 100
+    # SIGINT to rank 1 only: rank 0 is left waiting in the next collective; rank 1 reports
+    # and MPI_Abort ends both
+    other = tmp_path / "other"
+    _, proc = _start(tmp_path, other, "--steps", 100_000)
+    try:
+        _wait_for_a_checkpoint(proc, other)
+        os.kill(int((other / "1-2" / "LOCK").read_text()), signal.SIGINT)
+        t = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        assert time.monotonic() - t < 30
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err[-3000:]
+    assert "the last checkpoint saved is 'step-" in err and "--resume" in err, err

@@ -160,6 +160,20 @@ def test_add_arguments_works_on_any_parser():
     (["--metrics", "{tmp}/missing/m.jsonl"], r"--metrics '.*/missing/m\.jsonl': its folder .* does "
                                              r"not exist: create it"),
     (["--metrics", "{tmp}"], r"--metrics '.*' is a folder: give a file in it"),
+    # issue 29: a sketch beyond RAM (was numpy's _ArrayMemoryError), and options that act only
+    # with another one (were silently ignored)
+    (["--admit-min-count", "2", "--admit-sketch-mb", "1e9"],
+     r"admit_sketch_mb=1e\+09 \(--admit-sketch-mb, MiB per rank\) is more than this machine's "
+     r"[\d,]+ MB of RAM.*--admit-sketch-mb 32"),
+    (["--admit-sketch-mb", "64"],
+     r"admit_sketch_mb=64 \(--admit-sketch-mb\).*only --admit-min-count > 1 uses.*add "
+     r"--admit-min-count N"),
+    (["--admit-sketch-mb", "32", "--admit-min-count", "1"],  # given, even at the usual size
+     r"admit_sketch_mb=32 \(--admit-sketch-mb\).*add --admit-min-count N"),
+    (["--evict-interval", "5"],
+     r"evict_interval=5 \(--evict-interval\).*only --steps-to-live > 0 runs.*add "
+     r"--steps-to-live N"),
+    (["--evict-interval", "5", "--max-rows", "1000"], r"evict_interval=5 .*add --steps-to-live N"),
 ])
 def test_cli_refuses_bad_numbers_and_names_before_training(argv, message, tmp_path, capsys,
                                                            monkeypatch):
@@ -189,3 +203,71 @@ def test_config_refuses_a_cache_beyond_ram_and_names_the_ram(monkeypatch):
 
 def test_seed_at_the_64_bit_limit_is_accepted():
     assert TrainConfig(seed=2**63 - 1).seed == 2**63 - 1
+
+
+def test_options_that_need_another_one_are_accepted_with_it():
+    """issue 29: what the combination errors ask for is accepted, and "unset" stays unset."""
+    assert TrainConfig().admit_sketch_mb is None  # LifecycleOptions' default (32) applies
+    assert parse("train", "--admit-min-count", "2", "--admit-sketch-mb", "8").admit_sketch_mb == 8
+    assert parse("train", "--steps-to-live", "20", "--evict-interval", "5").evict_interval == 5
+    from one_embedding.training import lifecycle_options_for
+
+    assert lifecycle_options_for(TrainConfig(admit_min_count=2)).sketch_mb == 32.0
+    assert lifecycle_options_for(TrainConfig(admit_min_count=2, admit_sketch_mb=8)).sketch_mb == 8
+
+
+def test_snapshot_interval_without_a_path_is_refused_before_training(tmp_path, capsys):
+    """issue 29: --snapshot-interval wrote nothing without --persistent-path, silently."""
+    metrics = tmp_path / "m.jsonl"
+    assert cli.main(["train", "--steps", "2", "--no-progress", "--snapshot-interval", "1",
+                     "--metrics", str(metrics)]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"one-embedding train: error: snapshot_interval=1 \(--snapshot-interval\) "
+                     r"writes checkpoints into the run's folder, and there is none: add "
+                     r"--persistent-path DIR", err), err
+    assert "Traceback" not in err and not metrics.exists()  # refused before the first step
+
+
+def test_a_config_saved_before_issue_29_still_builds_the_served_model():
+    """Checkpoints written before issue 29 hold admit_sketch_mb 32.0 without admission (and
+    may hold an --evict-interval without --steps-to-live, then ignored): ``serve`` rebuilds
+    the model from that config, and must not refuse it (serving has no feature lifecycle)."""
+    from one_embedding.serving.predictor import _serving_config
+
+    saved = {**dataclasses.asdict(TrainConfig()), "admit_sketch_mb": 32.0, "evict_interval": 5}
+    saved = json_round_trip(saved)
+    cfg = _serving_config(saved)
+    assert cfg.model == "dlrm" and cfg.admit_min_count == 1 and cfg.admit_sketch_mb is None
+
+
+def json_round_trip(record):
+    import json
+
+    return json.loads(json.dumps(record))
+
+
+def test_the_resume_command_after_ctrl_c_is_the_same_command_with_resume(monkeypatch, tmp_path):
+    """issue 29: --overwrite (or a prefix argparse took for it) gives way to --resume, which is
+    added once; a relative path says the folder to run it in; no checkpoint, no command."""
+    import shlex
+
+    from one_embedding.training import TrainingInterrupted
+
+    monkeypatch.setattr("sys.argv", ["/usr/bin/one-embedding"])
+    cfg = TrainConfig(persistent_path=str(tmp_path / "t"), steps=50, snapshot_interval=5)
+    error = TrainingInterrupted(7, cfg.persistent_path, (5, "step-5"))
+    argv = ["train", "--steps", "50", "--persistent-path", str(tmp_path / "t"), "--over"]
+    text = cli._interrupted(error, cfg, argv)
+    head, command = text.split("\n  ")
+    assert head == (f"one-embedding train: interrupted at step 7; the last checkpoint saved is "
+                    f"'step-5' (step 5) under {str(tmp_path / 't')!r}. Continue from it with:")
+    assert shlex.split(command) == ["one-embedding", *argv[:-1], "--resume"]
+    text = cli._interrupted(error, cfg, [*argv[:-1], "--res"])
+    assert shlex.split(text.split("\n  ")[1]) == ["one-embedding", *argv[:-1], "--res"]
+    monkeypatch.chdir(tmp_path)
+    relative = TrainConfig(persistent_path="t", steps=50, snapshot_interval=5)
+    assert f"Continue from it with (in {tmp_path}):" in cli._interrupted(error, relative, argv)
+    none = TrainingInterrupted(3, cfg.persistent_path, None)
+    assert cli._interrupted(none, cfg, argv) == (
+        f"one-embedding train: interrupted at step 3; no checkpoint was saved under "
+        f"{cfg.persistent_path!r} yet, so there is nothing to resume: start the run again")

@@ -328,6 +328,23 @@ def test_train_config_refuses_bad_lifecycle_flags(flag, value, match):
         TrainConfig(**{flag: value})
 
 
+def test_a_sketch_beyond_ram_is_refused_before_it_is_allocated(monkeypatch):
+    """issue 29: sketch_mb=1e9 was numpy's _ArrayMemoryError (512 TiB); now a ConfigError
+    naming the option and the RAM. A sketch that fits is still built."""
+    import one_embedding.lifecycle as lifecycle
+
+    monkeypatch.setattr(lifecycle, "physical_memory_mb", lambda: 10.0)
+    rules = oe.make_lifecycle_options(admit_min_count=2, sketch_mb=1e9)
+    with pytest.raises(ConfigError, match=r"sketch_mb=1e\+09 \(--admit-sketch-mb\) asks for an "
+                                          r"admission sketch of [\d,]+ MB .*more than this "
+                                          r"machine's 10 MB of RAM"):
+        lifecycle.Lifecycle(rules, line_size=16)
+    with pytest.raises(ConfigError, match=r"sketch_mb=20 .* sketch of 16 MB"):  # through a store
+        embedding(lifecycle=oe.make_lifecycle_options(admit_min_count=2, sketch_mb=20))
+    fits = lifecycle.Lifecycle(oe.make_lifecycle_options(admit_min_count=2, sketch_mb=8), 16)
+    assert fits.sketch.nbytes == 8 * 2**20
+
+
 def test_store_options_take_only_lifecycle_options():
     with pytest.raises(ConfigError, match="make_lifecycle_options"):
         oe.make_device_mem_store_options(None, capacity=4, lifecycle={"max_rows": 3})

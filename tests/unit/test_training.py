@@ -158,3 +158,67 @@ def test_ftrl_convention_oneflow_for_a_new_run_and_the_checkpoints_on_resume(tmp
     with pytest.raises(ConfigError, match=r"ftrl_convention: 'tensorflow' -> 'oneflow'"):
         Trainer(TrainConfig(**resumed, ftrl_convention="oneflow"), metrics_path=os.devnull,
                 progress=False)
+
+
+@pytest.mark.parametrize("admission", [{}, {"admit_min_count": 2}])
+def test_checkpoints_from_before_the_unset_sketch_size_resume(tmp_path, monkeypatch, admission):
+    """issue 29 made --admit-sketch-mb "unset" (None) unless given; a checkpoint written before
+    holds admit_sketch_mb 32.0 even without admission. It resumes without the flag: with
+    admission the run carries on with the checkpoint's size, without it the size means nothing."""
+    import one_embedding.training as training
+
+    path = str(tmp_path / "table")
+    Trainer(TrainConfig(steps=2, persistent_path=path, **admission, **TINY),
+            metrics_path=os.devnull, progress=False).run()
+    saved = training.saved_config
+
+    def as_before(*args):
+        return {**saved(*args), "admit_sketch_mb": 32.0}
+
+    monkeypatch.setattr(training, "saved_config", as_before)
+    resumed = Trainer(TrainConfig(steps=4, persistent_path=path, resume=True, **admission, **TINY),
+                      metrics_path=os.devnull, progress=False)
+    assert resumed.cfg.admit_sketch_mb == (32.0 if admission else None)
+    assert resumed.run()["steps"] == 4
+    if admission:  # a size given that differs from the checkpoint's still changes results
+        with pytest.raises(ConfigError, match=r"admit_sketch_mb: 32.0 -> 8.0"):
+            Trainer(TrainConfig(steps=6, persistent_path=path, resume=True, admit_sketch_mb=8,
+                                **admission, **TINY), metrics_path=os.devnull, progress=False)
+
+
+def test_ctrl_c_in_a_run_raises_training_interrupted_naming_the_checkpoint(tmp_path):
+    """issue 29: a KeyboardInterrupt in the loop becomes TrainingInterrupted (still a
+    KeyboardInterrupt): the step reached and the newest checkpoint on disk, which resumes."""
+    from one_embedding.training import TrainingInterrupted
+
+    def interrupted_at(step, **settings):
+        trainer = Trainer(TrainConfig(steps=20, **settings, **TINY), metrics_path=os.devnull,
+                          progress=False)
+        train_step = trainer.train_step
+
+        def stopping_step(*args):
+            if trainer.progress.step == step:
+                raise KeyboardInterrupt
+            return train_step(*args)
+
+        trainer.train_step = stopping_step
+        with pytest.raises(TrainingInterrupted) as info:
+            trainer.run()
+        trainer.embedding.close()
+        return info.value
+
+    path = str(tmp_path / "table")
+    e = interrupted_at(7, persistent_path=path, snapshot_interval=3, keep_snapshots=1)
+    assert isinstance(e, KeyboardInterrupt)
+    assert (e.step, e.checkpoint, e.persistent_path) == (7, (6, "step-6"), path)
+    assert str(e) == (f"interrupted at step 7; the last checkpoint saved is 'step-6' (step 6) "
+                      f"under {path!r}: resume=True (--resume) continues from it")
+    resumed = Trainer(TrainConfig(steps=9, persistent_path=path, resume=True, snapshot_interval=3,
+                                  keep_snapshots=1, **TINY), metrics_path=os.devnull,
+                      progress=False)
+    assert resumed.resumed_from == {"checkpoint": "step-6", "step": 6}
+    assert resumed.run()["steps"] == 9
+    e = interrupted_at(2, persistent_path=str(tmp_path / "other"), snapshot_interval=3)
+    assert e.checkpoint is None and "no checkpoint was saved under" in str(e)
+    e = interrupted_at(2)
+    assert "nothing was saved (no persistent_path)" in str(e)
