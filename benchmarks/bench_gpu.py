@@ -17,6 +17,11 @@
    a CUDA stream. Baseline in the same run: plain PyTorch DLRM (one ``nn.EmbeddingBag(sparse=True)``
    per table + MLPs, sparse SGD) on the same GPU and batches. Goal: faster than PyTorch. Anchor:
    HugeCTR's published 7.4 M samples/s per H100 (printed for scale; not run here).
+3. The CLI's path on the same model shapes: ``one-embedding train --device cuda`` (the Trainer in
+   this process: synthetic Criteo mlperf40m x ``--cli-scale`` from the data loader, the loss and
+   metrics records, prefetch) against part 2's pre-built batches, measured in the same run. Goal
+   (issue 30): within 10% of part 2's samples/s, the ``wait`` phase (the step waiting for its
+   batch) under 5% of the step; the host reads per step (``host_sync``) are counted and printed.
 
 The header names the GPU, CUDA, CuPy and torch; results go to ``benchmarks/results/bench_gpu.json``
 (or ``$ONE_EMBEDDING_BENCH_RESULTS``); the last line printed is a one-line summary.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import time
 
 import numpy as np
@@ -256,6 +262,30 @@ def run_torch(dev: Device, table_rows, batches, args) -> dict:
             "final_loss": float(loss), "torch": torch.__version__}
 
 
+def bench_cli(dev: Device, args) -> dict:
+    """Part 3: the Trainer, as ``one-embedding train`` runs it, on part 2's model shapes."""
+    from one_embedding import host_sync
+    from one_embedding.config import TrainConfig
+    from one_embedding.training import Trainer
+
+    steps = args.warmup + args.steps
+    cfg = TrainConfig(
+        model="dlrm", data=("synthetic",), synthetic_cardinalities="mlperf40m",
+        synthetic_scale=args.cli_scale, synthetic_rows=max(steps + 2, 4) * args.batch_size * 2,
+        embedding_dim=args.dim, bottom_mlp=tuple(args.bottom_mlp), top_mlp=tuple(args.top_mlp),
+        batch_size=args.batch_size, steps=steps, optimizer="sgd", lr=args.lr, eval_batches=1,
+        prefetch_depth=args.prefetch_depth, device="cpu" if dev.dry_run else "cuda")
+    trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
+    with host_sync.counting() as reads:
+        record = trainer.run()
+    phases = record["phase_seconds"]
+    step_seconds = sum(phases.values())
+    return {"samples_per_s": record["samples_per_s"], "steps": steps,
+            "wait_share": phases["wait"] / step_seconds if step_seconds else float("nan"),
+            "phase_seconds": phases, "host_reads": reads.total,
+            "host_reads_per_step": reads.total / steps, "host_reads_by_reason": dict(reads.by_reason)}
+
+
 def bench_dlrm(dev: Device, args) -> dict:
     table_rows = criteo_shapes(args.max_rows)
     batches = dlrm_batches(dev, table_rows, args, args.batches)
@@ -293,12 +323,14 @@ def main(argv=None):
     ap.add_argument("--lookup-keys", type=int, default=10_000_000)
     ap.add_argument("--lookup-dim", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=10, help="timed calls per lookup measurement")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["lookup", "dlrm"])
+    ap.add_argument("--cli-scale", type=float, default=0.05,
+                    help="part 3: mlperf40m cardinalities times this (the issue's x0.05)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["lookup", "dlrm", "cli"])
     args = ap.parse_args(argv)
     if args.dry_run:
         args.batch_size, args.steps, args.warmup, args.batches = 256, 2, 1, 2
         args.max_rows, args.dim, args.lookup_keys, args.lookup_dim, args.repeats = 5000, 16, 20_000, 16, 2
-        args.bottom_mlp, args.top_mlp = [32, 16], [32, 1]
+        args.bottom_mlp, args.top_mlp, args.cli_scale = [32, 16], [32, 1], 0.001
     dev = Device(args.dry_run)
     machine = print_header("GPU benchmarks: embedding lookup bandwidth, DLRM training (one GPU)",
                            {k: v for k, v in vars(args).items() if k != "skip"})
@@ -327,6 +359,25 @@ def main(argv=None):
         summary.append(f"DLRM {ours / 1e6:.2f} M samples/s = {dlrm['speedup_vs_torch']:.2f}x "
                        f"PyTorch (goal >1x: {verdict}), {ours / HUGECTR_H100_SAMPLES_PER_S:.2f}x "
                        f"HugeCTR's 7.4 M/s per H100")
+    if "cli" not in args.skip:
+        cli = bench_cli(dev, args)
+        payload["cli"] = cli
+        print(f"\n## the CLI's path (Trainer, synthetic mlperf40m x{args.cli_scale}), same shapes")
+        prebuilt = payload.get("dlrm", {}).get("ours", {}).get("samples_per_s", float("nan"))
+        ratio = cli["samples_per_s"] / prebuilt
+        print(markdown_table([
+            {"what": "one-embedding train (Trainer)", "samples_per_s": cli["samples_per_s"],
+             "x pre-built": ratio, "wait share": cli["wait_share"],
+             "host reads/step": cli["host_reads_per_step"]},
+            {"what": "part 2, batches pre-built on the device", "samples_per_s": prebuilt,
+             "x pre-built": 1.0}], ["what", "samples_per_s", "x pre-built", "wait share",
+                                    "host reads/step"]))
+        print(f"host reads by reason over {cli['steps']} steps (and the final evaluation): "
+              f"{cli['host_reads_by_reason']}")
+        verdict = "met" if ratio >= 0.9 and cli["wait_share"] < 0.05 else "not met"
+        summary.append(f"CLI {cli['samples_per_s'] / 1e6:.2f} M samples/s = {ratio:.2f}x pre-built, "
+                       f"wait {cli['wait_share']:.0%}, {cli['host_reads_per_step']:.1f} host "
+                       f"reads/step (goal >=0.9x, wait <5%: {verdict})")
     payload["summary"] = "; ".join(summary)
     print(f"\nwrote {save_result('bench_gpu', payload)}")
     print(f"summary ({'dry run, ' if args.dry_run else ''}{dev.name.split(' (')[0]}): "

@@ -33,6 +33,9 @@ def test_bench_gpu_dry_run_measures_both_parts_and_summarises(tmp_path):
     assert last.startswith("summary (dry run") and "x copy" in last and "x PyTorch" in last
     assert data["lookup"]["ratio"] > 0 and data["dlrm"]["ours"]["samples_per_s"] > 0
     assert data["dlrm"]["torch"]["samples_per_s"] > 0
+    # part 3, the CLI's path beside part 2's pre-built batches, with its wait share and host reads
+    assert "x pre-built" in last and data["cli"]["samples_per_s"] > 0
+    assert 0 <= data["cli"]["wait_share"] < 1 and data["cli"]["host_reads_per_step"] >= 0
 
 
 @pytest.mark.gpu
