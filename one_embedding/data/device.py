@@ -152,8 +152,10 @@ class DeviceBatches:
     it into the next of ``depth + 1`` page-locked buffer sets (waiting first for that set's
     previous upload to finish), issues the upload on its own stream and records an event; the
     consumer's stream waits on that event (no host synchronization) before the batch is handed
-    out. Errors of the loader are re-raised in the consumer; leaving the loop early stops the
-    worker."""
+    out. Before each upload the worker's stream waits for the consumer's stream to reach the
+    point where it last asked for a batch (no host synchronization either): memory of batches
+    the consumer dropped is reused only after the work it issued on them. Errors of the loader
+    are re-raised in the consumer; leaving the loop early stops the worker."""
 
     def __init__(self, loader: BatchLoader, launcher: Launcher | None = None, depth: int = 3):
         if depth < 1:
@@ -189,6 +191,12 @@ class DeviceBatches:
                     continue
             return False
 
+        # the consumer's stream position each time it asks for a batch: its work on the batches
+        # before has been issued by then. The worker's stream waits on it before allocating,
+        # so device memory the consumer freed (CuPy's pool hands it to the stream that
+        # allocated it, the worker's) is not overwritten under the consumer's queued kernels.
+        consumer_at = [None]
+
         def work():
             ring: list = [None] * (self.depth + 1)
             try:
@@ -197,6 +205,7 @@ class DeviceBatches:
                         if stop.is_set():
                             return
                         bufs = self._staging(batch, ring, i % len(ring))
+                        launcher.wait(consumer_at[0])
                         device = [launcher.to_device(b) for b in bufs[:3]]
                         bufs[3] = launcher.record()
                         if not put((device, bufs[3])):
@@ -209,6 +218,7 @@ class DeviceBatches:
         thread.start()
         try:
             while True:
+                consumer_at[0] = launcher.record()
                 item = out.get()
                 if item is _END:
                     return
