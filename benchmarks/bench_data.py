@@ -148,6 +148,11 @@ def main(argv=None) -> None:
 
     rows.append({"source": "synthetic, CPU numba (generate)", **best_rate(gen_numba, n,
                                                                            args.repeats)})
+    threads = numba.get_num_threads()
+    numba.set_num_threads(1)
+    one_thread = best_rate(gen_numba, n, args.repeats)
+    numba.set_num_threads(threads)
+    rows.append({"source": "synthetic, CPU numba, 1 thread", **one_thread})
     legacy_rows = min(n, 262_144)
     rows.append({"source": "synthetic, CPU numpy before issue 30 (baseline)",
                  **best_rate(lambda: [legacy_block(src, k) for k in range(legacy_rows // 4096)],
@@ -175,7 +180,8 @@ def main(argv=None) -> None:
             cupy.cuda.get_current_stream().synchronize()
 
         name = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)["name"]
-        rows.append({"source": f"synthetic, device ({name.decode() if isinstance(name, bytes) else name})",
+        name = name.decode() if isinstance(name, bytes) else name
+        rows.append({"source": f"synthetic, device ({name})",
                      **best_rate(gen_device, n, args.repeats)})
         want = src.generate(12345, 4096)
         got = [cupy.asnumpy(a) for a in device.rows(12345, 4096)]
@@ -221,6 +227,11 @@ def main(argv=None) -> None:
     print(markdown_table(rows, columns))
     for label, rate in STEP_RATES.items():
         print(f"step rate to feed: {label}: {rate:,} samples/s")
+    cores = os.cpu_count() or 1
+    projected = cores * 1e9 / one_thread["cpu_ns_per_sample"]
+    print(f"numba generator, 1 thread: {one_thread['cpu_ns_per_sample']:,.0f} CPU ns per sample, "
+          f"so {projected:,.0f} samples/s on {cores} cores that nothing else uses (a projection; "
+          f"the measured rates above share the cores with whatever else runs)")
     print(f"load average at end: {os.getloadavg()}")
     print("result:", save_result("bench_data", {"machine": machine, "config": config,
                                                 "rows": rows, "step_rates": STEP_RATES}))

@@ -8,12 +8,15 @@ generators compute them, bit for bit alike: ``rows`` (numba, all cores), ``refer
 Per row:
 
 * ids: for column c, a Zipf rank ``k`` in ``1..N_c`` with ``P(k) ∝ k**-alpha`` (exact bounded-Zipf
-  sampling by rejection-inversion, Hörmann & Derflinger 1996: O(1) memory for any ``N_c``),
+  sampling: ranks up to 4096 by inversion of a CDF table, the tail by rejection-inversion,
+  Hörmann & Derflinger 1996: O(1) memory for any ``N_c``),
   scattered over ``0..N_c-1`` by ``id = ((k - 1) * m_c + shift_c) mod N_c`` (a bijection, so hot
   ids are not all small), then made global with ``key = offset_c + id`` (``offset_c`` = sum of
   earlier cardinalities).
-* dense: latent ``z ~ N(0, 1)`` per column (the normal quantile of a uniform), ``x = floor(exp(mu_j + sigma_j z))``, missing with
-  probability ``missing_j``, stored as ``log(x + 1)`` (missing -> 0), as ``schema.dense_log`` does.
+* dense: latent ``z ~ N(0, 1)`` per column (the normal quantile of a uniform ``u``),
+  ``x = floor(exp(mu_j + sigma_j z))``, missing with probability ``missing_j``, stored as
+  ``log(x + 1)`` (missing -> 0), as ``schema.dense_log`` does. For x < 4096, x is read from a
+  table of the thresholds on ``u`` where it steps (``synthetic_math.dense_tables``).
 * label: ``Bernoulli(sigmoid(bias + w · z[:4] + sum_c g(k_c) e(key_c)))`` where ``e(key)`` is a
   hashed per-key effect, uniform in ``[-a, a]`` with ``a = effect_amplitude * sqrt(3 / F)``, and
   ``g(k) = head_rank / (head_rank + k - 1)`` fades it along the Zipf rank ``k``: frequent ids, which

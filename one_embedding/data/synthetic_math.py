@@ -11,7 +11,8 @@ may be contracted into a fused multiply-add (nvcc --fmad=false; numba without fa
 
 Three implementations of one definition:
 
-* ``*_np`` functions: numpy, vectorised over rows: the reference (``SyntheticCriteo.reference_rows``);
+* ``*_np`` functions: numpy, vectorised over rows: the reference
+  (``SyntheticCriteo.reference_rows``);
 * ``generate_rows``: numba, a ``prange`` over rows (the CPU generator);
 * ``kernels/cuda/synthetic.cu``: one GPU thread per row (the device generator).
 """
@@ -268,7 +269,8 @@ class ZipfMath:
 
 def normal_cdf(t: np.ndarray) -> np.ndarray:
     """Phi(t), host only (math.erfc): the dense tables' thresholds."""
-    return np.array([0.5 * math.erfc(-v / math.sqrt(2.0)) for v in np.ravel(t)]).reshape(np.shape(t))
+    values = [0.5 * math.erfc(-v / math.sqrt(2.0)) for v in np.ravel(t)]
+    return np.array(values).reshape(np.shape(t))
 
 
 def dense_tables(mu: np.ndarray, sigma: np.ndarray, size: int = DENSE_TABLE):
@@ -436,16 +438,17 @@ def _zipf_tail(row_key, column, n, alpha, low, h_top, h_n, s):
 
 @njit(cache=True, nogil=True, parallel=True)
 def generate_rows(start, count, row_salt, effect_salt, cards, offsets, mults, shifts, zipf_cdf,
-                  zipf_guide, zipf_params, zipf_ids, zipf_terms, alpha, head_rank, amp, bias, mu, sigma, missing,
-                  weights, normal_coeffs, dense_thresholds, dense_guide, dense_values,
-                  dense, ids, labels, logits):
+                  zipf_guide, zipf_params, zipf_ids, zipf_terms, alpha, head_rank, amp, bias,
+                  mu, sigma, missing, weights, normal_coeffs, dense_thresholds, dense_guide,
+                  dense_values, dense, ids, labels, logits):
     """Rows start..start+count-1 into dense (count, 13) float32, ids (count, F) int64, labels
     (count,) float32 and logits (count,) float64. cards / offsets / mults / shifts: (F,) int64;
     zipf_cdf (F, ZIPF_HEAD) float64, zipf_guide (F, GUIDE) int32, zipf_params (F, 4) float64
     (p_head, h_top, h_n, s); zipf_ids (F, ZIPF_HEAD) int64 and zipf_terms (F, ZIPF_HEAD) float64:
-    the key and the label term of each head rank, as the tail's code computes them; amp: (F,) float64; mu / sigma / missing: (13,), weights: (W,)
-    float64; normal_coeffs: (6, 8) float64 (AS 241's A..F); dense_thresholds (13, T + 1)
-    float64, dense_guide (13, GUIDE) int32, dense_values (13, T) float32 (``dense_tables``)."""
+    the key and the label term of each head rank, as the tail's code computes them; amp: (F,)
+    float64; mu / sigma / missing: (13,), weights: (W,) float64; normal_coeffs: (6, 8) float64
+    (AS 241's A..F); dense_thresholds (13, T + 1) float64, dense_guide (13, GUIDE) int32,
+    dense_values (13, T) float32 (``dense_tables``)."""
     num_features = cards.shape[0]
     num_dense = mu.shape[0]
     head = zipf_cdf.shape[1]

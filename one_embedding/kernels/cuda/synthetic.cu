@@ -142,7 +142,8 @@ __device__ double zipf_tail(oe::u64 row_key, oe::u64 column, oe::i64 n, double a
 // Out: dense (count, J) T, ids (count, F) int64, labels (count,) T, logits (count,) double.
 template <typename T>
 __global__ void synthetic_rows(const oe::i64* positions, oe::i64 count, int num_features,
-                               int num_dense, int num_weights, oe::u64 row_salt, oe::u64 effect_salt,
+                               int num_dense, int num_weights, oe::u64 row_salt,
+                               oe::u64 effect_salt,
                                const oe::i64* cards, const oe::i64* offsets,
                                const oe::i64* mults, const oe::i64* shifts,
                                const double* zipf_cdf, const int* zipf_guide,
