@@ -64,8 +64,10 @@ class DeviceSynthetic:
     def rows_at(self, positions):
         """The rows at ``positions`` ((N,) int64, host or device array), generated on the device."""
         xp = self.launcher.xp
-        positions = positions if isinstance(positions, xp.ndarray) and positions.dtype == np.int64 \
-            else self.launcher.to_device(np.ascontiguousarray(positions, np.int64))
+        if isinstance(positions, xp.ndarray):
+            positions = xp.ascontiguousarray(positions, dtype=np.int64)
+        else:
+            positions = self.launcher.to_device(np.ascontiguousarray(positions, np.int64))
         n = int(positions.shape[0])
         f, j = self.source.num_features, self.num_dense
         dense = xp.empty((n, j), np.float32)
