@@ -3,6 +3,8 @@
 Every source yields rows as ``dense (N, 13) float32`` (``log(max(x, 0) + 1)``, missing -> 0),
 ``ids (N, 26) int64`` globally unique keys (column c feeds table c; scheme in ``schema``) and
 ``labels (N,) float32``; ``BatchLoader`` turns any of them into fixed-size ``Batch`` objects.
+``one_embedding.data.device`` puts them on a GPU: the synthetic rows generated there (the same
+bits as on the CPU), file batches staged through page-locked buffers on their own stream.
 
 >>> from one_embedding.data import SyntheticCriteo, BatchLoader
 >>> data = SyntheticCriteo("kaggle", scale=0.001, seed=0, num_rows=10_000)

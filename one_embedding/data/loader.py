@@ -46,6 +46,8 @@ batch:
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import itertools
 import os
 import queue
@@ -127,6 +129,8 @@ class BatchLoader:
     ``set_epoch``); split: None (all rows), "train" or "eval", with eval_fraction and split_seed;
     rank, world: this process's shard; drop_last: drop the final short batch;
     read_ahead: batches queued by the background thread (0 = read in the caller's thread);
+    decode_threads: Parquet row groups decoded at once on worker threads (None: one per core,
+    at most 4, for Parquet; 1 for TSV, whose units are parsed in order, and synthetic data);
     reader_options: passed to the TSV/Parquet reader when ``source`` is paths
     (e.g. has_label, key_scheme, on_bad_line, unit_bytes).
 
@@ -138,7 +142,8 @@ class BatchLoader:
     def __init__(self, source, batch_size: int, *, shuffle: bool = False,
                  shuffle_buffer: int = 1 << 18, seed: int = 0, split: str | None = None,
                  eval_fraction: float = 0.1, split_seed: int = 0, rank: int = 0, world: int = 1,
-                 drop_last: bool = False, read_ahead: int = 4, **reader_options):
+                 drop_last: bool = False, read_ahead: int = 4, decode_threads: int | None = None,
+                 **reader_options):
         if not (isinstance(batch_size, (int, np.integer)) and batch_size >= 1):
             raise ConfigError(f"batch_size={batch_size!r}: use a positive integer")
         if split not in (None, "train", "eval"):
@@ -150,7 +155,22 @@ class BatchLoader:
         if shuffle_buffer < 1 or read_ahead < 0:
             raise ConfigError(f"shuffle_buffer={shuffle_buffer}, read_ahead={read_ahead}: use "
                               f"shuffle_buffer >= 1 and read_ahead >= 0")
+        if decode_threads is not None and not (isinstance(decode_threads, (int, np.integer))
+                                               and decode_threads >= 1):
+            raise ConfigError(f"decode_threads={decode_threads!r}: use a count >= 1, or None "
+                              f"for one per core on file sources")
         self.source = open_source(source, **reader_options)
+        if decode_threads is None:
+            # synthetic rows are generated on every core already (numba); Parquet row groups
+            # decode one per thread
+            parquet = isinstance(self.source, ParquetReader)
+            decode_threads = min(os.cpu_count() or 1, 4) if parquet else 1
+        if decode_threads > 1 and isinstance(self.source, TSVSource):
+            raise ConfigError(f"decode_threads={decode_threads} with TSV input: its units are "
+                              f"parsed in order, so that the skipped-line count follows the "
+                              f"batches handed out; use decode_threads=1 (the parser is "
+                              f"compiled; its read-ahead thread keeps it off the caller)")
+        self.decode_threads = int(decode_threads)
         self.source.units(min_units=world)  # an unbounded or empty source fails here, not later
         self.batch_size = int(batch_size)
         self.shuffle, self.shuffle_buffer, self.seed = shuffle, int(shuffle_buffer), int(seed)
@@ -251,28 +271,61 @@ class BatchLoader:
         # a unit's rows go out in order, so a source that knows its rows' positions unread lets
         # whole units before the start be counted instead of read
         positions_of = getattr(self.source, "chunk_positions", None)
-        for unit in self.my_units():
-            if skip and positions_of is not None:
-                positions = np.concatenate(positions_of(unit))
-                rows = int(self._split_keep(positions).sum()) if self.split else len(positions)
-                if rows <= skip:
-                    skip -= rows
+        units = self.my_units()
+        first = 0
+        while skip and positions_of is not None and first < len(units):
+            positions = np.concatenate(positions_of(units[first]))
+            rows = int(self._split_keep(positions).sum()) if self.split else len(positions)
+            if rows > skip:
+                break
+            skip -= rows
+            first += 1
+        for chunk in self._read_units(units[first:]):
+            if skip and self.split is not None:
+                keep = self._split_keep(chunk.positions)
+                if skip >= (kept := int(keep.sum())):
+                    skip -= kept  # wholly before the start: no copy
                     continue
-            for chunk in self.source.read_unit(unit):
-                if skip and self.split is not None:
-                    keep = self._split_keep(chunk.positions)
-                    if skip >= (kept := int(keep.sum())):
-                        skip -= kept  # wholly before the start: no copy
-                        continue
-                    chunk = chunk.take(keep)
-                else:
-                    chunk = self._split_chunk(chunk)
-                if skip:
-                    drop = min(skip, len(chunk))
-                    skip -= drop
-                    chunk = chunk.take(slice(drop, None))
-                if len(chunk):
-                    yield chunk
+                chunk = chunk.take(keep)
+            else:
+                chunk = self._split_chunk(chunk)
+            if skip:
+                drop = min(skip, len(chunk))
+                skip -= drop
+                chunk = chunk.take(slice(drop, None))
+            if len(chunk):
+                yield chunk
+
+    def _read_units(self, units: list) -> Iterator[Chunk]:
+        """The chunks of ``units``, in order (``_unit_reads``)."""
+        for chunks in self._unit_reads(units):
+            yield from chunks
+
+    def _unit_reads(self, units: list) -> Iterator:
+        """Each unit's chunks, unit by unit in order. File units are decoded ``decode_threads``
+        at a time on worker threads (pyarrow and the TSV parser release the GIL), each unit's
+        chunks gathered (a list) before they go out; with one thread, read as they are used."""
+        if self.decode_threads <= 1 or len(units) <= 1:
+            for unit in units:
+                yield self.source.read_unit(unit)
+            return
+
+        def read(unit):
+            return list(self.source.read_unit(unit))
+
+        with concurrent.futures.ThreadPoolExecutor(
+                self.decode_threads, thread_name_prefix="one_embedding-decode") as pool:
+            todo = iter(units)
+            pending = collections.deque(pool.submit(read, unit)
+                                        for unit in itertools.islice(todo, self.decode_threads))
+            try:
+                while pending:
+                    chunks = pending.popleft().result()
+                    pending.extend(pool.submit(read, unit) for unit in itertools.islice(todo, 1))
+                    yield chunks
+            finally:
+                for future in pending:
+                    future.cancel()
 
     def _shuffled_rows(self, skip: int) -> Iterator[Chunk]:
         """Units in shuffled order through the shuffle buffer: whenever it holds
@@ -285,8 +338,12 @@ class BatchLoader:
         hollow = bool(skip) and hasattr(self.source, "chunk_positions")
         pool: list[Chunk] = []
         pool_rows = 0
+        reads = None if hollow else self._unit_reads(units)
         for index, unit in enumerate(units):
-            chunks = self._hollow_chunks(unit) if hollow else self.source.read_unit(unit)
+            if hollow:
+                chunks = self._hollow_chunks(unit)
+            else:   # after the hollow part of a resume, the rest is read here, unit by unit
+                chunks = iter(next(reads)) if reads is not None else self.source.read_unit(unit)
             done = 0  # chunks of this unit taken so far
             while (chunk := next(chunks, None)) is not None:
                 done += 1

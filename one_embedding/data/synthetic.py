@@ -1,18 +1,22 @@
 """Synthetic Criteo-like data: real cardinalities, Zipf ids, a label a model can learn.
 
-Row ``r`` is a pure function of (seed, r): rows are generated in blocks of ``block_rows`` and block
-``b`` draws from ``numpy.random.default_rng([seed, b])``, so any batch size or rank split sees the
-same rows.
+Row ``r`` is a pure function of (seed, r): each of its random numbers is a hash of a counter
+(``synthetic_math``), so any batch size, rank split, thread or GPU thread sees the same rows. Three
+generators compute them, bit for bit alike: ``rows`` (numba, all cores), ``reference_rows``
+(numpy, the test oracle) and ``DeviceSynthetic`` (a CUDA kernel, ``kernels/cuda/synthetic.cu``).
 
 Per row:
 
 * ids: for column c, a Zipf rank ``k`` in ``1..N_c`` with ``P(k) ∝ k**-alpha`` (exact bounded-Zipf
-  sampling by rejection-inversion, Hörmann & Derflinger 1996: O(1) memory for any ``N_c``),
+  sampling: ranks up to 4096 by inversion of a CDF table, the tail by rejection-inversion,
+  Hörmann & Derflinger 1996: O(1) memory for any ``N_c``),
   scattered over ``0..N_c-1`` by ``id = ((k - 1) * m_c + shift_c) mod N_c`` (a bijection, so hot
   ids are not all small), then made global with ``key = offset_c + id`` (``offset_c`` = sum of
   earlier cardinalities).
-* dense: latent ``z ~ N(0, 1)`` per column, ``x = floor(exp(mu_j + sigma_j z))``, missing with
-  probability ``missing_j``, stored as ``log(x + 1)`` (missing -> 0), as ``schema.dense_log`` does.
+* dense: latent ``z ~ N(0, 1)`` per column (the normal quantile of a uniform ``u``),
+  ``x = floor(exp(mu_j + sigma_j z))``, missing with probability ``missing_j``, stored as
+  ``log(x + 1)`` (missing -> 0), as ``schema.dense_log`` does. For x < 4096, x is read from a
+  table of the thresholds on ``u`` where it steps (``synthetic_math.dense_tables``).
 * label: ``Bernoulli(sigmoid(bias + w · z[:4] + sum_c g(k_c) e(key_c)))`` where ``e(key)`` is a
   hashed per-key effect, uniform in ``[-a, a]`` with ``a = effect_amplitude * sqrt(3 / F)``, and
   ``g(k) = head_rank / (head_rank + k - 1)`` fades it along the Zipf rank ``k``: frequent ids, which
@@ -30,64 +34,48 @@ from typing import Iterator
 import numpy as np
 
 from ..errors import ConfigError
+from . import synthetic_math as sm
 from .schema import NUM_DENSE, Batch, resolve_cardinalities, splitmix64
 from .tsv import Chunk
 
 _KNUTH_PRIME = 2654435761  # prime > any cardinality here, so m_c = P mod N_c is coprime with N_c
 
 
-def _log1p_over_x(x: np.ndarray) -> np.ndarray:
-    small = np.abs(x) < 1e-8
-    safe = np.where(small, 1.0, x)
-    return np.where(small, 1.0 - x / 2.0 + x * x / 3.0, np.log1p(safe) / safe)
-
-
-def _expm1_over_x(x: np.ndarray) -> np.ndarray:
-    small = np.abs(x) < 1e-8
-    safe = np.where(small, 1.0, x)
-    return np.where(small, 1.0 + x / 2.0 + x * x / 6.0, np.expm1(safe) / safe)
+_ROW_SALT = 0xDA7A5EED
+_CALIBRATION_ROWS = 4096
+#: ids are ((k - 1) * m_c + shift_c) mod N_c in uint64: N_c * P must stay below 2**64
+_MAX_CARDINALITY = (1 << 64) // _KNUTH_PRIME
+_NORMAL_COEFFS = np.array([sm.NORMAL_A, sm.NORMAL_B, sm.NORMAL_C, sm.NORMAL_D, sm.NORMAL_E,
+                           sm.NORMAL_F], np.float64)
 
 
 class ZipfSampler:
     """Exact samples of a bounded Zipf law ``P(k) = k**-alpha / H_{n,alpha}``, k in 1..n.
 
-    Rejection-inversion against the continuous hat ``h(x) = x**-alpha``; acceptance is above 90%
-    for every alpha and n, and nothing of size n is allocated. alpha > 0 (alpha = 1 included).
+    Ranks 1..head by inversion of a CDF table; the tail head+1..n by rejection-inversion against
+    the continuous hat ``h(x) = x**-alpha`` (acceptance above 90% for every alpha and n; nothing
+    of size n is allocated). alpha > 0 (alpha = 1 included). The arithmetic is
+    ``synthetic_math.ZipfMath`` (the same bits in numpy, numba and CUDA).
     """
 
-    def __init__(self, n: int, alpha: float):
+    def __init__(self, n: int, alpha: float, head: int = sm.ZIPF_HEAD):
         if n < 1:
             raise ConfigError(f"Zipf n={n}: use a cardinality >= 1")
         if not (alpha > 0 and math.isfinite(alpha)):
             raise ConfigError(f"Zipf alpha={alpha}: use a positive exponent such as 1.05")
         self.n, self.alpha = int(n), float(alpha)
-        self._h_x1 = float(self._H(np.array(1.5))) - 1.0
-        self._h_n = float(self._H(np.array(self.n + 0.5)))
-        self._s = 2.0 - float(self._H_inv(self._H(np.array(2.5)) - self._h(np.array(2.0))))
+        if head < 1:
+            raise ConfigError(f"Zipf head={head}: use a table of >= 1 ranks")
+        self.math = sm.ZipfMath(self.n, self.alpha, head)
 
-    def _h(self, x):
-        return np.exp(-self.alpha * np.log(x))
-
-    def _H(self, x):
-        """Antiderivative of h: ``(x**(1-alpha) - 1) / (1 - alpha)`` (log x at alpha = 1)."""
-        log_x = np.log(x)
-        return _expm1_over_x((1.0 - self.alpha) * log_x) * log_x
-
-    def _H_inv(self, y):
-        return np.exp(_log1p_over_x((1.0 - self.alpha) * y) * y)
+    @property
+    def params(self) -> tuple[float, float, float]:
+        """(h_top, h_n, s): the tail's constants, as the generators' kernels take them."""
+        return self.math.params
 
     def sample(self, rng: np.random.Generator, size: int) -> np.ndarray:
-        """(size,) int64 ranks in 1..n."""
-        out = np.empty(size, np.int64)
-        todo = np.arange(size)
-        while todo.size:
-            u = self._h_n + rng.random(todo.size) * (self._h_x1 - self._h_n)
-            x = self._H_inv(u)
-            k = np.clip(np.floor(x + 0.5), 1, self.n)
-            accept = (k - x <= self._s) | (u >= self._H(k + 0.5) - self._h(k))
-            out[todo[accept]] = k[accept].astype(np.int64)
-            todo = todo[~accept]
-        return out
+        """(size,) int64 ranks in 1..n, from ``rng``'s uniforms."""
+        return self.math.ranks(lambda attempt, todo: rng.random(todo.size), size)
 
     def pmf(self, k: np.ndarray) -> np.ndarray:
         """Exact probabilities for small n (test oracle): (len(k),) float64."""
@@ -122,19 +110,39 @@ class SyntheticCriteo:
         if block_rows < 1 or (num_rows is not None and num_rows < 0):
             raise ConfigError(f"block_rows={block_rows}, num_rows={num_rows}: use block_rows >= 1 "
                               f"and num_rows >= 0 or None")
+        too_big = [n for n in self.cardinalities if n > _MAX_CARDINALITY]
+        if too_big or self.num_features >= sm.MAX_FEATURES:
+            raise ConfigError(f"cardinalities {too_big or len(self.cardinalities)}: use at most "
+                              f"{sm.MAX_FEATURES - 1} columns of at most {_MAX_CARDINALITY} ids")
         self.alpha, self.seed, self.head_rank = float(alpha), int(seed), float(head_rank)
         self.num_rows, self.block_rows = num_rows, int(block_rows)
         card = np.array(self.cardinalities, np.int64)
         self.offsets = np.concatenate([[0], np.cumsum(card)[:-1]]).astype(np.int64)
         self.samplers = [ZipfSampler(int(n), self.alpha) for n in card]
+        self._card = card
         self._mult = np.array([_KNUTH_PRIME % n for n in card], np.int64)
         columns = np.arange(len(card), dtype=np.uint64)
         shifts = splitmix64(columns + np.uint64(self.seed) * np.uint64(977))
         self._shift = (shifts % card.astype(np.uint64)).astype(np.int64)
+        self._zipf_cdf = np.stack([s.math.cdf for s in self.samplers])
+        self._zipf_guide = np.stack([s.math.guide for s in self.samplers])
+        self._zipf = np.array([(s.math.p_head,) + s.params for s in self.samplers],
+                              np.float64).reshape(-1, 4)
+        self._dense_tables = sm.dense_tables(self.DENSE_MU, self.DENSE_SIGMA)
         # every column carries signal; uniform(-a, a) has sd a/sqrt(3), so the summed id effect
         # has sd effect_amplitude whatever the number of columns
         self._amp = np.full(len(card), effect_amplitude * np.sqrt(3.0 / len(card)))
         self._salt = splitmix64(np.array([self.seed ^ 0x5EED], np.uint64))[0]
+        # the head ranks' keys and label terms, so a kernel drawing a head rank only looks up
+        head = self._zipf_cdf.shape[1]
+        self._zipf_ids = np.zeros((len(card), head), np.int64)
+        self._zipf_terms = np.zeros((len(card), head), np.float64)
+        for c in range(len(card)):
+            ranks = np.arange(1, min(int(card[c]), head) + 1, dtype=np.float64)
+            key, term = self._key_and_term(c, ranks)
+            self._zipf_ids[c, :len(ranks)] = key.astype(np.int64)
+            self._zipf_terms[c, :len(ranks)] = term
+        self._row_salt = splitmix64(np.array([self.seed ^ _ROW_SALT], np.uint64))[0]
         self.bias = 0.0
         self.bias = self._calibrate(click_rate)
 
@@ -143,7 +151,7 @@ class SyntheticCriteo:
         return int(sum(self.cardinalities))
 
     def _calibrate(self, click_rate: float) -> float:
-        logits = self._block(0, with_labels=False)[3]
+        logits = self.reference_rows(0, _CALIBRATION_ROWS)[3]
         low, high = -30.0, 30.0
         for _ in range(60):
             mid = (low + high) / 2
@@ -153,41 +161,90 @@ class SyntheticCriteo:
                 high = mid
         return (low + high) / 2
 
-    def _block(self, block: int, with_labels: bool = True):
-        rng = np.random.default_rng([self.seed, block])
-        n = self.block_rows
-        ids = np.empty((n, self.num_features), np.int64)
-        weight = np.empty((n, self.num_features))
-        for c, sampler in enumerate(self.samplers):
-            rank = sampler.sample(rng, n)
-            weight[:, c] = self.head_rank / (self.head_rank + rank - 1.0)
-            n_c = self.cardinalities[c]
-            ids[:, c] = self.offsets[c] + ((rank - 1) * self._mult[c] + self._shift[c]) % n_c
-        z = rng.standard_normal((n, NUM_DENSE))
-        x = np.floor(np.exp(self.DENSE_MU + self.DENSE_SIGMA * z))
-        missing = rng.random((n, NUM_DENSE)) < self.DENSE_MISSING
-        dense = np.where(missing, 0.0, np.log1p(x)).astype(np.float32)
-        unit = (splitmix64(ids.astype(np.uint64) ^ self._salt) >> np.uint64(11)) * 2.0 ** -53
-        effects = ((2.0 * unit - 1.0) * weight * self._amp).sum(1)
-        logits = self.bias + z[:, :len(self.DENSE_WEIGHTS)] @ self.DENSE_WEIGHTS + effects
-        u = rng.random(n)
-        labels = (u < 1.0 / (1.0 + np.exp(-logits))).astype(np.float32) if with_labels else None
+    def kernel_constants(self) -> dict:
+        """Everything the row kernels take besides the row range, as numpy arrays / scalars:
+        row_salt, effect_salt (uint64); cards, offsets, mults, shifts (F,) int64; the Zipf
+        tables zipf_cdf (F, ZIPF_HEAD) float64, zipf_guide (F, GUIDE) int32, zipf_params (F, 4)
+        float64 (p_head, h_top, h_n, s); alpha, head_rank, bias (float); amp (F,), mu, sigma,
+        missing (13,), weights (4,) float64; normal_coeffs (6, 8) float64; the dense tables
+        dense_thresholds (13, T + 1) float64, dense_guide (13, GUIDE) int32, dense_values (13, T)
+        float32 (``synthetic_math.dense_tables``)."""
+        thresholds, guides, values = self._dense_tables
+        return dict(row_salt=np.uint64(self._row_salt), effect_salt=np.uint64(self._salt),
+                    cards=self._card, offsets=self.offsets, mults=self._mult,
+                    shifts=self._shift, zipf_cdf=self._zipf_cdf, zipf_guide=self._zipf_guide,
+                    zipf_params=self._zipf, zipf_ids=self._zipf_ids, zipf_terms=self._zipf_terms,
+                    alpha=self.alpha,
+                    head_rank=self.head_rank, amp=self._amp, bias=float(self.bias),
+                    mu=self.DENSE_MU.astype(np.float64), sigma=self.DENSE_SIGMA.astype(np.float64),
+                    missing=self.DENSE_MISSING.astype(np.float64),
+                    weights=self.DENSE_WEIGHTS.astype(np.float64), normal_coeffs=_NORMAL_COEFFS,
+                    dense_thresholds=thresholds, dense_guide=guides, dense_values=values)
+
+    def generate(self, start: int, count: int):
+        """Rows start..start+count-1 from the numba kernel (all cores, the GIL released):
+        (dense (count, 13) float32, ids (count, F) int64, labels (count,) float32,
+        logits (count,) float64)."""
+        dense = np.empty((count, NUM_DENSE), np.float32)
+        ids = np.empty((count, self.num_features), np.int64)
+        labels = np.empty(count, np.float32)
+        logits = np.empty(count, np.float64)
+        if count:
+            sm.generate_rows(np.int64(start), np.int64(count), **self.kernel_constants(),
+                             dense=dense, ids=ids, labels=labels, logits=logits)
         return dense, ids, labels, logits
+
+    def reference_rows(self, start: int, count: int):
+        """The same rows as ``generate`` from vectorised numpy (the test oracle, ~10x slower)."""
+        rows = np.arange(start, start + count, dtype=np.int64).astype(np.uint64)
+        row_key = sm.splitmix64_np(rows ^ np.uint64(self._row_salt))
+        ids = np.empty((count, self.num_features), np.int64)
+        effects = np.zeros(count)
+        for c, sampler in enumerate(self.samplers):
+            def uniforms(attempt, todo, c=c):
+                return sm.uniform_np(sm.draw_np(row_key[todo], c, attempt))
+
+            k = sampler.math.ranks(uniforms, count).astype(np.float64)
+            key, term = self._key_and_term(c, k)
+            ids[:, c] = key.astype(np.int64)
+            effects = effects + term
+        dense = np.empty((count, NUM_DENSE), np.float32)
+        dot = np.zeros(count)
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            for j in range(NUM_DENSE):
+                u = sm.open_uniform_np(sm.draw_np(row_key, sm.STREAM_DENSE + j))
+                z = sm.normal_np(u)
+                if j < len(self.DENSE_WEIGHTS):
+                    dot = dot + z * self.DENSE_WEIGHTS[j]
+                missing = sm.uniform_np(sm.draw_np(row_key, sm.STREAM_MISSING + j))
+                thresholds, _, values = self._dense_tables
+                x = sm.lookup_np(thresholds[j], u)
+                table = values.shape[1]
+                big = np.maximum(np.floor(sm.exp_np(self.DENSE_MU[j] + self.DENSE_SIGMA[j] * z)),
+                                 float(table))
+                value = np.where(x < table, values[j, np.minimum(x, table - 1)],
+                                 sm.log_np(big + 1.0).astype(np.float32))
+                dense[:, j] = np.where(missing < self.DENSE_MISSING[j], np.float32(0.0), value)
+            logits = (self.bias + dot) + effects
+            p = 1.0 / (1.0 + sm.exp_np(-logits))
+        labels = (sm.uniform_np(sm.draw_np(row_key, sm.STREAM_LABEL)) < p).astype(np.float32)
+        return dense, ids, labels, logits
+
+    def _key_and_term(self, c: int, k: np.ndarray):
+        """Column c's global keys (uint64) and label terms (float64) of Zipf ranks k (float64)."""
+        rank = k.astype(np.uint64)
+        key = (np.uint64(self.offsets[c]) + ((rank - np.uint64(1)) * np.uint64(self._mult[c])
+                                             + np.uint64(self._shift[c]))
+               % np.uint64(self._card[c]))
+        weight = self.head_rank / ((self.head_rank + k) - 1.0)
+        unit = sm.uniform_np(sm.splitmix64_np(key ^ np.uint64(self._salt)))
+        return key, ((2.0 * unit - 1.0) * weight) * self._amp[c]
 
     def rows(self, start: int, count: int, *, with_logits: bool = False):
         """Rows start..start+count-1 as a Chunk (and their hidden logits (count,) float64)."""
         if start < 0 or count < 0:
             raise ConfigError(f"rows(start={start}, count={count}): both must be >= 0")
-        first, last = start // self.block_rows, (start + count - 1) // self.block_rows
-        parts = [self._block(b) for b in range(first, last + 1)] if count else []
-        lo = start - first * self.block_rows
-        if parts:
-            dense, ids, labels, logits = (np.concatenate([p[i] for p in parts])[lo:lo + count]
-                                          for i in range(4))
-        else:
-            dense = np.zeros((0, NUM_DENSE), np.float32)
-            ids = np.zeros((0, self.num_features), np.int64)
-            labels, logits = np.zeros(0, np.float32), np.zeros(0)
+        dense, ids, labels, logits = self.generate(start, count)
         chunk = Chunk(dense, ids, labels, np.arange(start, start + count, dtype=np.int64))
         return (chunk, logits) if with_logits else chunk
 

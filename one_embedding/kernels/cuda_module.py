@@ -28,7 +28,9 @@ CUDA_DIR = Path(__file__).resolve().parent / "cuda"
 #: gather / init, the row optimizers and the row codecs.
 DENSE_FAMILIES = ("mlp", "interaction", "cross", "fm", "loss")
 EMBEDDING_FAMILIES = ("hashindex", "cache", "embedding", "optim", "codec")
-FAMILIES = DENSE_FAMILIES + EMBEDDING_FAMILIES
+#: The data side's: the synthetic source's generator (data/device.py).
+DATA_FAMILIES = ("synthetic",)
+FAMILIES = DENSE_FAMILIES + EMBEDDING_FAMILIES + DATA_FAMILIES
 #: NVRTC options. --fmad=false keeps a*b+c two roundings, as in numpy, so elementwise results
 #: match the reference bit for bit; these kernels are memory-bound, so FMA contraction buys nothing.
 #: (CuPy appends -ftz=true: float32 subnormal results flush to zero, the one place where an
