@@ -26,8 +26,10 @@ its links; a file goes when its last link does: disk is reclaimed without a coll
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
+import logging
 import os
 import shutil
 import time
@@ -63,6 +65,13 @@ COMPACT_ABOVE = 1.25
 RECLAIM_MIN_BYTES = 8 << 20
 #: the immutable data files of a DB (shared by hard links); the rest are small metadata copies
 _SHARED_SUFFIXES = (".sst", ".blob")
+
+log = logging.getLogger("one_embedding.store")
+
+
+def _disk_full(e: BaseException) -> bool:
+    """True for a full disk: an OSError ENOSPC, or RocksDB's plain Exception saying so."""
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
 
 
 def _rocksdict():
@@ -178,10 +187,34 @@ class RocksDBStore(StoreTier):
             raise StoreError(f"{self.name}: cannot open RocksDB at {self.path!r}: {e}") from None
 
     def _close_db(self) -> None:
+        """Close the working DB. The handles go even when closing fails (a DB stopped by a full
+        disk refuses its last flush): the DB is scratch, rebuilt by the next open or load."""
         if self._db is not None:
+            db, self._db = self._db, None
             self._keys = self._keys_handle = None
-            self._db.close()
-            self._db = None
+            try:
+                db.close()
+            except Exception as e:  # rocksdict raises plain Exception; nothing here is kept
+                log.warning("%s: closing the working DB %r failed (%s); it is scratch and is "
+                            "discarded", self.name, self.path, e)
+
+    @contextlib.contextmanager
+    def _io(self, doing: str, after: str = ""):
+        """Turn a RocksDB failure (a plain Exception, or an OSError) while ``doing`` into a
+        StoreError that says what failed, whether the disk is full, and that the published
+        snapshots are intact (the working DB is scratch; snapshots are hard links RocksDB never
+        writes into). ``after``: what the caller had completed already."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except Exception as e:  # rocksdict raises plain Exception for I/O errors
+            what = f"the disk of {os.path.dirname(self.path)!r} is full" if _disk_full(e) else \
+                "an I/O error stopped it"
+            raise StoreError(
+                f"{self.name}: {doing} in {self.path!r} failed: {what} ({e}). Every snapshot "
+                f"already published is intact{after}: free disk space, then load the last "
+                "snapshot (train --resume) to go on") from None
 
     def _int_property(self, name: str, both: bool = False) -> int:
         """A RocksDB integer property of the rows' column family (``both``: summed with the keys
@@ -217,29 +250,38 @@ class RocksDBStore(StoreTier):
         mb = self._rows * (4 * self.line_size + BLOB_RECORD_OVERHEAD) / 64 / 2**20
         mb = int(min(MAX_BLOB_FILE_MB, max(MIN_BLOB_FILE_MB, mb)))
         if mb != self._blob_file_mb:
-            self._db.set_options({"blob_file_size": str(mb << 20)})
+            with self._io("resizing the blob files (RocksDB writes its OPTIONS file)"):
+                self._db.set_options({"blob_file_size": str(mb << 20)})
             self._blob_file_mb = mb
 
     def flush(self, wait_idle: bool = False) -> None:
         """Write both column families' memtables to SSTs; ``wait_idle``: then wait until no
         flush or compaction runs (their writes and RAM have settled: what measurements want)."""
-        self._db.flush()
-        self._keys.flush()
+        with self._io("flushing the memtables to SST files"):
+            self._db.flush()
+            self._keys.flush()
         busy = ("rocksdb.num-running-compactions", "rocksdb.num-running-flushes",
                 "rocksdb.compaction-pending")
         while wait_idle and any(self._int_property(p, both=True) for p in busy):
             time.sleep(0.02)
 
-    def _reclaim(self, age_cutoff: float = BLOB_GC_AGE_CUTOFF) -> None:
+    def _reclaim(self, age_cutoff: float = BLOB_GC_AGE_CUTOFF, after: str = "") -> None:
         """Compact every key SST and relocate the live values of the oldest ``age_cutoff`` of
         blob files (those hold the most overwritten versions); blob files left with no live
         value are deleted. Costs at most that share of the table, once garbage has piled up to
         COMPACT_ABOVE times the live rows."""
-        self._db.set_options({"enable_blob_garbage_collection": "true",
-                              "blob_garbage_collection_age_cutoff": str(age_cutoff)})
-        try:
-            self._db.compact_range(None, None, self._compact_options)
-        finally:
+        with self._io("reclaiming old row versions (blob garbage collection)", after):
+            self._db.set_options({"enable_blob_garbage_collection": "true",
+                                  "blob_garbage_collection_age_cutoff": str(age_cutoff)})
+            try:
+                self._db.compact_range(None, None, self._compact_options)
+            except Exception:
+                try:  # the compaction's error is the one to report
+                    self._db.set_options({"enable_blob_garbage_collection": "false"})
+                except Exception as e:
+                    log.warning("%s: switching blob GC off after a failed compaction failed "
+                                "too (%s)", self.name, e)
+                raise
             self._db.set_options({"enable_blob_garbage_collection": "false"})
 
     def collect_garbage(self) -> int:
@@ -256,7 +298,8 @@ class RocksDBStore(StoreTier):
             return 0
         share = garbage / max(1, garbage + live)
         # more garbage than rows: relocating every live row costs less than it frees
-        self._reclaim(1.0 if share > 0.5 else max(BLOB_GC_AGE_CUTOFF, share))
+        self._reclaim(1.0 if share > 0.5 else max(BLOB_GC_AGE_CUTOFF, share),
+                      " (a save runs this after it has published its snapshot)")
         return 1
 
     def _live_bytes(self) -> int:
@@ -323,13 +366,8 @@ class RocksDBStore(StoreTier):
                 batch.put(k, raw[i * row:(i + 1) * row])
                 if not stored[i]:
                     batch.put(k, b"", self._keys_handle)
-            try:
+            with self._io(f"writing {n} rows"):
                 self._db.write(batch, self._write_options)
-            except Exception as e:
-                raise StoreError(
-                    f"{self.name}: writing {n} rows to {self.path!r} failed ({e}); free disk space "
-                    "or move persistent_path. The last snapshot is intact"
-                ) from None
             self._rows += new
             self._size_blob_files()
         return empty_lines(self.line_size)
@@ -342,7 +380,8 @@ class RocksDBStore(StoreTier):
         for k in held:
             batch.delete(k)
             batch.delete(k, self._keys_handle)
-        self._db.write(batch, self._write_options)
+        with self._io(f"erasing {len(held)} rows"):
+            self._db.write(batch, self._write_options)
         self._rows -= len(held)
         return len(held)
 
@@ -391,14 +430,12 @@ class RocksDBStore(StoreTier):
         """Write ``db/`` (a RocksDB checkpoint: SSTs hard-linked, metadata copied) and
         ``rocksdb.json`` into ``directory``; returns the SSTs' sizes and CRC32s (shared files)."""
         target = os.path.join(directory, "db")
-        try:
-            self._size_blob_files()
-            self.flush()  # the WAL is off: the memtables must reach SSTs first
-            if self._garbage_bytes() > max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * self._live_bytes()):
-                self._reclaim()
+        self._size_blob_files()
+        self.flush()  # the WAL is off: the memtables must reach SSTs first
+        if self._garbage_bytes() > max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * self._live_bytes()):
+            self._reclaim()
+        with self._io(f"a RocksDB checkpoint into {target!r}"):
             self._rd.Checkpoint(self._db).create_checkpoint(target)
-        except Exception as e:
-            raise StoreError(f"{self.name}: RocksDB checkpoint into {target!r} failed: {e}") from None
         try:
             files, shared = {}, {}
             for entry in sorted(os.listdir(target)):
@@ -413,9 +450,11 @@ class RocksDBStore(StoreTier):
                 {"engine": "rocksdb", "line_size": self.line_size, "rows": self._rows,
                  "db_files": files}).encode())
         except OSError as e:
+            what = "the disk is full" if _disk_full(e) else "an I/O error stopped it"
             raise StoreError(
-                f"{self.name}: writing snapshot files into {directory!r} failed ({e.strerror or e}); "
-                "free disk space and save again. The previous snapshot of that name is intact"
+                f"{self.name}: writing snapshot files into {directory!r} failed: {what} "
+                f"({e.strerror or e}); free disk space and save again. Every snapshot already "
+                "published (the previous one of that name included) is intact"
             ) from None
         return shared
 
