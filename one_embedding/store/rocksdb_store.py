@@ -18,7 +18,7 @@ Snapshot (incremental): both memtables flushed, then a RocksDB checkpoint in
 ``<snapshot>/db/``: the SST and blob files are hard links (RocksDB never writes into one after
 creating it, and deletes it only by name, so the inode stays valid while any snapshot or working
 DB links it); the small metadata files are copies. The CRC32 of each data file is computed once
-per inode (new files only) and recorded in the manifest as a shared file. Compaction is forced
+(new files only: ``_data_file_crc``) and recorded in the manifest as a shared file. Compaction is forced
 only when garbage has piled up (``_reclaim``: past COMPACT_ABOVE times the live rows). Load
 (reopen in place): the working DB is rebuilt from hard links to the snapshot's data files and
 copies of its metadata (a copy where the file system cannot link). Deleting a snapshot removes
@@ -158,8 +158,8 @@ class RocksDBStore(StoreTier):
         self._db = None
         self._rows = 0
         self._blob_file_mb = MIN_BLOB_FILE_MB
-        #: CRC32 of the SSTs seen so far, by inode: (dev, ino) -> (size, crc32)
-        self._crcs: dict[tuple[int, int], tuple[int, int]] = {}
+        #: CRC32 of the data files of the last checkpoint, by identity (``_file_key``)
+        self._crcs: dict[tuple, int] = {}
         try:
             os.makedirs(directory, exist_ok=True)
             # scratch state: whatever a killed process left here is discarded
@@ -183,6 +183,7 @@ class RocksDBStore(StoreTier):
             self._keys = self._db.get_column_family(KEYS_CF)
             self._keys_handle = self._db.get_column_family_handle(KEYS_CF)
             self._blob_file_mb = MIN_BLOB_FILE_MB
+            self._crcs = {}  # a new DB session: its file numbers may repeat an earlier one's
         except Exception as e:  # rocksdict raises plain Exception for I/O errors
             raise StoreError(f"{self.name}: cannot open RocksDB at {self.path!r}: {e}") from None
 
@@ -416,14 +417,30 @@ class RocksDBStore(StoreTier):
         self._open()
 
     # -- snapshots --------------------------------------------------------------------------
-    def _data_file_crc(self, path: str) -> int:
-        """CRC32 of an SST or blob file, computed once per inode (they never change)."""
+    @staticmethod
+    def _file_key(path: str) -> tuple:
+        """The identity of a data file: (device, inode, name, size, mtime_ns). RocksDB never
+        writes into a finished file, so this names its content, where the inode alone does not:
+        a deleted file's inode is reused by the next file created, which may have its size.
+        Within one DB session RocksDB never reuses a file name (a new session, ``_open``,
+        forgets every CRC). ctime is left out: every checkpoint's hard link changes it.
+
+        rocksdict (0.3) exposes neither RocksDB's own file checksums (no
+        ``file_checksum_gen_factory``, no checksums in ``live_files``) nor a way to verify
+        them, so the CRC32s are ours, computed once per file identity."""
         st = os.stat(path)
-        known = self._crcs.get((st.st_dev, st.st_ino))
-        if known is not None and known[0] == st.st_size:
-            return known[1]
-        crc = file_crc32(path)
-        self._crcs[(st.st_dev, st.st_ino)] = (st.st_size, crc)
+        return st.st_dev, st.st_ino, os.path.basename(path), st.st_size, st.st_mtime_ns
+
+    def _data_file_crc(self, path: str, seen: dict | None = None) -> int:
+        """CRC32 of an SST or blob file, computed once per file identity (``_file_key``);
+        ``seen``: collects this save's entries (the cache keeps only those afterwards)."""
+        key = self._file_key(path)
+        crc = self._crcs.get(key)
+        if crc is None:
+            crc = file_crc32(path)
+            self._crcs[key] = crc
+        if seen is not None:
+            seen[key] = crc
         return crc
 
     def save_snapshot(self, directory: str) -> dict:
@@ -437,14 +454,17 @@ class RocksDBStore(StoreTier):
         with self._io(f"a RocksDB checkpoint into {target!r}"):
             self._rd.Checkpoint(self._db).create_checkpoint(target)
         try:
-            files, shared = {}, {}
+            files, shared, seen = {}, {}, {}
             for entry in sorted(os.listdir(target)):
                 path = os.path.join(target, entry)
                 files[entry] = os.path.getsize(path)
                 if entry.endswith(_SHARED_SUFFIXES):
-                    shared[f"db/{entry}"] = {"bytes": files[entry], "crc32": self._data_file_crc(path)}
+                    shared[f"db/{entry}"] = {"bytes": files[entry],
+                                             "crc32": self._data_file_crc(path, seen)}
                 else:
                     fsync_path(path)
+            self._crcs = seen  # this checkpoint's files only: a file the next save links and
+            # this one did not is new (computed then), so nothing else is needed
             fsync_dir(target)
             write_bytes_atomic(os.path.join(directory, INFO_FILE), json.dumps(
                 {"engine": "rocksdb", "line_size": self.line_size, "rows": self._rows,
@@ -510,11 +530,11 @@ class RocksDBStore(StoreTier):
         for rel, entry in files.items():
             if rel.startswith("db/") and rel.endswith(_SHARED_SUFFIXES):
                 try:
-                    st = os.stat(os.path.join(directory, rel))
+                    key = self._file_key(os.path.join(directory, rel))
                 except OSError:
                     continue
-                if st.st_size == entry.get("bytes"):
-                    self._crcs[(st.st_dev, st.st_ino)] = (st.st_size, int(entry["crc32"]))
+                if key[3] == entry.get("bytes"):
+                    self._crcs[key] = int(entry["crc32"])
 
     def close(self) -> None:
         """Close the DB and delete its folder: it is scratch (discarded by the next open
