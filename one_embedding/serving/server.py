@@ -192,6 +192,9 @@ class Follower:
             try:
                 if self.predictor.refresh():
                     log.warning("serving snapshot %r", self.predictor.snapshot)
+            except OneEmbeddingError as e:  # the newest checkpoint is damaged: refused
+                log.error("the newest checkpoint was refused: %s; still serving %r", e,
+                          self.predictor.snapshot)
             except Exception:  # a snapshot half-deleted under us: try again next time
                 log.exception("following the training path failed; still serving %r",
                               self.predictor.snapshot)
