@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import threading
 
@@ -34,6 +35,8 @@ from ..errors import ConfigError, InputError, SnapshotError
 from ..store.segments import SegmentInfo
 from ..store.snapshots import SnapshotDirectory, lease, read_manifest, verify_files
 from .table import ServedTable
+
+log = logging.getLogger("one_embedding.serve")
 
 #: times a checkpoint is opened again when training renamed its folder while it was being read
 #: (the lease keeps it; its new place, ``.old-<name>-<token>``, is never renamed again)
@@ -153,10 +156,13 @@ class Predictor:
                 where = [held.folder_now() for held in leases]
                 try:
                     opened = self._open_leased(name, step, created, where, leases, served)
-                except Exception:
-                    if [held.folder_now() for held in leases] != where:
-                        continue  # renamed while read: what failed was another snapshot's
-                    raise
+                except Exception as e:
+                    if [held.folder_now() for held in leases] == where:
+                        raise
+                    # renamed while read: what failed was the snapshot saved under its name
+                    log.warning("checkpoint %r was saved again while it was opened (%s); "
+                                "reading the leased one from %s", name, e, leases[0].folder_now())
+                    continue
                 if [held.folder_now() for held in leases] == where:
                     return opened
                 opened.table.close()  # renamed while read: read it again from its new place

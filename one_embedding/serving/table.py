@@ -108,7 +108,8 @@ class SnapshotRows:
                 return self._store.find(keys, out, out_rows)
             except StoreError as e:
                 message = self.run_paths(str(e))
-                if self.folder not in message and (self.pool_folder() or self.folder) not in message:
+                named = (self.folder, self.pool_folder() or self.folder)
+                if not any(where in message for where in named):  # RocksDB names no file
                     message += self._diagnose()
                 raise StoreError(message) from None
         n = self._keys.shape[0]

@@ -18,11 +18,15 @@ Snapshot (incremental): both memtables flushed, then a RocksDB checkpoint in
 ``<snapshot>/db/``: the SST and blob files are hard links (RocksDB never writes into one after
 creating it, and deletes it only by name, so the inode stays valid while any snapshot or working
 DB links it); the small metadata files are copies. The CRC32 of each data file is computed once
-(new files only: ``_data_file_crc``) and recorded in the manifest as a shared file. Compaction is forced
-only when garbage has piled up (``_reclaim``: past COMPACT_ABOVE times the live rows). Load
+(new files only: ``_data_file_crc``) and recorded in the manifest as a shared file. Compaction is
+forced only when garbage has piled up (``_reclaim``: past COMPACT_ABOVE times the live rows). Load
 (reopen in place): the working DB is rebuilt from hard links to the snapshot's data files and
 copies of its metadata (a copy where the file system cannot link). Deleting a snapshot removes
 its links; a file goes when its last link does: disk is reclaimed without a collector of our own.
+
+A failure of RocksDB (a full disk above all) in any of these steps is a StoreError that says
+which path's disk is full and that the published snapshots are intact (``_io``); a DB a full
+disk stopped is discarded by the next load of a snapshot.
 """
 from __future__ import annotations
 
