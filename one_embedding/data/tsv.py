@@ -15,12 +15,12 @@ there. See ``default_max_hex_digits``. A label is exactly ``0`` or ``1`` (``-0``
 lines).
 
 Truncated files. The last line of a file that does not end in a newline may be a partial download.
-It is accepted only if it has a valid field count and its last field, a categorical (C23..C26 for
-any accepted count), holds exactly Criteo's 8 hex characters; a last line cut inside a field, or
-right after a tab, is a bad line ("the file ends inside this line"). A complete file whose last
-line ends in an empty field or in a shorter hex value needs a final newline to be read. (A cut that
-falls exactly at a field boundary of a stripped 37..39-field line looks like a complete line and
-cannot be told apart.)
+It is accepted only if it has every field (40; 39 without labels) and its last field, C26, holds
+exactly Criteo's 8 hex characters; any other such line is a bad line ("the file ends inside this
+line"), as any line of a wrong field count is: cut inside a field, right after a tab, or right
+after a complete field (which a stripped 37..39-field line would look like: a cut there cannot be
+told from one, so it is refused too). A complete file whose last line is stripped, or ends in an
+empty field or in a shorter hex value, needs a final newline to be read.
 
 Parsing is vectorized per block of lines (default 1 MiB): newline and tab positions give a
 (lines, fields) table of field starts and ends, the first bytes of every field are gathered into a
@@ -173,16 +173,19 @@ def default_max_hex_digits(key_scheme: KeyScheme) -> int:
 def _explain_cut(line: bytes, min_fields: int, max_fields: int) -> str | None:
     """Why the final, newline-less line of a file looks cut off (None: it looks complete).
 
-    The rule (module docstring): a valid field count, and a last field that is a categorical of
-    exactly 8 characters. A last field that is a label or dense value (only with a custom
-    ``min_fields``) cannot be checked and is accepted."""
+    The rule (module docstring): every field (``max_fields``; a stripped line cannot be told
+    from one cut after a complete field), and a last field, C26, of exactly 8 characters."""
     fields = line.rstrip(b"\r").split(b"\t")
     count, last = len(fields), fields[-1]
     first_sparse = max_fields - NUM_SPARSE
     if not (min_fields <= count <= max_fields):
         return (f"the file ends inside this line, without a newline, after {count} of "
                 f"{min_fields}..{max_fields} fields: a partial download? Fetch the file again")
-    if count - 1 < first_sparse or len(last) == CRITEO_HEX_DIGITS:
+    if count < max_fields:
+        return (f"the file ends inside this line, without a newline, after {count} of "
+                f"{max_fields} fields: a partial download? Fetch the file again, or add the final "
+                f"newline if it is complete (a copy that strips trailing empty fields)")
+    if len(last) == CRITEO_HEX_DIGITS:
         return None
     name = f"C{count - first_sparse}"
     what = "is empty (the line ends in a tab)" if not last else \

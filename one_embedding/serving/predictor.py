@@ -10,11 +10,20 @@ transform come from the checkpoint's ``trainer/`` files. ``refresh()`` switches 
 complete checkpoint (training publishes one per ``--snapshot-interval``); the switch is atomic:
 a call is answered wholly by the snapshot it started with, and an old snapshot is closed (its
 lease let go, so the run's retention can reclaim it) once its last call has finished.
+
+Opening a checkpoint leases every rank's folder first, then checks it and reads it from where
+the lease holds it: training saves ``final`` again under the same name (the folder it replaces
+is renamed, and kept while leased), so what is checked is what is served. A checkpoint deleted
+before its lease is skipped for the next newest. ``refresh()`` checks the new checkpoint's files
+that the one being served does not share (new SSTs, blob files, slot segments: every byte, by
+CRC32) before it switches; a damaged one is refused (the follower logs it) and the served one
+stays.
 """
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import threading
 
@@ -23,11 +32,19 @@ import numpy as np
 from ..checkpoint import ARRAYS, STATE, TRAINER_DIR, rank_folders
 from ..data.features import FeatureTransform
 from ..errors import ConfigError, InputError, SnapshotError
-from ..store.snapshots import SnapshotDirectory, read_manifest
+from ..store.segments import SegmentInfo
+from ..store.snapshots import SnapshotDirectory, lease, read_manifest, verify_files
 from .table import ServedTable
 
-#: checkpoints tried in turn when retention deletes the newest one before it is opened
-OPEN_ATTEMPTS = 50
+log = logging.getLogger("one_embedding.serve")
+
+#: times a checkpoint is opened again when training renamed its folder while it was being read
+#: (the lease keeps it; its new place, ``.old-<name>-<token>``, is never renamed again)
+MAX_REOPENS = 3
+
+
+class _Gone(Exception):
+    """A checkpoint deleted (or replaced) between the listing and its lease."""
 
 
 def _checkpoint_sets(path: str, name: str | None) -> list[tuple]:
@@ -71,11 +88,19 @@ class _Served:
     model: object
     transform: FeatureTransform
     model_name: str
+    #: the leases on its rank folders, let go when it is closed
+    leases: list = dataclasses.field(default_factory=list)
     users: int = 0
     retired: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # users, retired
     #: the model keeps activations for a backward pass: one forward at a time
     forward_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
+
+    def close(self) -> None:
+        self.table.close()
+        for held in self.leases:
+            held.release()
+        self.leases = []
 
 
 class Predictor:
@@ -93,43 +118,72 @@ class Predictor:
             raise ConfigError(f"cache_mb={cache_mb!r} must be >= 0")
         self.requested, self.cache_mb, self.scratch = snapshot, float(cache_mb), scratch
         self._lock = threading.Lock()
-        for _ in range(OPEN_ATTEMPTS):
-            choice = self._newest()
-            if choice is None:
+        for _ in range(2):  # a second listing if every checkpoint listed was deleted meanwhile
+            sets = _checkpoint_sets(self.path, snapshot)
+            if not sets:
                 what = f"a complete checkpoint named {snapshot!r}" if snapshot else \
                     "a complete checkpoint"
                 raise SnapshotError(f"{self.path!r} holds no {what} (every rank's part, with "
                                     "the training state): train with --persistent-path there first")
-            opened = self._try_open(choice)
-            if opened is not None:
-                self._current = opened
-                return
-        raise SnapshotError(f"{self.path!r}: every checkpoint chosen was deleted before it could "
-                            f"be opened ({OPEN_ATTEMPTS} tries): is retention keeping any?")
+            for choice in reversed(sets):  # newest first
+                try:
+                    self._current = self._open(choice)
+                    return
+                except _Gone:
+                    continue
+        raise SnapshotError(f"{self.path!r}: every checkpoint listed was deleted before it could "
+                            "be leased (twice): is retention keeping any?")
 
     # ---------------------------------------------------------------- which checkpoint
     def _newest(self):
         sets = _checkpoint_sets(self.path, self.requested)
         return sets[-1] if sets else None
 
-    def _try_open(self, choice) -> _Served | None:
-        """``_open``, or None when training's retention deleted the checkpoint between the
-        listing and the leases (a race with a running run: look again); a checkpoint still
-        there that fails to open is damaged, and raises."""
-        try:
-            return self._open(choice)
-        except (SnapshotError, OSError):
-            name, folders = choice[2], choice[3]
-            if all(os.path.isfile(os.path.join(f, "manifest.json")) for f in folders):
-                raise
-            return None
-
-    def _open(self, choice) -> _Served:
+    def _open(self, choice, served: "_Served | None" = None) -> _Served:
+        """Lease every rank's folder of ``choice``, then check and open it from where the leases
+        hold it. served: the checkpoint being served (a refresh): the new one's files it does
+        not share are checked in full first. Raises _Gone when a lease cannot be taken (the
+        checkpoint was deleted), SnapshotError when it is damaged."""
         step, created, name, folders = choice
+        leases = []
+        try:
+            for f in folders:
+                try:
+                    leases.append(lease(f))
+                except SnapshotError:
+                    raise _Gone(f) from None
+            for _ in range(MAX_REOPENS):
+                where = [held.folder_now() for held in leases]
+                try:
+                    opened = self._open_leased(name, step, created, where, leases, served)
+                except Exception as e:
+                    if [held.folder_now() for held in leases] == where:
+                        raise
+                    # renamed while read: what failed was the snapshot saved under its name
+                    log.warning("checkpoint %r was saved again while it was opened (%s); "
+                                "reading the leased one from %s", name, e, leases[0].folder_now())
+                    continue
+                if [held.folder_now() for held in leases] == where:
+                    return opened
+                opened.table.close()  # renamed while read: read it again from its new place
+            raise SnapshotError(f"checkpoint {name!r} under {self.path!r} was renamed "
+                                f"{MAX_REOPENS} times while it was opened")
+        except BaseException:
+            for held in leases:
+                held.release()
+            raise
+
+    def _open_leased(self, name, step, created, folders, leases, served) -> _Served:
         # checked as a load checks it (every file's size, the CRC32 of the files it does not
-        # share): a damaged snapshot is refused, never served
-        manifests = [SnapshotDirectory(os.path.dirname(os.path.dirname(f)), create=False)
-                     .open(name, {}, verify=True)[1] for f in folders]
+        # share; on a refresh also of the shared files new to this checkpoint): a damaged
+        # snapshot is refused, never served
+        known = _file_ids(served.table.ranks) if served is not None else set()
+        manifests = []
+        for f in folders:
+            manifest = read_manifest(f, name)
+            verify_files(f, name, manifest,
+                         also=lambda fpath: served is not None and _file_id(fpath) not in known)
+            manifests.append(manifest)
         with open(os.path.join(folders[0], TRAINER_DIR, STATE), "rb") as f:
             record = json.loads(f.read())
         with np.load(os.path.join(folders[0], TRAINER_DIR, ARRAYS), allow_pickle=False) as npz:
@@ -142,20 +196,29 @@ class Predictor:
         model.load_state_dict({**(record.get("model") or {}), **arrays})
         emb = model.embedding
         table = ServedTable(list(zip(folders, manifests)), emb.layout, emb.tables, emb.seed,
-                            self.cache_mb, self.scratch)
+                            self.cache_mb, self.scratch, snapshot=name)
         emb.close()  # the skeleton's own (empty) store: the table above serves the rows
-        return _Served(name, step, created, table, model, transform, cfg.model)
+        try:
+            if served is not None:
+                _check_new_segments(table, known)
+        except BaseException:
+            table.close()
+            raise
+        return _Served(name, step, created, table, model, transform, cfg.model, leases=leases)
 
     def refresh(self) -> bool:
-        """Switch to a newer complete checkpoint if training published one; True if it did."""
+        """Switch to a newer complete checkpoint if training published one; True if it did.
+        A newer one that fails its checks raises SnapshotError naming the file, and the one
+        being served stays."""
         choice = self._newest()
         cur = self._current
         if choice is None or (choice[0], choice[1], choice[2]) == (cur.step, cur.created, cur.name):
             return False
         if (choice[0], choice[1]) < (cur.step, cur.created):
             return False
-        fresh = self._try_open(choice)
-        if fresh is None:  # deleted meanwhile: the next look finds what replaced it
+        try:
+            fresh = self._open(choice, served=cur)
+        except _Gone:  # deleted meanwhile: the next look finds what replaced it
             return False
         with self._lock:
             old, self._current = self._current, fresh
@@ -174,14 +237,14 @@ class Predictor:
             served.users -= 1
             done = served.retired and served.users == 0
         if done:
-            served.table.close()
+            served.close()
 
     def _retire(self, served: _Served) -> None:
         with served.lock:
             served.retired = True
             done = served.users == 0
         if done:
-            served.table.close()
+            served.close()
 
     # ---------------------------------------------------------------- what it answers
     @property
@@ -248,6 +311,50 @@ class Predictor:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _file_id(path: str):
+    """(device, inode) of a file: hard links of one file (an SST two snapshots link) are one."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+def _file_ids(ranks) -> set:
+    """Identities of every data file the served snapshot's ranks read: the files their
+    manifests list and, for slot snapshots, the segments' rows files."""
+    ids = set()
+    for rows in ranks:
+        for rel in rows.manifest.get("files", {}):
+            ids.add(_file_id(os.path.join(rows.folder, *rel.split("/"))))
+        for info in _segment_infos(rows):
+            ids.add(_file_id(rows.store.pool.path(info.id, "rows", rows.pool_folder())))
+    ids.discard(None)
+    return ids
+
+
+def _segment_infos(rows) -> list:
+    """The segments a slots snapshot lists (``slots.json``), else []."""
+    if rows.store is None or not hasattr(rows.store, "pool"):
+        return []
+    try:
+        with open(os.path.join(rows.folder, "slots.json"), "rb") as f:
+            layout = json.loads(f.read())
+    except (OSError, ValueError):
+        return []
+    return [SegmentInfo.from_dict(d) for d in layout.get("segments", [])]
+
+
+def _check_new_segments(table: ServedTable, known: set) -> None:
+    """Every row block of the slot segments new to this snapshot (rows files not in ``known``),
+    checked against its CRC32 before the snapshot is served (SnapshotError naming the file)."""
+    for rows in table.ranks:
+        pool_dir, store = rows.pool_folder(), rows.store
+        for info in _segment_infos(rows):
+            if _file_id(store.pool.path(info.id, "rows", pool_dir)) not in known:
+                store.pool.check(info, pool_dir, store.pool.block_bytes, full=True)
 
 
 def _serving_config(saved: dict):

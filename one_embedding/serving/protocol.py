@@ -24,7 +24,8 @@ HEADER = "Inference-Header-Content-Length"
 
 
 class ProtocolError(Exception):
-    """A request the server refuses: ``status`` (4xx) and the message of its JSON error."""
+    """A request the server refuses or cannot answer: ``status`` (4xx: the request; 5xx: the
+    server's own data) and the message of its JSON error."""
 
     def __init__(self, message: str, status: int = 400):
         super().__init__(message)

@@ -11,7 +11,9 @@ Every inference response's ``parameters`` name the ``snapshot`` that answered. A
 the training path every ``poll_seconds`` and switches to a newer checkpoint (``Predictor.refresh``:
 atomic per request; the old snapshot is let go after its last request). Inference runs in a
 worker thread, so health and metadata requests are answered while a batch computes. A refused
-request gets a 4xx and ``{"error": ...}`` naming the problem; the server keeps serving.
+request gets a 4xx and ``{"error": ...}`` naming the problem; the server keeps serving. Data
+the server cannot read (a row failing its checksum) is the server's fault, not the client's:
+a 500 whose error names the snapshot and the run's file, also logged.
 """
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ import threading
 
 import numpy as np
 
-from ..errors import OneEmbeddingError
+from ..errors import OneEmbeddingError, StoreError
 from .predictor import Predictor
 from .protocol import DTYPES, HEADER, ProtocolError, decode_request, encode_response
 
@@ -83,6 +85,8 @@ def infer(predictor: Predictor, name: str, body: bytes, header_length) -> tuple[
                                     f"{cat.shape[0]}: give one row of each per sample")
             prob, snapshot = predictor.predict(dense, cat, with_snapshot=True)
             outputs = {"probability": prob}
+    except StoreError as e:  # the served snapshot's data, not the request: a server fault
+        raise ProtocolError(f"the server cannot read its data: {e}", 500) from None
     except OneEmbeddingError as e:  # a value the model cannot take, named by the predictor
         raise ProtocolError(str(e)) from None
     return encode_response(request, name, outputs, {"snapshot": snapshot})
@@ -144,6 +148,8 @@ def create_app(predictor: Predictor, max_request_mb: float = DEFAULT_MAX_REQUEST
             content, headers = await run_in_threadpool(infer, predictor, name, body,
                                                        request.headers.get(HEADER))
         except ProtocolError as e:
+            if e.status >= 500:
+                log.error("inference on %r failed: %s", name, e)
             return error(e)
         except Exception as e:  # a server fault: logged, answered, and the server goes on
             log.exception("inference on %r failed", name)
@@ -186,6 +192,9 @@ class Follower:
             try:
                 if self.predictor.refresh():
                     log.warning("serving snapshot %r", self.predictor.snapshot)
+            except OneEmbeddingError as e:  # the newest checkpoint is damaged: refused
+                log.error("the newest checkpoint was refused: %s; still serving %r", e,
+                          self.predictor.snapshot)
             except Exception:  # a snapshot half-deleted under us: try again next time
                 log.exception("following the training path failed; still serving %r",
                               self.predictor.snapshot)

@@ -18,14 +18,19 @@ Snapshot (incremental): both memtables flushed, then a RocksDB checkpoint in
 ``<snapshot>/db/``: the SST and blob files are hard links (RocksDB never writes into one after
 creating it, and deletes it only by name, so the inode stays valid while any snapshot or working
 DB links it); the small metadata files are copies. The CRC32 of each data file is computed once
-per inode (new files only) and recorded in the manifest as a shared file. Compaction is forced
-only when garbage has piled up (``_reclaim``: past COMPACT_ABOVE times the live rows). Load
+(new files only: ``_data_file_crc``) and recorded in the manifest as a shared file. Compaction is
+forced only when garbage has piled up (``_reclaim``: past COMPACT_ABOVE times the live rows). Load
 (reopen in place): the working DB is rebuilt from hard links to the snapshot's data files and
 copies of its metadata (a copy where the file system cannot link). Deleting a snapshot removes
 its links; a file goes when its last link does: disk is reclaimed without a collector of our own.
+
+A failure of RocksDB (a full disk above all) in any of these steps is a StoreError that says
+which path's disk is full and that the published snapshots are intact (``_io``); a DB a full
+disk stopped is discarded by the next load of a snapshot.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -68,6 +73,13 @@ COMPACT_ABOVE = 1.25
 RECLAIM_MIN_BYTES = 8 << 20
 #: the immutable data files of a DB (shared by hard links); the rest are small metadata copies
 _SHARED_SUFFIXES = (".sst", ".blob")
+
+log = logging.getLogger("one_embedding.store")
+
+
+def _disk_full(e: BaseException) -> bool:
+    """True for a full disk: an OSError ENOSPC, or RocksDB's plain Exception saying so."""
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
 
 
 def _rocksdict():
@@ -154,8 +166,8 @@ class RocksDBStore(StoreTier):
         self._db = None
         self._rows = 0
         self._blob_file_mb = MIN_BLOB_FILE_MB
-        #: CRC32 of the SSTs seen so far, by inode: (dev, ino) -> (size, crc32)
-        self._crcs: dict[tuple[int, int], tuple[int, int]] = {}
+        #: CRC32 of the data files of the last checkpoint, by identity (``_file_key``)
+        self._crcs: dict[tuple, int] = {}
         try:
             os.makedirs(directory, exist_ok=True)
             # scratch state: whatever a killed process left here is discarded
@@ -179,14 +191,39 @@ class RocksDBStore(StoreTier):
             self._keys = self._db.get_column_family(KEYS_CF)
             self._keys_handle = self._db.get_column_family_handle(KEYS_CF)
             self._blob_file_mb = MIN_BLOB_FILE_MB
+            self._crcs = {}  # a new DB session: its file numbers may repeat an earlier one's
         except Exception as e:  # rocksdict raises plain Exception for I/O errors
             raise StoreError(f"{self.name}: cannot open RocksDB at {self.path!r}: {e}") from None
 
     def _close_db(self) -> None:
+        """Close the working DB. The handles go even when closing fails (a DB stopped by a full
+        disk refuses its last flush): the DB is scratch, rebuilt by the next open or load."""
         if self._db is not None:
+            db, self._db = self._db, None
             self._keys = self._keys_handle = None
-            self._db.close()
-            self._db = None
+            try:
+                db.close()
+            except Exception as e:  # rocksdict raises plain Exception; nothing here is kept
+                log.warning("%s: closing the working DB %r failed (%s); it is scratch and is "
+                            "discarded", self.name, self.path, e)
+
+    @contextlib.contextmanager
+    def _io(self, doing: str, after: str = ""):
+        """Turn a RocksDB failure (a plain Exception, or an OSError) while ``doing`` into a
+        StoreError that says what failed, whether the disk is full, and that the published
+        snapshots are intact (the working DB is scratch; snapshots are hard links RocksDB never
+        writes into). ``after``: what the caller had completed already."""
+        try:
+            yield
+        except StoreError:
+            raise
+        except Exception as e:  # rocksdict raises plain Exception for I/O errors
+            what = f"the disk of {os.path.dirname(self.path)!r} is full" if _disk_full(e) else \
+                "an I/O error stopped it"
+            raise StoreError(
+                f"{self.name}: {doing} in {self.path!r} failed: {what} ({e}). Every snapshot "
+                f"already published is intact{after}: free disk space, then load the last "
+                "snapshot (train --resume) to go on") from None
 
     def _int_property(self, name: str, both: bool = False) -> int:
         """A RocksDB integer property of the rows' column family (``both``: summed with the keys
@@ -227,7 +264,8 @@ class RocksDBStore(StoreTier):
         mb = self._rows * (4 * self.line_size + BLOB_RECORD_OVERHEAD) / 64 / 2**20
         mb = int(min(MAX_BLOB_FILE_MB, max(MIN_BLOB_FILE_MB, mb)))
         if mb != self._blob_file_mb:
-            self._db.set_options({"blob_file_size": str(mb << 20)})
+            with self._io("resizing the blob files (RocksDB writes its OPTIONS file)"):
+                self._db.set_options({"blob_file_size": str(mb << 20)})
             self._blob_file_mb = mb
 
     def flush(self, wait_idle: bool = False, idle_timeout: float = IDLE_WAIT_SECONDS) -> bool:
@@ -235,8 +273,9 @@ class RocksDBStore(StoreTier):
         flush or compaction runs (their writes and RAM have settled: what measurements want),
         at most ``idle_timeout`` seconds. Returns False when it stopped waiting with work still
         running (logged, with what ran), else True."""
-        self._db.flush()
-        self._keys.flush()
+        with self._io("flushing the memtables to SST files"):
+            self._db.flush()
+            self._keys.flush()
         if not wait_idle:
             return True
         busy = ("rocksdb.num-running-compactions", "rocksdb.num-running-flushes",
@@ -253,16 +292,23 @@ class RocksDBStore(StoreTier):
                 return False
             time.sleep(0.02)
 
-    def _reclaim(self, age_cutoff: float = BLOB_GC_AGE_CUTOFF) -> None:
+    def _reclaim(self, age_cutoff: float = BLOB_GC_AGE_CUTOFF, after: str = "") -> None:
         """Compact every key SST and relocate the live values of the oldest ``age_cutoff`` of
         blob files (those hold the most overwritten versions); blob files left with no live
         value are deleted. Costs at most that share of the table, once garbage has piled up to
         COMPACT_ABOVE times the live rows."""
-        self._db.set_options({"enable_blob_garbage_collection": "true",
-                              "blob_garbage_collection_age_cutoff": str(age_cutoff)})
-        try:
-            self._db.compact_range(None, None, self._compact_options)
-        finally:
+        with self._io("reclaiming old row versions (blob garbage collection)", after):
+            self._db.set_options({"enable_blob_garbage_collection": "true",
+                                  "blob_garbage_collection_age_cutoff": str(age_cutoff)})
+            try:
+                self._db.compact_range(None, None, self._compact_options)
+            except Exception:
+                try:  # the compaction's error is the one to report
+                    self._db.set_options({"enable_blob_garbage_collection": "false"})
+                except Exception as e:
+                    log.warning("%s: switching blob GC off after a failed compaction failed "
+                                "too (%s)", self.name, e)
+                raise
             self._db.set_options({"enable_blob_garbage_collection": "false"})
 
     def collect_garbage(self) -> int:
@@ -279,7 +325,8 @@ class RocksDBStore(StoreTier):
             return 0
         share = garbage / max(1, garbage + live)
         # more garbage than rows: relocating every live row costs less than it frees
-        self._reclaim(1.0 if share > 0.5 else max(BLOB_GC_AGE_CUTOFF, share))
+        self._reclaim(1.0 if share > 0.5 else max(BLOB_GC_AGE_CUTOFF, share),
+                      " (a save runs this after it has published its snapshot)")
         return 1
 
     def _live_bytes(self) -> int:
@@ -346,13 +393,8 @@ class RocksDBStore(StoreTier):
                 batch.put(k, raw[i * row:(i + 1) * row])
                 if not stored[i]:
                     batch.put(k, b"", self._keys_handle)
-            try:
+            with self._io(f"writing {n} rows"):
                 self._db.write(batch, self._write_options)
-            except Exception as e:
-                raise StoreError(
-                    f"{self.name}: writing {n} rows to {self.path!r} failed ({e}); free disk space "
-                    "or move persistent_path. The last snapshot is intact"
-                ) from None
             self._rows += new
             self._size_blob_files()
         return empty_lines(self.line_size)
@@ -365,7 +407,8 @@ class RocksDBStore(StoreTier):
         for k in held:
             batch.delete(k)
             batch.delete(k, self._keys_handle)
-        self._db.write(batch, self._write_options)
+        with self._io(f"erasing {len(held)} rows"):
+            self._db.write(batch, self._write_options)
         self._rows -= len(held)
         return len(held)
 
@@ -400,45 +443,64 @@ class RocksDBStore(StoreTier):
         self._open()
 
     # -- snapshots --------------------------------------------------------------------------
-    def _data_file_crc(self, path: str) -> int:
-        """CRC32 of an SST or blob file, computed once per inode (they never change)."""
+    @staticmethod
+    def _file_key(path: str) -> tuple:
+        """The identity of a data file: (device, inode, name, size, mtime_ns). RocksDB never
+        writes into a finished file, so this names its content, where the inode alone does not:
+        a deleted file's inode is reused by the next file created, which may have its size.
+        Within one DB session RocksDB never reuses a file name (a new session, ``_open``,
+        forgets every CRC). ctime is left out: every checkpoint's hard link changes it.
+
+        rocksdict (0.3) exposes neither RocksDB's own file checksums (no
+        ``file_checksum_gen_factory``, no checksums in ``live_files``) nor a way to verify
+        them, so the CRC32s are ours, computed once per file identity."""
         st = os.stat(path)
-        known = self._crcs.get((st.st_dev, st.st_ino))
-        if known is not None and known[0] == st.st_size:
-            return known[1]
-        crc = file_crc32(path)
-        self._crcs[(st.st_dev, st.st_ino)] = (st.st_size, crc)
+        return st.st_dev, st.st_ino, os.path.basename(path), st.st_size, st.st_mtime_ns
+
+    def _data_file_crc(self, path: str, seen: dict | None = None) -> int:
+        """CRC32 of an SST or blob file, computed once per file identity (``_file_key``);
+        ``seen``: collects this save's entries (the cache keeps only those afterwards)."""
+        key = self._file_key(path)
+        crc = self._crcs.get(key)
+        if crc is None:
+            crc = file_crc32(path)
+            self._crcs[key] = crc
+        if seen is not None:
+            seen[key] = crc
         return crc
 
     def save_snapshot(self, directory: str) -> dict:
         """Write ``db/`` (a RocksDB checkpoint: SSTs hard-linked, metadata copied) and
         ``rocksdb.json`` into ``directory``; returns the SSTs' sizes and CRC32s (shared files)."""
         target = os.path.join(directory, "db")
-        try:
-            self._size_blob_files()
-            self.flush()  # the WAL is off: the memtables must reach SSTs first
-            if self._garbage_bytes() > max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * self._live_bytes()):
-                self._reclaim()
+        self._size_blob_files()
+        self.flush()  # the WAL is off: the memtables must reach SSTs first
+        if self._garbage_bytes() > max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * self._live_bytes()):
+            self._reclaim()
+        with self._io(f"a RocksDB checkpoint into {target!r}"):
             self._rd.Checkpoint(self._db).create_checkpoint(target)
-        except Exception as e:
-            raise StoreError(f"{self.name}: RocksDB checkpoint into {target!r} failed: {e}") from None
         try:
-            files, shared = {}, {}
+            files, shared, seen = {}, {}, {}
             for entry in sorted(os.listdir(target)):
                 path = os.path.join(target, entry)
                 files[entry] = os.path.getsize(path)
                 if entry.endswith(_SHARED_SUFFIXES):
-                    shared[f"db/{entry}"] = {"bytes": files[entry], "crc32": self._data_file_crc(path)}
+                    shared[f"db/{entry}"] = {"bytes": files[entry],
+                                             "crc32": self._data_file_crc(path, seen)}
                 else:
                     fsync_path(path)
+            self._crcs = seen  # this checkpoint's files only: a file the next save links and
+            # this one did not is new (computed then), so nothing else is needed
             fsync_dir(target)
             write_bytes_atomic(os.path.join(directory, INFO_FILE), json.dumps(
                 {"engine": "rocksdb", "line_size": self.line_size, "rows": self._rows,
                  "db_files": files}).encode())
         except OSError as e:
+            what = "the disk is full" if _disk_full(e) else "an I/O error stopped it"
             raise StoreError(
-                f"{self.name}: writing snapshot files into {directory!r} failed ({e.strerror or e}); "
-                "free disk space and save again. The previous snapshot of that name is intact"
+                f"{self.name}: writing snapshot files into {directory!r} failed: {what} "
+                f"({e.strerror or e}); free disk space and save again. Every snapshot already "
+                "published (the previous one of that name included) is intact"
             ) from None
         return shared
 
@@ -494,11 +556,11 @@ class RocksDBStore(StoreTier):
         for rel, entry in files.items():
             if rel.startswith("db/") and rel.endswith(_SHARED_SUFFIXES):
                 try:
-                    st = os.stat(os.path.join(directory, rel))
+                    key = self._file_key(os.path.join(directory, rel))
                 except OSError:
                     continue
-                if st.st_size == entry.get("bytes"):
-                    self._crcs[(st.st_dev, st.st_ino)] = (st.st_size, int(entry["crc32"]))
+                if key[3] == entry.get("bytes"):
+                    self._crcs[key] = int(entry["crc32"])
 
     def close(self) -> None:
         """Close the DB and delete its folder: it is scratch (discarded by the next open

@@ -251,14 +251,21 @@ class SnapshotDirectory:
                     f"{key}={want!r}: open it with the same {key}, or save a new snapshot"
                 )
         if verify:
-            for fname, info in manifest["files"].items():
-                fpath = os.path.join(folder, *fname.split("/"))
-                if not os.path.isfile(fpath) or os.path.getsize(fpath) != info["bytes"]:
-                    raise SnapshotError(f"snapshot {name!r}: file {fname!r} is missing or truncated")
-                if (verify == "full" or not info.get("shared")) and \
-                        file_crc32(fpath) != info["crc32"]:
-                    raise SnapshotError(f"snapshot {name!r}: file {fname!r} fails its checksum")
+            verify_files(folder, name, manifest, full=verify == "full")
         return folder, manifest
+
+
+def verify_files(folder: str, name: str, manifest: dict, full: bool = False,
+                 also=lambda fpath: False) -> None:
+    """Check the files ``manifest`` lists in ``folder`` (snapshot ``name``): every file's size,
+    and the CRC32 of each file the snapshot does not share (``full``: of every file; ``also``:
+    of the shared files for which it returns True). Raises SnapshotError naming the file."""
+    for fname, info in manifest["files"].items():
+        fpath = os.path.join(folder, *fname.split("/"))
+        if not os.path.isfile(fpath) or os.path.getsize(fpath) != info["bytes"]:
+            raise SnapshotError(f"snapshot {name!r}: file {fpath!r} is missing or truncated")
+        if (full or not info.get("shared") or also(fpath)) and file_crc32(fpath) != info["crc32"]:
+            raise SnapshotError(f"snapshot {name!r}: file {fpath!r} fails its checksum")
 
 
 # ---------------------------------------------------------------- leases
@@ -270,6 +277,14 @@ class Lease:
 
     def __init__(self, folder: str, fd: int):
         self.folder, self._fd = folder, fd
+
+    def folder_now(self) -> str:
+        """Where the leased folder is now: a snapshot saved again under its name renames the
+        folder this lease holds (to ``.old-<name>-<token>``, kept while leased), so its files
+        are read from here, never from the name, which may hold another snapshot by then."""
+        if self._fd is None:
+            raise SnapshotError(f"the lease on {self.folder!r} was released")
+        return os.path.dirname(os.readlink(f"/proc/self/fd/{self._fd}"))
 
     def release(self) -> None:
         if self._fd is not None:

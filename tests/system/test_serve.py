@@ -306,3 +306,33 @@ def test_servers_killed_while_switching_leave_the_run_intact(tmp_path):
         assert r.get_response()["parameters"]["snapshot"] == "final"
     finally:
         server.close()
+
+
+def test_damaged_rows_are_a_500_naming_the_runs_file(tmp_path):
+    """A blob file of the run damaged while served: the HTTP answer is a 500 (the server's
+    fault) naming the snapshot and the run's own file, and the server goes on serving."""
+    import glob
+
+    path = tmp_path / "run"
+    train(path, "--steps", 4, "--engine", "rocksdb")
+    server = Server(path, "--cache-mb", "0")
+    try:
+        blobs = glob.glob(str(path / "0-1" / "snapshots" / "final" / "db" / "*.blob"))
+        assert blobs
+        for blob in blobs:
+            os.chmod(blob, 0o644)
+            data = bytearray(open(blob, "rb").read())
+            for i in range(100, len(data), 997):
+                data[i] ^= 0xFF
+            with open(blob, "r+b") as f:
+                f.write(bytes(data))
+        body = json.dumps({"inputs": [{"name": "keys", "datatype": "INT64", "shape": [5000],
+                                       "data": list(range(5000))}]}).encode()
+        status, answer = server.raw("POST", "/v2/models/embedding/infer", body,
+                                    {"Content-Type": "application/json"})
+        error = json.loads(answer)["error"]
+        assert status == 500, (status, error)
+        assert "'final'" in error and any(repr(b) in error for b in blobs), error
+        assert server.client.is_server_live()
+    finally:
+        server.close()

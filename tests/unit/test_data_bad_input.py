@@ -214,11 +214,44 @@ def test_cut_last_line_is_detected(tmp_path, engine, cut, reason):
 
 def test_complete_last_line_without_newline_is_kept(tmp_path):
     lines = tsv_lines(20)
-    stripped = lines[:-1] + ["\t".join(lines[-1].split("\t")[:38])]  # 38 fields, ends in C24
-    for i, body in enumerate((lines, stripped)):
-        path = write_lines(tmp_path / f"f{i}", body, final_newline=False)
-        with_newline = write_lines(tmp_path / f"g{i}", body)
-        np.testing.assert_array_equal(read_criteo_tsv(path).ids, read_criteo_tsv(with_newline).ids)
+    path = write_lines(tmp_path / "f", lines, final_newline=False)
+    with_newline = write_lines(tmp_path / "g", lines)
+    np.testing.assert_array_equal(read_criteo_tsv(path).ids, read_criteo_tsv(with_newline).ids)
+    # a stripped last line (38 fields, ends in C24) reads with its newline; without one it
+    # cannot be told from a download cut after C24 (issue 29 item 9): refused
+    stripped = lines[:-1] + ["\t".join(lines[-1].split("\t")[:38])]
+    assert len(read_criteo_tsv(write_lines(tmp_path / "h", stripped))) == 20
+    with pytest.raises(InputError, match=r"i:20: bad Criteo line \(the file ends inside this line, "
+                                         r"without a newline, after 38 of 40 fields.*add the final "
+                                         r"newline if it is complete"):
+        read_criteo_tsv(write_lines(tmp_path / "i", stripped, final_newline=False))
+
+
+@pytest.mark.parametrize("engine", ["numba", "numpy"])
+@pytest.mark.parametrize("has_label", [True, False])
+def test_every_cut_point_of_a_last_line_is_refused(tmp_path, engine, has_label):
+    """Issue 29 item 9: a last line cut at any byte, inside a field, after a tab or right after a
+    complete field, is a bad line naming its number (or skipped and counted); only the whole
+    line reads. The line has empty fields (a cut after one leaves a valid-looking count)."""
+    lines = tsv_lines(3)
+    fields = lines[-1].split("\t")
+    fields[3] = fields[20] = fields[38] = ""  # an empty I3, C6 and C25
+    lines[-1] = "\t".join(fields)
+    if not has_label:
+        lines = [line.split("\t", 1)[1] for line in lines]
+    whole = "\n".join(lines)
+    start = len(whole) - len(lines[-1])
+    full = read_criteo_tsv(write_lines(tmp_path / "full", lines), has_label=has_label)
+    for cut in range(start + 1, len(whole)):
+        path = tmp_path / "cut"
+        path.write_bytes(whole[:cut].encode())
+        with pytest.raises(InputError, match=r"cut:3: bad Criteo line \(the file ends inside"):
+            read_criteo_tsv(path, has_label=has_label, engine=engine)
+        reader = CriteoTSVReader(path, has_label=has_label, on_bad_line="skip", engine=engine)
+        assert sum(len(c) for c in reader) == 2 and reader.skipped == 1, cut
+    path.write_bytes(whole.encode())
+    np.testing.assert_array_equal(read_criteo_tsv(path, has_label=has_label, engine=engine).ids,
+                                  full.ids)
 
 
 def test_real_file_without_final_newline_still_reads(tmp_path, criteo_dir):

@@ -106,7 +106,10 @@ def test_kaggle_test_file_without_label(tmp_path):
 def test_crlf_and_missing_final_newline(tmp_path):
     lines = [make_line("1"), make_line("0", strip=2)]
     check(write(tmp_path, lines, end="\r\n"), lines)
-    check(write(tmp_path, lines, name="b.tsv", final_newline=False), lines)
+    check(write(tmp_path, lines[::-1], name="b.tsv", final_newline=False), lines[::-1])
+    # a stripped last line needs its newline: without one it looks like a cut (issue 29 item 9)
+    with pytest.raises(InputError, match=r"c\.tsv:2: .*after 38 of 40 fields"):
+        read_criteo_tsv(write(tmp_path, lines, name="c.tsv", final_newline=False))
 
 
 def test_empty_file(tmp_path):

@@ -140,3 +140,54 @@ def test_engine_reads_only_the_files_its_snapshot_lists(tmp_path):
     (db / "OPTIONS-999999").write_text("garbage that RocksDB would choke on")
     assert_loads_exactly(tmp_path, want)
     assert not (tmp_path / "0-1" / "rocksdb" / "OPTIONS-999999").exists()
+
+
+def test_a_reused_inode_of_an_equal_size_file_gets_its_own_crc(tmp_path):
+    """Issue 34 item 2: the CRC32 cache of data files was keyed by inode (and size): a file
+    created on the inode of a deleted one, with its size, was given the deleted file's CRC32
+    and recorded with it in the next manifest. The key is now the file's identity (inode,
+    name, size, mtime) and the cache holds only the last checkpoint's files."""
+    import zlib
+
+    from one_embedding.store.rocksdb_store import RocksDBStore
+
+    store = RocksDBStore(8, str(tmp_path))
+    try:
+        first = os.path.join(store.path, "000900.blob")
+        with open(first, "wb") as f:
+            f.write(b"a" * 4096)
+        inode = os.stat(first).st_ino
+        assert store._data_file_crc(first) == zlib.crc32(b"a" * 4096)
+        os.unlink(first)
+        for attempt in range(50):  # ext4 and xfs hand a freed inode to the next file created
+            second = os.path.join(store.path, f"{901 + attempt:06d}.blob")
+            with open(second, "wb") as f:
+                f.write(b"b" * 4096)
+            if os.stat(second).st_ino == inode:
+                break
+            os.unlink(second)
+        else:
+            pytest.skip("this file system did not reuse the freed inode")
+        assert store._data_file_crc(second) == zlib.crc32(b"b" * 4096)
+    finally:
+        store.close()
+
+
+def test_the_crc_cache_holds_only_the_last_checkpoints_files(tmp_path):
+    """The cache never grows past the files the last snapshot links (it was never pruned),
+    and every CRC32 a manifest records is the file's."""
+    from one_embedding.store import rocksdb_store
+    from one_embedding.store.snapshots import SnapshotDirectory
+
+    emb = build(tmp_path)
+    store = emb._shard._chain.bottom
+    assert isinstance(store, rocksdb_store.RocksDBStore)
+    for i in range(8):
+        train(emb, 3, seed=i)
+        emb.save_snapshot(f"s{i % 2}")
+        folder = tmp_path / "0-1" / "snapshots" / f"s{i % 2}"
+        linked = {store._file_key(str(p)) for p in (folder / "db").iterdir()
+                  if p.suffix in (".sst", ".blob")}
+        assert set(store._crcs) <= linked, (i, len(store._crcs), len(linked))
+        SnapshotDirectory(str(tmp_path / "0-1"), create=False).open(f"s{i % 2}", {}, verify="full")
+    emb.close()

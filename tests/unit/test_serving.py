@@ -178,3 +178,133 @@ def test_a_damaged_snapshot_is_never_served(tmp_path):
             p.refresh()
         assert p.snapshot == "step-4"
         np.testing.assert_array_equal(p.lookup(np.arange(10)), rows)
+
+
+# ---------------------------------------------------------------- damaged data while serving
+def _flip(path, every=997):
+    """Flip bytes all over ``path`` in place (every link of the file sees it)."""
+    os.chmod(path, 0o644)
+    data = bytearray(open(path, "rb").read())
+    for i in range(100, len(data), every):
+        data[i] ^= 0xFF
+    with open(path, "r+b") as f:
+        f.write(bytes(data))
+
+
+def _ssd_run(path, engine, **kw):
+    cfg = TrainConfig(steps=4, batch_size=128, synthetic_rows=5000, store="cached_ssd",
+                      engine=engine, cache_mb=0.1, persistent_path=str(path), eval_batches=1,
+                      **kw)
+    train(cfg, metrics_path=os.devnull, progress=False)
+
+
+def _run_data_files(path, engine, snapshot="final"):
+    """The run's own files holding rows: slot segments in its pool, RocksDB's SST/blob files."""
+    import glob
+
+    if engine == "slots":
+        return sorted(glob.glob(str(path / "0-1" / "slots" / "segments" / "*.rows")))
+    return sorted(glob.glob(str(path / "0-1" / "snapshots" / snapshot / "db" / "*.blob")))
+
+
+@pytest.mark.parametrize("engine", ["slots", "rocksdb"])
+def test_a_block_failing_its_checksum_is_a_500_naming_the_runs_file(tmp_path, engine):
+    """Issue 29 item 7: the server's own damaged data is a 5xx naming the run's file and the
+    snapshot (never the scratch store's link or copy of it), logged; not a client's 400."""
+    from one_embedding.serving.server import infer
+
+    path = tmp_path / "run"
+    _ssd_run(path, engine)
+    scratch = tmp_path / "scratch"
+    scratch.mkdir()
+    with Predictor(path, cache_mb=0, scratch=str(scratch)) as p:
+        for f in _run_data_files(path, engine):
+            _flip(f)
+        body = json.dumps({"inputs": [{"name": "keys", "datatype": "INT64", "shape": [3000],
+                                       "data": list(range(3000))}]}).encode()
+        with pytest.raises(ProtocolError) as info:
+            infer(p, "embedding", body, None)
+    message = str(info.value)
+    assert info.value.status == 500, message
+    assert "'final'" in message, message
+    assert str(scratch) not in message, message
+    assert any(repr(f) in message for f in _run_data_files(path, engine)), message
+
+
+@pytest.mark.parametrize("engine", ["slots", "rocksdb"])
+def test_a_newer_snapshot_with_damaged_new_files_is_refused_and_the_old_one_served(
+        tmp_path, engine, caplog):
+    """The follower checks every file a new snapshot does not share with the served one before
+    it switches: damaged rows in the new files are refused (logged, naming the file) and the
+    last good snapshot goes on answering."""
+    import time
+
+    from one_embedding.serving.server import Follower
+
+    path = tmp_path / "run"
+    _ssd_run(path, engine, snapshot_interval=2, keep_snapshots=0)
+    with Predictor(path, snapshot="step-2", cache_mb=0) as p:
+        keys = np.arange(5000)
+        rows = p.lookup(keys)
+        snaps = path / "0-1" / "snapshots"
+        if engine == "slots":
+            old = set(json.loads((snaps / "step-2" / "slots.json").read_text())["segments"][i]["id"]
+                      for i in range(len(json.loads((snaps / "step-2" / "slots.json").read_text())
+                                         ["segments"])))
+            new = [f for f in _run_data_files(path, engine)
+                   if int(os.path.basename(f).split(".")[0], 16) not in old]
+        else:
+            old = {os.stat(f).st_ino for f in _run_data_files(path, engine, "step-2")}
+            new = [f for f in _run_data_files(path, engine) if os.stat(f).st_ino not in old]
+        assert new, "the newer snapshots share every file with step-2"
+        for f in new:
+            _flip(f)
+        p.requested = None  # follow the newest: `final`, damaged in files step-2 lacks
+        with pytest.raises(SnapshotError, match="fails its checksum|damaged"):
+            p.refresh()
+        assert p.snapshot == "step-2"
+        follower = Follower(p, 0.02).start()
+        try:
+            time.sleep(0.5)
+        finally:
+            follower.stop()
+        assert p.snapshot == "step-2"
+        assert any("still serving 'step-2'" in r.getMessage() for r in caplog.records)
+        np.testing.assert_array_equal(p.lookup(keys), rows)
+
+
+def test_the_checked_snapshot_is_the_one_served_when_training_saves_it_again(tmp_path,
+                                                                             monkeypatch):
+    """Issue 34 item 3: training saves `final` again under its name while a server opens it,
+    right after the server checked it. The server leases before it checks and reads the folder
+    its lease holds: it serves the rows it checked, never the new, unchecked (here damaged)
+    files that now carry the name."""
+    import shutil
+    import uuid
+
+    from one_embedding.serving import predictor as predictor_module
+
+    path = tmp_path / "run"
+    train(TrainConfig(steps=4, batch_size=64, synthetic_rows=2000, persistent_path=str(path),
+                      eval_batches=1), metrics_path=os.devnull, progress=False)
+    with Predictor(path) as p:
+        keys = np.arange(2000)
+        good = p.lookup(keys)
+    snaps = path / "0-1" / "snapshots"
+    build = predictor_module._build_model
+    swapped = []
+
+    def build_then_save_again(*args):
+        if not swapped:  # what SnapshotDirectory.save does, with damaged rows
+            tmp = snaps / f".tmp-final-{uuid.uuid4().hex}"
+            shutil.copytree(snaps / "final", tmp)
+            _flip(tmp / "lines.npy", every=64)
+            os.rename(snaps / "final", snaps / f".old-final-{uuid.uuid4().hex}")
+            os.rename(tmp, snaps / "final")
+            swapped.append(True)
+        return build(*args)
+
+    monkeypatch.setattr(predictor_module, "_build_model", build_then_save_again)
+    with Predictor(path, cache_mb=0) as p:
+        assert swapped
+        np.testing.assert_array_equal(p.lookup(keys), good)
