@@ -376,15 +376,28 @@ class Trainer:
         cfg = self.cfg
         first, start = self.progress.epoch, self.progress.batches_in_epoch
         epochs = itertools.count(first) if cfg.steps is not None else range(first, cfg.epochs)
+        feed = self.device_feed()
         for epoch in epochs:
             self.train_loader.set_epoch(epoch, start_batch=start if epoch == first else 0)
             produced = 0
-            for batch in self.train_loader:
+            for batch in feed:
                 produced += 1
                 yield epoch, rank_block(batch, self.comm.rank, self.comm.world)
             if cfg.steps is not None and produced == 0 and (epoch != first or start == 0):
                 # with --steps the epochs repeat: an empty one would loop for ever
                 raise ConfigError("the training split produced no full batch: lower --batch-size")
+
+    def device_feed(self):
+        """What the training batches are read from: on a GPU, synthetic rows generated on the
+        device (the loader's own batches, bit for bit) or file batches staged through
+        page-locked buffers on their own stream; on the CPU the loader itself."""
+        if self.xp is np:
+            return self.train_loader
+        from .data.device import DeviceBatches, DeviceSyntheticLoader
+
+        if self.cfg.data == ("synthetic",):
+            return DeviceSyntheticLoader(self.train_loader)
+        return DeviceBatches(self.train_loader)
 
     # --- between steps -----------------------------------------------------------------------
 

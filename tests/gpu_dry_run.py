@@ -106,7 +106,8 @@ def install(cache_folder: Path) -> None:
     from one_embedding.kernels import cuda_module as cm
     from one_embedding.kernels import device_ops
 
-    launcher = EmulatedLauncher(build(cm.EMBEDDING_FAMILIES, cache_folder), cm.EMBEDDING_FAMILIES)
+    families = cm.EMBEDDING_FAMILIES + cm.DATA_FAMILIES   # the step's kernels and the device data
+    launcher = EmulatedLauncher(build(families, cache_folder), families)
     device_ops.cupy_launcher = lambda: launcher
     device_ops._cupy_launchers.clear()
 
