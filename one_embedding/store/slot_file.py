@@ -46,8 +46,7 @@ from ..tiers import StoreTier, empty_lines
 from ..tiers.compact_index import MAX_LOCATION, CompactIndex
 from . import segments as seg_files
 from .direct_io import AlignedBuffer, IOPool
-from .segments import (SegmentPool, block_layout, block_sums, default_segment_rows,
-                       first_bad_block)
+from .segments import SegmentPool, block_checksums, block_layout, default_segment_rows
 from .slot_snapshots import SlotSnapshots
 from .snapshots import SnapshotDirectory
 
@@ -128,6 +127,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         self._active = None            # the segment being appended to (None until a write)
         self._slots_total = 0          # slots of every live segment, garbage included
         self._fds = None               # index -> fd, rebuilt when the live segments change
+        self._legacy = None            # index -> legacy block checksums?, rebuilt with _fds
         self._broken = None            # why the live table can no longer be trusted
         #: blocks read by finds, blocks written, rows copied by compaction, segments deleted
         self.io_counts = {"read_blocks": 0, "written_blocks": 0, "compacted_rows": 0,
@@ -267,6 +267,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
                 self._io.read(fds[c0:c1], blocks[c0:c1], self.pool.block_bytes, buf)
                 self.read_seconds += time.perf_counter() - t0
             except OSError as e:
+                self._check_rows_sizes(block_segs[c0:c1], blocks[c0:c1])  # names a short file
                 raise StoreError(f"{self.name}: reading a segment under {self.pool.folder!r} "
                                  f"failed ({e.strerror or e}); check the disk, then load the last "
                                  "snapshot") from None
@@ -277,23 +278,48 @@ class SlotFileStore(SlotSnapshots, StoreTier):
 
     def _check_sums(self, raw: np.ndarray, segs: np.ndarray, blocks: np.ndarray) -> None:
         """Blocks just read (raw: (k, block_bytes) uint8; their segment indices and block
-        numbers, (k,) int64) against the checksums written with them."""
+        numbers, (k,) int64) against the checksums written with them (each segment's own
+        function: a snapshot of format 2 brings segments of the legacy one)."""
         expected = self._per_segment("sums", segs, blocks)
-        bad = first_bad_block(raw.view(np.uint64), expected)
-        if bad >= 0:
-            seg = self._segments[int(segs[bad])]
+        legacy = self._legacy_table()[segs]
+        if not legacy.any():
+            got = block_checksums(raw)
+        else:
+            got = np.empty(raw.shape[0], np.uint64)
+            for flag in (False, True):
+                part = np.flatnonzero(legacy == flag)
+                if part.shape[0]:
+                    got[part] = block_checksums(raw[part], seg_files.LEGACY_BLOCK_CHECKSUM
+                                                if flag else seg_files.BLOCK_CHECKSUM)
+        bad = np.flatnonzero(got != expected)
+        if bad.shape[0]:
+            seg = self._segments[int(segs[bad[0]])]
             raise StoreError(
-                f"{self.name}: block {int(blocks[bad])} of {self.pool.path(seg.id, 'rows')!r} fails "
-                "its checksum: the segment is damaged; load another snapshot (one-embedding "
-                "inspect lists the intact ones)")
+                f"{self.name}: block {int(blocks[bad[0]])} of {seg.path('rows')!r} fails its "
+                "checksum: the segment is damaged; load another snapshot (one-embedding inspect "
+                "lists the intact ones)")
+
+    def _check_rows_sizes(self, segs: np.ndarray, blocks: np.ndarray) -> None:
+        """Raise StoreError naming a rows file shorter than the blocks (k,) int64 of the
+        segments (k,) int64 that a read wanted from it."""
+        for index in np.unique(segs).tolist():
+            end = int(blocks[segs == index].max()) + 1
+            self._segments[index].check_rows_size(end * self.pool.block_bytes)
 
     def _fd_table(self) -> np.ndarray:
         """(max index + 1,) int32: the rows file descriptor of each live segment by index."""
         if self._fds is None:
             self._fds = np.full(max(self._segments, default=-1) + 1, -1, np.int32)
+            self._legacy = np.zeros(self._fds.shape[0], np.bool_)
             for index, seg in self._segments.items():
                 self._fds[index] = seg.fd
+                self._legacy[index] = seg.checksum == seg_files.LEGACY_BLOCK_CHECKSUM
         return self._fds
+
+    def _legacy_table(self) -> np.ndarray:
+        """(max index + 1,) bool: whether a live segment's block checksums are the legacy ones."""
+        self._fd_table()
+        return self._legacy
 
     def _append(self, keys: np.ndarray, lines: np.ndarray) -> np.ndarray:
         """Append rows (keys (n,) uint64, lines (n, line_size) float32) to the active segment,
@@ -361,7 +387,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
             if b1 == end_block and s1 % rpb:
                 view[-1, s1 % rpb:] = 0
             self._copy(_scatter, view, block[r0:r1] - b0, within[r0:r1], lines, line_rows[r0:r1])
-            block_sums(raw.view(np.uint64), seg.sums[b0:b1])
+            seg.sums[b0:b1] = block_checksums(raw, seg.checksum)
             try:
                 self._io.write(seg.fd, np.arange(b0, b1, dtype=np.int64), bb, buf)
             except OSError as e:
