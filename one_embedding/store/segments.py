@@ -406,7 +406,11 @@ class SegmentPool:
         """The tombstones (m, 2) uint64 of a sealed segment."""
         if not info.dead:
             return np.empty((0, 2), np.uint64)
-        return np.fromfile(self.path(info.id, "dead", folder), np.uint64).reshape(-1, 2)
+        path = self.path(info.id, "dead", folder)
+        words = np.fromfile(path, np.uint64, 2 * info.dead)
+        if words.shape[0] < 2 * info.dead:
+            raise short_file_error(path, 8 * words.shape[0], 16 * info.dead)
+        return words.reshape(-1, 2)
 
     def delete(self, seg_id: int) -> None:
         for kind in KINDS:
