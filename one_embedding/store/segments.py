@@ -24,17 +24,15 @@ what came before it) rebuilds exactly the table that was saved. A sealed segment
 snapshots refer to it by id, size and CRC32s (``SegmentInfo``) rather than copying it, and
 garbage collection deletes its files once neither the live table nor a snapshot refers to it.
 
-The keys and checksums are mapped (``MappedWords``); a file that another process truncates under
-a mapping would kill this one with SIGBUS at the first touch of a page past its new end, so
-every use of a mapping checks the file's size first and raises StoreError naming a short file
-(only a truncation within the microseconds between that check and the copy can still fault).
-The rows are read with ``pread``, where a short file is an error already.
+The keys and checksums are mapped, the rows read with ``pread``; the pool's ``HandleBudget``
+(``handles.py``) bounds the descriptors and mappings it holds open, and every use of a mapping
+checks the file's size first, so a file another process truncates is an error naming it, not
+SIGBUS. The active segment's keys file is sized to its capacity and mapped once, not once a write.
 """
 from __future__ import annotations
 
 import os
 import re
-import resource
 import zlib
 from dataclasses import asdict, dataclass
 
@@ -45,6 +43,7 @@ from numba import njit
 from ..errors import SnapshotError, StoreError
 from .direct_io import check_alignment, open_block_file, warn_buffered
 from .durable import file_crc32, fsync_dir
+from .handles import HandleBudget, MappedWords, short_file_error
 
 _ID_RE = re.compile(r"^([0-9a-f]{16})\.(rows|keys|sums|dead)$")
 KINDS = ("rows", "keys", "sums", "dead")
@@ -111,18 +110,6 @@ def default_segment_rows(line_size: int, target_bytes: int = 64 << 20) -> int:
     return 1 << min(20, max(8, int(round(np.log2(rows)))))
 
 
-def raise_open_file_limit() -> None:
-    """Every live segment keeps its rows file open: lift the soft limit on descriptors to the
-    hard one (a TB table has thousands of segments; the usual soft limit is 1024)."""
-    try:
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        if hard == resource.RLIM_INFINITY or hard > soft:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY
-                                                         else max(soft, 1 << 20), hard))
-    except (ValueError, OSError):
-        pass
-
-
 @dataclass
 class SegmentInfo:
     """What a snapshot records of a sealed segment (slots.json), and what a load checks."""
@@ -160,51 +147,20 @@ class SegmentInfo:
         return info
 
 
-class MappedWords:
-    """The first ``n`` uint64 of the file ``path``, mapped read-only (page cache, not process
-    RAM). ``array()`` gives them after checking that the file still holds them, so a file that
-    another process truncated is a StoreError naming it, not a SIGBUS."""
-
-    def __init__(self, path: str, n: int):
-        self.path, self.n = path, int(n)
-        self._inode = None
-        if self.n == 0:
-            self._array = np.empty(0, np.uint64)
-            return
-        self._array = np.memmap(path, np.uint64, "r", shape=(self.n,))
-        st = os.stat(path)
-        self._inode = (st.st_dev, st.st_ino)
-
-    def array(self) -> np.ndarray:
-        """(n,) uint64, read-only."""
-        if self._inode is not None:
-            try:
-                st = os.stat(self.path)
-            except FileNotFoundError:  # unlinked: the mapping keeps the file whole
-                return self._array
-            if (st.st_dev, st.st_ino) == self._inode and st.st_size < 8 * self.n:
-                raise short_file_error(self.path, st.st_size, 8 * self.n)
-        return self._array
-
-
-def short_file_error(path: str, size: int, needed: int) -> StoreError:
-    return StoreError(
-        f"segment file {path!r} has {size} bytes, shorter than the {needed} this store holds "
-        "of it: another process truncated it (or the disk lost data); load another snapshot "
-        "(one-embedding inspect lists the intact ones)")
-
-
 class Segment:
     """One segment of the live table. ``index``: its number in the directory's location space
     (location = index * pool.segment_rows + slot); ``keys``: (n_slots,) uint64, read-only, from
     the keys file (``append_keys`` extends it while active); ``sums``: (blocks,) uint64, the
     block checksums (``checksum`` names their function); ``live``: slots still current."""
 
-    def __init__(self, pool: "SegmentPool", seg_id: int, index: int, fd: int, sealed: bool,
-                 keys: MappedWords, n_slots: int, owned: bool, capacity: int, checksum: str,
+    def __init__(self, pool: "SegmentPool", seg_id: int, index: int, fd: int, direct: bool,
+                 sealed: bool, n_slots: int, owned: bool, capacity: int, checksum: str,
                  folder: str):
-        self.pool, self.id, self.index, self.fd, self.folder = pool, seg_id, index, fd, folder
-        self.sealed, self._keys, self.n_slots, self.owned = sealed, keys, n_slots, owned
+        self.pool, self.id, self.index, self.folder = pool, seg_id, index, folder
+        self._fd, self.direct = fd, direct  # the rows file: open on demand (``fd()``)
+        self._writable = not sealed
+        self.sealed, self.n_slots, self.owned = sealed, n_slots, owned
+        self._keys = MappedWords(self.path("keys"), n_slots, pool.handles)
         self.capacity = capacity  # slots it may hold (<= pool.segment_rows)
         self.checksum = checksum
         self.live = 0
@@ -223,20 +179,42 @@ class Segment:
 
     @property
     def keys(self) -> np.ndarray:
-        return self._keys.array()
+        """(n_slots,) uint64, read-only."""
+        return self._keys.array()[:self.n_slots]
 
     @property
     def sums(self) -> np.ndarray:
         return self._sums_ram if self._sums_map is None else self._sums_map.array()
 
     def append_keys(self, keys: np.ndarray) -> None:
-        """keys: (m,) uint64 of the rows just written at slots n_slots..n_slots+m-1."""
+        """keys: (m,) uint64 of the rows just written at slots n_slots..n_slots+m-1. The file
+        is sized to ``capacity`` slots (sparse) and mapped so once, until the seal cuts it."""
         start = self.n_slots
+        if self._keys.n < self.capacity:
+            os.ftruncate(self.keys_fd, 8 * self.capacity)
+            self._keys.unmap()
+            self._keys = MappedWords(self.path("keys"), self.capacity, self.pool.handles)
         data = np.ascontiguousarray(keys, np.uint64).tobytes()
         done = 0
         while done < len(data):
             done += os.pwrite(self.keys_fd, data[done:], 8 * start + done)
-        self._keys = MappedWords(self.pool.path(self.id, "keys"), start + keys.shape[0])
+
+    def cut_keys(self) -> None:
+        """Cut the keys file to the slots written (sealing) and map just those."""
+        os.ftruncate(self.keys_fd, 8 * self.n_slots)
+        self._keys.unmap()
+        self._keys = MappedWords(self.path("keys"), self.n_slots, self.pool.handles)
+
+    def fd(self) -> int:
+        """The rows file's descriptor, opened again if the budget closed it (a caller that
+        needs several at once uses ``SegmentPool.open_rows``)."""
+        return self.pool.open_rows([self])[0]
+
+    def close_fd(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+        self.pool.handles.file_closed(self)
 
     def path(self, kind: str) -> str:
         """Its file of ``kind`` (in ``folder``: the pool's, or a foreign snapshot's pool)."""
@@ -244,16 +222,18 @@ class Segment:
 
     def check_rows_size(self, needed: int) -> None:
         """Raise StoreError naming the rows file if it holds fewer than ``needed`` bytes."""
-        size = os.fstat(self.fd).st_size
+        size = os.fstat(self.fd()).st_size
         if size < needed:
             raise short_file_error(self.path("rows"), size, needed)
 
     def close(self) -> None:
-        for fd in (self.fd, self.keys_fd):
-            if fd is not None:
-                os.close(fd)
-        self.fd = self.keys_fd = None
-        self._keys = MappedWords("", 0)
+        self.close_fd()
+        if self.keys_fd is not None:
+            os.close(self.keys_fd)
+            self.keys_fd = None
+        self._keys.unmap()
+        if self._sums_map is not None:
+            self._sums_map.unmap()
         self._sums_ram, self._sums_map = np.empty(0, np.uint64), None
 
 
@@ -270,14 +250,32 @@ class SegmentPool:
         #: the block checksum of the segments it creates (LEGACY_BLOCK_CHECKSUM only to write
         #: segments as format 2 did, for tests and benchmarks of old snapshots)
         self.block_checksum = BLOCK_CHECKSUM
+        #: the rows files kept open and the keys / checksum files kept mapped
+        self.handles = HandleBudget()
         os.makedirs(folder, exist_ok=True)
-        raise_open_file_limit()
 
     # -- layout -----------------------------------------------------------------------------
     def adopt(self, rows_per_block: int, block_bytes: int, segment_rows: int) -> None:
         """Take another layout (a loaded snapshot's): new segments are written like its own."""
         self.rows_per_block, self.block_bytes = int(rows_per_block), int(block_bytes)
         self.segment_rows = int(segment_rows)
+
+    def open_rows(self, segs) -> list[int]:
+        """The rows file descriptors of ``segs`` (Segments), all open together: closed ones are
+        opened again, and the budget closes the least recently used others beyond its bound."""
+        out = []
+        for seg in segs:
+            if seg._fd is None:
+                path = seg.path("rows")
+                try:
+                    seg._fd, _ = open_block_file(path, os.O_RDWR if seg._writable
+                                                 else os.O_RDONLY, seg.direct)
+                except OSError as e:
+                    raise StoreError(f"cannot open segment {path!r} ({e.strerror or e}): another "
+                                     "process removed it? Load another snapshot") from None
+            out.append(seg._fd)
+        self.handles.file_used(segs)
+        return out
 
     def blocks_for(self, n_slots: int) -> int:
         return -(-int(n_slots) // self.rows_per_block)
@@ -319,10 +317,11 @@ class SegmentPool:
                 "move persistent_path to a bigger disk. The rows held so far are unchanged and "
                 "the last snapshot is intact") from None
         self.direct = direct
-        seg = Segment(self, seg_id, index, fd, False, MappedWords(path, 0), 0, True, capacity,
+        seg = Segment(self, seg_id, index, fd, direct, False, 0, True, capacity,
                       self.block_checksum, self.folder)
         seg._sums_ram = np.zeros(self.blocks_for(capacity), np.uint64)
         seg.keys_fd = os.open(self.path(seg_id, "keys"), os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.handles.file_used([seg])
         return seg
 
     def seal(self, seg: Segment) -> SegmentInfo:
@@ -334,8 +333,10 @@ class SegmentPool:
             rows_crc = zlib.crc32(seg.tail, rows_crc)
         sums = np.ascontiguousarray(seg.sums[:n_blocks])
         dead = np.array(seg.dead, np.uint64).reshape(-1, 2)
-        os.ftruncate(seg.fd, n_blocks * self.block_bytes)
-        os.fdatasync(seg.fd)
+        fd = seg.fd()
+        os.ftruncate(fd, n_blocks * self.block_bytes)
+        os.fdatasync(fd)
+        seg.cut_keys()
         os.fsync(seg.keys_fd)
         keys_crc = zlib.crc32(seg.keys[:seg.n_slots]) if seg.n_slots else 0
         _write_synced(self.path(seg.id, "sums"), sums.tobytes())
@@ -351,7 +352,7 @@ class SegmentPool:
         seg.sealed, seg.tail, seg.dead = True, None, []
         os.close(seg.keys_fd)
         seg.keys_fd = None
-        seg._sums_map = MappedWords(self.path(seg.id, "sums"), n_blocks)
+        seg._sums_map = MappedWords(self.path(seg.id, "sums"), n_blocks, self.handles)
         seg._sums_ram = None
         return seg.info
 
@@ -391,15 +392,15 @@ class SegmentPool:
             raise SnapshotError(f"cannot open segment {path!r} ({e.strerror or e})") from None
         if direct and info.rows_bytes and not check_alignment(fd, self.block_bytes):
             os.close(fd)
-            fd = os.open(path, os.O_RDONLY)
+            fd, direct = os.open(path, os.O_RDONLY), False
             warn_buffered(self.folder, f"O_DIRECT refuses {self.block_bytes}-byte blocks here")
-        seg = Segment(self, info.id, index, fd, True,
-                      MappedWords(self.path(info.id, "keys", folder), info.slots), info.slots,
-                      owned, info.slots, info.block_checksum, folder)
+        seg = Segment(self, info.id, index, fd, direct, True, info.slots, owned, info.slots,
+                      info.block_checksum, folder)
         seg._sums_map = MappedWords(self.path(info.id, "sums", folder),
-                                    info.rows_bytes // self.block_bytes)
+                                    info.rows_bytes // self.block_bytes, self.handles)
         seg._sums_ram = None
         seg.info = info
+        self.handles.file_used([seg])
         return seg
 
     def read_dead(self, info: SegmentInfo, folder: str) -> np.ndarray:

@@ -126,8 +126,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         self._free_indices: list[int] = []
         self._active = None            # the segment being appended to (None until a write)
         self._slots_total = 0          # slots of every live segment, garbage included
-        self._fds = None               # index -> fd, rebuilt when the live segments change
-        self._legacy = None            # index -> legacy block checksums?, rebuilt with _fds
+        self._legacy = None            # index -> legacy block checksums?, rebuilt on changes
         self._broken = None            # why the live table can no longer be trusted
         #: blocks read by finds, blocks written, rows copied by compaction, segments deleted
         self.io_counts = {"read_blocks": 0, "written_blocks": 0, "compacted_rows": 0,
@@ -255,16 +254,20 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         first = np.ones(n, np.bool_)
         first[1:] = ordinal[1:] != ordinal[:-1]
         blocks, block_segs = block[first], seg[first]     # (k,) distinct blocks
-        fds = self._fd_table()[block_segs]
         pos = np.cumsum(first) - 1                         # (n,) each row's block
-        chunk = self._chunk_blocks()
-        for c0 in range(0, blocks.shape[0], chunk):
-            c1 = min(c0 + chunk, blocks.shape[0])
+        # each pass reads at most a staging buffer of blocks from at most max_files segments
+        seg_rank = np.cumsum(np.r_[True, block_segs[1:] != block_segs[:-1]]) - 1
+        max_files = max(1, self.pool.handles.max_files)
+        c0, chunk = 0, self._chunk_blocks()
+        while c0 < blocks.shape[0]:
+            c1 = min(c0 + chunk, blocks.shape[0],
+                     int(np.searchsorted(seg_rank, seg_rank[c0] + max_files)))
             r0, r1 = np.searchsorted(pos, [c0, c1])
+            fds = self._open_rows(block_segs[c0:c1])
             buf, view, raw = self._staging(self._read_buffer, c1 - c0)
             t0 = time.perf_counter()
             try:
-                self._io.read(fds[c0:c1], blocks[c0:c1], self.pool.block_bytes, buf)
+                self._io.read(fds, blocks[c0:c1], self.pool.block_bytes, buf)
                 self.read_seconds += time.perf_counter() - t0
             except OSError as e:
                 self._check_rows_sizes(block_segs[c0:c1], blocks[c0:c1])  # names a short file
@@ -273,6 +276,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
                                  "snapshot") from None
             self._check_sums(raw, block_segs[c0:c1], blocks[c0:c1])
             self._copy(_gather, view, pos[r0:r1] - c0, within[r0:r1], out, rows[r0:r1])
+            c0 = c1
         self.io_counts["read_blocks"] += int(blocks.shape[0])
         return out
 
@@ -306,19 +310,20 @@ class SlotFileStore(SlotSnapshots, StoreTier):
             end = int(blocks[segs == index].max()) + 1
             self._segments[index].check_rows_size(end * self.pool.block_bytes)
 
-    def _fd_table(self) -> np.ndarray:
-        """(max index + 1,) int32: the rows file descriptor of each live segment by index."""
-        if self._fds is None:
-            self._fds = np.full(max(self._segments, default=-1) + 1, -1, np.int32)
-            self._legacy = np.zeros(self._fds.shape[0], np.bool_)
-            for index, seg in self._segments.items():
-                self._fds[index] = seg.fd
-                self._legacy[index] = seg.checksum == seg_files.LEGACY_BLOCK_CHECKSUM
-        return self._fds
+    def _open_rows(self, segs: np.ndarray) -> np.ndarray:
+        """segs: (k,) int64 segment indices, ascending -> (k,) int32 their rows files'
+        descriptors, all open together (the pool's budget reopens closed ones)."""
+        starts = np.r_[0, np.flatnonzero(segs[1:] != segs[:-1]) + 1]
+        fds = self.pool.open_rows([self._segments[int(i)] for i in segs[starts].tolist()])
+        return np.repeat(np.asarray(fds, np.int32), np.diff(np.r_[starts, segs.shape[0]]))
 
     def _legacy_table(self) -> np.ndarray:
-        """(max index + 1,) bool: whether a live segment's block checksums are the legacy ones."""
-        self._fd_table()
+        """(max index + 1,) bool: whether a live segment's block checksums are the legacy ones
+        (rebuilt when the live segments change)."""
+        if self._legacy is None:
+            self._legacy = np.zeros(max(self._segments, default=-1) + 1, np.bool_)
+            for index, seg in self._segments.items():
+                self._legacy[index] = seg.checksum == seg_files.LEGACY_BLOCK_CHECKSUM
         return self._legacy
 
     def _append(self, keys: np.ndarray, lines: np.ndarray) -> np.ndarray:
@@ -357,7 +362,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
     def _add(self, seg) -> None:
         self._segments[seg.index] = seg
         self._slots_total += seg.n_slots
-        self._fds = None
+        self._legacy = None
 
     def _write_into(self, seg, keys: np.ndarray, lines: np.ndarray) -> None:
         """Rows go to slots seg.n_slots.. of ``seg``: whole blocks, the partly filled last block
@@ -389,7 +394,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
             self._copy(_scatter, view, block[r0:r1] - b0, within[r0:r1], lines, line_rows[r0:r1])
             seg.sums[b0:b1] = block_checksums(raw, seg.checksum)
             try:
-                self._io.write(seg.fd, np.arange(b0, b1, dtype=np.int64), bb, buf)
+                self._io.write(seg.fd(), np.arange(b0, b1, dtype=np.int64), bb, buf)
             except OSError as e:
                 # the rewritten last block may be half written: its earlier rows are suspect
                 self._broken = (f"writing {self.pool.path(seg.id, 'rows')!r} failed "
@@ -425,7 +430,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         del self._segments[seg.index]
         self._free_indices.append(seg.index)
         self._slots_total -= seg.n_slots
-        self._fds = None
+        self._legacy = None
         seg.close()
 
     def _count_live(self, locs: np.ndarray, step: int) -> None:
