@@ -124,7 +124,8 @@ class SlotSnapshots:
             infos = [SegmentInfo.from_dict(d, READ_FORMATS[fmt]) for d in layout["segments"]]
             pool_dir = os.path.normpath(os.path.join(directory, layout["pool"]))
         except (KeyError, TypeError) as e:
-            raise SnapshotError(f"{self.name}: snapshot {directory!r} is unreadable: {e!r}") from None
+            raise SnapshotError(
+                f"{self.name}: snapshot {directory!r} is unreadable: {e!r}") from None
         except SnapshotError as e:
             raise SnapshotError(f"{self.name}: snapshot {path!r}: {e}") from None
         return layout, sorted(infos, key=lambda i: i.id), pool_dir

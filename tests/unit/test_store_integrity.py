@@ -158,7 +158,8 @@ def test_a_flipped_bit_in_a_served_snapshots_rows_is_refused_naming_the_runs_fil
     files = rows_files(path / "0-1" / "snapshots" / "final")
     flip(files[0], 22, 7)
     with Predictor(path, cache_mb=0.01) as p:  # opening checks sizes and key checksums
-        with pytest.raises(StoreError, match=re.escape(f"'{files[0]}' fails its checksum")):
+        # (SnapshotError is a StoreError: the server may report it as either)
+        with pytest.raises(StoreError, match=re.escape(files[0]) + ".*checksum"):
             p.lookup(keys)
     flip(files[0], 22, 7)
     with Predictor(path, cache_mb=0.01) as p:

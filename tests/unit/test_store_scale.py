@@ -362,7 +362,8 @@ def test_descriptors_and_mappings_stay_within_the_pools_budget(tmp_path):
     model = {}
 
     def write(k, salt):
-        lines = (k.astype(np.float64)[:, None] * 1e-3 % 1000 + np.arange(8) + salt).astype(np.float32)
+        lines = (k.astype(np.float64)[:, None] * 1e-3 % 1000 + np.arange(8) + salt)
+        lines = lines.astype(np.float32)
         store.insert_or_assign(k, lines)
         model.update(zip(k.tolist(), lines))
 
