@@ -4,11 +4,12 @@ A table of terabytes has tens of thousands of segments. Holding each one's rows 
 its keys and checksums mapped would take three descriptors (Python's mmap keeps one) and two
 mappings a segment: past the process's descriptor limit and Linux's ``vm.max_map_count``
 (65530 by default) at ~2 TB. So a ``HandleBudget`` keeps at most ``max_files`` rows files open
-and ``max_maps`` files mapped (by default 256 and 4096, at most an eighth and a quarter of the
-descriptor limit, which the store leaves as it found it), closes the least recently used beyond
-that, and a handle is opened again on its next use (an ``open`` or ``mmap`` of a file the page
-cache knows: microseconds, against ~100 us for the random block read it serves; a table whose
-segments outnumber the budget pays that on lookups spread over all of them).
+and ``max_maps`` files mapped (by default a quarter of the descriptor limit each, which the
+store leaves as it found it, and a quarter of ``vm.max_map_count``), closes the least recently
+used beyond that, and opens a handle again on its next use. That costs: lookups spread over
+391 segments with a budget of 16 files and 32 mappings ran at 22-24 k rows/s against 45-57 k with
+every segment's handles kept (O_DIRECT, 2 cores, 2026-11-26), so a table of more segments
+than a quarter of ``ulimit -n`` wants a higher limit (``ulimit -n`` before starting).
 
 ``MappedWords`` is one such mapping, and it checks the file's size before each use: a file that
 another process truncated under a mapping would kill this one with SIGBUS at the first touch of
@@ -27,11 +28,20 @@ import numpy as np
 from ..errors import StoreError
 
 #: rows files a pool keeps open at most (per store; a read holds every file it touches open),
-#: and never more than an eighth of the process's descriptor limit
-MAX_OPEN_FILES = 256
+#: and never more than a quarter of the process's descriptor limit
+MAX_OPEN_FILES = 1 << 16
 #: keys and checksum files a pool keeps mapped at most (per store), and never more than a
-#: quarter of the descriptor limit: Python's mmap holds a descriptor of its file (3.11)
-MAX_MAPS = 4096
+#: quarter of the descriptor limit (Python's mmap holds a descriptor of its file) nor of
+#: ``vm.max_map_count``
+MAX_MAPS = 1 << 16
+
+
+def _max_map_count() -> int:
+    try:
+        with open("/proc/sys/vm/max_map_count") as f:
+            return int(f.read())
+    except (OSError, ValueError):  # not Linux: no such limit to keep under
+        return 1 << 30
 
 
 def short_file_error(path: str, size: int, needed: int) -> StoreError:
@@ -49,8 +59,9 @@ class HandleBudget:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         soft = 1 << 30 if soft == resource.RLIM_INFINITY else soft
         self.max_files = int(max_files if max_files is not None
-                             else max(2, min(MAX_OPEN_FILES, soft // 8)))
-        self.max_maps = int(max_maps if max_maps is not None else max(4, min(MAX_MAPS, soft // 4)))
+                             else max(4, min(MAX_OPEN_FILES, soft // 4)))
+        self.max_maps = int(max_maps if max_maps is not None
+                            else max(4, min(MAX_MAPS, soft // 4, _max_map_count() // 4)))
         self._files: dict = {}  # id(holder) -> holder with an open descriptor, oldest first
         self._maps: dict = {}   # id(MappedWords) -> it, while mapped, oldest first
 
