@@ -11,7 +11,12 @@ current one; never tmpfs):
     engine's GIL-free loop around libc ``pread``, so the figure is the disk's, not Python's.
     The 16-thread rate is taken again after each training round; the baseline is their mean.
 (b) engine: ``SlotFileStore.find`` of ``--find-batch`` random rows out of ``--keys`` stored rows,
-    with 1 and ``--io-threads`` I/O threads: rows/s and distinct blocks read/s.
+    with 1 and ``--io-threads`` I/O threads: rows/s and distinct blocks read/s, for two stores
+    of the same rows, one whose blocks carry XXH3-64 checksums (the format written now) and one
+    written with the legacy hand-made sum (as a format-2 snapshot brings them): every block read
+    is verified, so the pair shows what the checksum costs the read path. The two are measured
+    in turn, ``--find-rounds`` times each, and the CPU rate of each checksum over blocks in RAM
+    is printed beside them.
 (c) training: DLRM with tiny MLPs (bottom 16-E, top 16-1) on 26 columns of uniform random ids
     over ``--keys`` keys, dim 16, Adagrad (a line is 32 floats: 32 rows to a 4 KiB block), store
     cached_ssd (slots, built by the preset, so with its default I/O threads) with a device cache
@@ -45,6 +50,7 @@ from one_embedding.models import DLRM
 from one_embedding.nn.loss import BCEWithLogits
 from one_embedding.pipeline import Prefetcher
 from one_embedding.store.direct_io import _pread_runs
+from one_embedding.store.segments import BLOCK_CHECKSUM, LEGACY_BLOCK_CHECKSUM, block_checksums
 from one_embedding.store.slot_file import SlotFileStore
 
 from .common import markdown_table, print_header, save_result
@@ -123,30 +129,58 @@ def fill_store(store: SlotFileStore, n_keys: int) -> np.ndarray:
     return keys
 
 
+def checksum_cpu_rates(seconds: float) -> dict:
+    """GB/s of each block checksum over 8192 random 4 KiB blocks in RAM (one thread)."""
+    blocks = np.random.default_rng(4).integers(0, 256, (8192, BLOCK), dtype=np.uint8)
+    rates = {}
+    for name in (BLOCK_CHECKSUM, LEGACY_BLOCK_CHECKSUM):
+        block_checksums(blocks[:1], name)  # numba's cache loads on the first call
+        n, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            block_checksums(blocks, name)
+            n += blocks.nbytes
+        rates[name] = n / (time.perf_counter() - t0) / 1e9
+    return rates
+
+
 def engine_finds(args, root, line_size) -> list[dict]:
-    store = SlotFileStore(line_size, os.path.join(root, "engine"), expected_keys=args.keys,
-                          io_threads=args.io_threads)
-    if not store.direct_io:
-        raise SystemExit(f"{root} refuses O_DIRECT: run the benchmark on a disk (--dir)")
-    keys = fill_store(store, args.keys)
+    """Finds of random rows on two stores of the same rows, one per block checksum, measured
+    in turn (``--find-rounds`` times each, per I/O thread count) so drift hits both alike."""
+    stores, keys = {}, None
+    for checksum in (BLOCK_CHECKSUM, LEGACY_BLOCK_CHECKSUM):
+        store = SlotFileStore(line_size, os.path.join(root, f"engine-{checksum}"),
+                              expected_keys=args.keys, io_threads=args.io_threads)
+        if not store.direct_io:
+            raise SystemExit(f"{root} refuses O_DIRECT: run the benchmark on a disk (--dir)")
+        store.pool.block_checksum = checksum  # the legacy one: as a format-2 snapshot's segments
+        keys = fill_store(store, args.keys)
+        stores[checksum] = store
     rng = np.random.default_rng(2)
     out = np.empty((args.find_batch, line_size), np.float32)
     rows = []
     for threads in (1, args.io_threads):
-        store.io_threads = threads
-        n_rows = n_blocks = 0
-        t0 = time.perf_counter()
-        while time.perf_counter() - t0 < args.seconds:
-            idx = rng.choice(args.keys, args.find_batch, replace=False)
-            before = store.io_counts["read_blocks"]
-            missing = store.find(keys[idx], out, np.arange(args.find_batch, dtype=np.int64))
-            assert missing.shape[0] == 0 and np.array_equal(out[:, 0], idx.astype(np.float32))
-            n_rows += args.find_batch
-            n_blocks += store.io_counts["read_blocks"] - before
-        elapsed = time.perf_counter() - t0
-        rows.append({"what": f"slot engine find, {threads} I/O thread(s)", "threads": threads,
-                     "rows_per_s": n_rows / elapsed, "blocks_per_s": n_blocks / elapsed})
-    store.close()
+        totals = {c: [0, 0, 0.0] for c in stores}  # rows, blocks, seconds
+        for _ in range(args.find_rounds):
+            for checksum, store in stores.items():
+                store.io_threads = threads
+                t0 = time.perf_counter()
+                while time.perf_counter() - t0 < args.seconds / args.find_rounds:
+                    idx = rng.choice(args.keys, args.find_batch, replace=False)
+                    before = store.io_counts["read_blocks"]
+                    missing = store.find(keys[idx], out, np.arange(args.find_batch, dtype=np.int64))
+                    assert missing.shape[0] == 0 and np.array_equal(out[:, 0],
+                                                                    idx.astype(np.float32))
+                    totals[checksum][0] += args.find_batch
+                    totals[checksum][1] += store.io_counts["read_blocks"] - before
+                totals[checksum][2] += time.perf_counter() - t0
+        for checksum, (n_rows, n_blocks, elapsed) in totals.items():
+            rows.append({"what": f"slot engine find, {threads} I/O thread(s), blocks checked "
+                                 f"with {checksum}" + (" (legacy)" if checksum
+                                                       == LEGACY_BLOCK_CHECKSUM else ""),
+                         "threads": threads, "checksum": checksum,
+                         "rows_per_s": n_rows / elapsed, "blocks_per_s": n_blocks / elapsed})
+    for store in stores.values():
+        store.close()
     return rows
 
 
@@ -254,6 +288,9 @@ def main(argv=None):
     p.add_argument("--find-batch", type=int, default=8192, help="rows per engine find")
     p.add_argument("--raw-mb", type=int, default=2048, help="size of the raw-read file")
     p.add_argument("--seconds", type=float, default=4.0, help="per raw / find measurement")
+    p.add_argument("--find-rounds", type=int, default=4,
+                   help="turns each checksum's store takes in a find measurement")
+    p.add_argument("--no-training", action="store_true", help="(a) and (b) only")
     p.add_argument("--dir", default=None, help="folder on the disk to measure")
     args = p.parse_args(argv)
     config = {k: v for k, v in vars(args).items() if k != "dir"}
@@ -271,27 +308,53 @@ def main(argv=None):
         for r in finds:
             print(f"  {r['what']}: {r['rows_per_s']:,.0f} rows/s, {r['blocks_per_s']:,.0f} blocks/s",
                   flush=True)
-        run = training_run(args, root, raw_path)
+        raw_after_finds = raw_random_reads(raw_path, t, args.seconds)
+        cpu = checksum_cpu_rates(min(args.seconds, 2.0))
+        print("  block checksums over 4 KiB blocks in RAM, 1 thread: "
+              + ", ".join(f"{k} {v:.2f} GB/s" for k, v in cpu.items()), flush=True)
+        run = None if args.no_training else training_run(args, root, raw_path)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    raw_t = [raw[t], *run["raw_after_rounds"]]
+    raw_t = [raw[t], raw_after_finds, *(run["raw_after_rounds"] if run else [])]
     baseline = float(np.mean(raw_t))
     load = os.getloadavg()
+    new_over_legacy = {
+        th: next(r["rows_per_s"] for r in finds if r["threads"] == th
+                 and r["checksum"] == BLOCK_CHECKSUM)
+        / next(r["rows_per_s"] for r in finds if r["threads"] == th
+               and r["checksum"] == LEGACY_BLOCK_CHECKSUM) for th in (1, t)}
     rows = [
         {"what": "raw random 4 KiB O_DIRECT reads, 1 thread", "per_s": raw[1], "unit": "reads/s"},
-        {"what": f"raw random 4 KiB O_DIRECT reads, {t} threads (mean of before and after each "
-                 "training round)",
+        {"what": f"raw random 4 KiB O_DIRECT reads, {t} threads (mean of before and after the "
+                 "finds and after each training round)",
          "per_s": baseline, "unit": "reads/s (" + " / ".join(f"{r:,.0f}" for r in raw_t) + ")"},
         *[{"what": r["what"], "per_s": r["rows_per_s"],
            "unit": f"rows/s ({r['blocks_per_s']:,.0f} blocks/s)",
            "ratio": r["rows_per_s"] / (raw[1] if r["threads"] == 1 else baseline)} for r in finds],
-        {"what": f"training: rows the SSD tier ({run['ssd_tier']}) served per training second",
-         "per_s": run["ssd_rows_per_s"],
-         "unit": f"rows/s ({run['ssd_blocks_read_per_s']:,.0f} blocks/s)",
-         "ratio": run["ssd_rows_per_s"] / baseline},
+        *[{"what": f"block checksum {k} over 4 KiB blocks in RAM, 1 thread", "per_s": v * 1e9,
+           "unit": "bytes/s", "ratio": v * 1e9 / (BLOCK * baseline)} for k, v in cpu.items()],
     ]
+    if run is not None:
+        rows.append({"what": f"training: rows the SSD tier ({run['ssd_tier']}) served per "
+                             "training second", "per_s": run["ssd_rows_per_s"],
+                     "unit": f"rows/s ({run['ssd_blocks_read_per_s']:,.0f} blocks/s)",
+                     "ratio": run["ssd_rows_per_s"] / baseline})
     print()
     print(markdown_table(rows, ["what", "per_s", "unit", "ratio"]))
+    print(f"find rows/s with {BLOCK_CHECKSUM} / with the legacy sum, same run: "
+          + ", ".join(f"{th} I/O thread(s) {v:.3f}" for th, v in new_over_legacy.items())
+          + f"; checksum rows: ratio = bytes/s over the raw {t}-thread read rate in bytes/s")
+    path = save_result("bench_ssd", {
+        "machine": m, "config": config,
+        "raw_reads_per_s": {"1": raw[1], str(t): raw_t, f"{t}_baseline": baseline},
+        "engine_find": finds, "find_new_over_legacy": new_over_legacy,
+        "checksum_cpu_gb_per_s": cpu, "training": run,
+        "training_ratio": run["ssd_rows_per_s"] / baseline if run else None,
+        "load_average_at_end": load, "rows": rows,
+    })
+    if run is None:
+        print(f"\nwrote {path}")
+        return
     print(f"ratio = rows/s / raw reads/s at the same thread count; training goal >= 0.7. Training: "
           f"{run['samples_per_s']:,.0f} samples/s, device cache {run['cache_rows']:,} rows "
           f"({run['cache_share']:.1%} of {run['keys']:,}), top-tier hit rate "
@@ -300,13 +363,6 @@ def main(argv=None):
           f"{run['ssd_compacted_rows_per_s']:,.0f} rows/s moved by compaction. Load average at the "
           f"end: "
           f"{load[0]:.1f} (1 min), {load[1]:.1f} (5 min) on {os.cpu_count()} cores")
-    path = save_result("bench_ssd", {
-        "machine": m, "config": config,
-        "raw_reads_per_s": {"1": raw[1], str(t): raw_t, f"{t}_baseline": baseline},
-        "engine_find": finds, "training": run,
-        "training_ratio": run["ssd_rows_per_s"] / baseline, "load_average_at_end": load,
-        "rows": rows,
-    })
     print(f"\nwrote {path}")
 
 

@@ -47,8 +47,7 @@ from ..tiers import StoreTier, empty_lines
 from ..tiers.compact_index import MAX_LOCATION, CompactIndex
 from . import segments as seg_files
 from .direct_io import AlignedBuffer, IOPool
-from .segments import (SegmentPool, block_layout, block_sums, default_segment_rows,
-                       first_bad_block)
+from .segments import SegmentPool, block_checksums, block_layout, default_segment_rows
 from .slot_snapshots import SlotSnapshots
 from .snapshots import SnapshotDirectory
 
@@ -130,7 +129,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         self._free_indices: list[int] = []
         self._active = None            # the segment being appended to (None until a write)
         self._slots_total = 0          # slots of every live segment, garbage included
-        self._fds = None               # index -> fd, rebuilt when the live segments change
+        self._legacy = None            # index -> legacy block checksums?, rebuilt on changes
         self._broken = None            # why the live table can no longer be trusted
         #: blocks read by finds, blocks written, rows copied by compaction, segments deleted
         self.io_counts = {"read_blocks": 0, "written_blocks": 0, "compacted_rows": 0,
@@ -258,45 +257,77 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         first = np.ones(n, np.bool_)
         first[1:] = ordinal[1:] != ordinal[:-1]
         blocks, block_segs = block[first], seg[first]     # (k,) distinct blocks
-        fds = self._fd_table()[block_segs]
         pos = np.cumsum(first) - 1                         # (n,) each row's block
-        chunk = self._chunk_blocks()
-        for c0 in range(0, blocks.shape[0], chunk):
-            c1 = min(c0 + chunk, blocks.shape[0])
+        # each pass reads at most a staging buffer of blocks from at most max_files segments
+        seg_rank = np.cumsum(np.r_[True, block_segs[1:] != block_segs[:-1]]) - 1
+        max_files = max(1, self.pool.handles.max_files)
+        c0, chunk = 0, self._chunk_blocks()
+        while c0 < blocks.shape[0]:
+            c1 = min(c0 + chunk, blocks.shape[0],
+                     int(np.searchsorted(seg_rank, seg_rank[c0] + max_files)))
             r0, r1 = np.searchsorted(pos, [c0, c1])
+            fds = self._open_rows(block_segs[c0:c1])
             buf, view, raw = self._staging(self._read_buffer, c1 - c0)
             t0 = time.perf_counter()
             try:
-                self._io.read(fds[c0:c1], blocks[c0:c1], self.pool.block_bytes, buf)
+                self._io.read(fds, blocks[c0:c1], self.pool.block_bytes, buf)
                 self.read_seconds += time.perf_counter() - t0
             except OSError as e:
+                self._check_rows_sizes(block_segs[c0:c1], blocks[c0:c1])  # names a short file
                 raise StoreError(f"{self.name}: reading a segment under {self.pool.folder!r} "
                                  f"failed ({e.strerror or e}); check the disk, then load the last "
                                  "snapshot") from None
             self._check_sums(raw, block_segs[c0:c1], blocks[c0:c1])
             self._copy(_gather, view, pos[r0:r1] - c0, within[r0:r1], out, rows[r0:r1])
+            c0 = c1
         self.io_counts["read_blocks"] += int(blocks.shape[0])
         return out
 
     def _check_sums(self, raw: np.ndarray, segs: np.ndarray, blocks: np.ndarray) -> None:
         """Blocks just read (raw: (k, block_bytes) uint8; their segment indices and block
-        numbers, (k,) int64) against the checksums written with them."""
+        numbers, (k,) int64) against the checksums written with them (each segment's own
+        function: a snapshot of format 2 brings segments of the legacy one)."""
         expected = self._per_segment("sums", segs, blocks)
-        bad = first_bad_block(raw.view(np.uint64), expected)
-        if bad >= 0:
-            seg = self._segments[int(segs[bad])]
+        legacy = self._legacy_table()[segs]
+        if not legacy.any():
+            got = block_checksums(raw)
+        else:
+            got = np.empty(raw.shape[0], np.uint64)
+            for flag in (False, True):
+                part = np.flatnonzero(legacy == flag)
+                if part.shape[0]:
+                    got[part] = block_checksums(raw[part], seg_files.LEGACY_BLOCK_CHECKSUM
+                                                if flag else seg_files.BLOCK_CHECKSUM)
+        bad = np.flatnonzero(got != expected)
+        if bad.shape[0]:
+            seg = self._segments[int(segs[bad[0]])]
             raise StoreError(
-                f"{self.name}: block {int(blocks[bad])} of {self.pool.path(seg.id, 'rows')!r} fails "
-                "its checksum: the segment is damaged; load another snapshot (one-embedding "
-                "inspect lists the intact ones)")
+                f"{self.name}: block {int(blocks[bad[0]])} of {seg.path('rows')!r} fails its "
+                "checksum: the segment is damaged; load another snapshot (one-embedding inspect "
+                "lists the intact ones)")
 
-    def _fd_table(self) -> np.ndarray:
-        """(max index + 1,) int32: the rows file descriptor of each live segment by index."""
-        if self._fds is None:
-            self._fds = np.full(max(self._segments, default=-1) + 1, -1, np.int32)
+    def _check_rows_sizes(self, segs: np.ndarray, blocks: np.ndarray) -> None:
+        """Raise StoreError naming a rows file shorter than the blocks (k,) int64 of the
+        segments (k,) int64 that a read wanted from it."""
+        for index in np.unique(segs).tolist():
+            end = int(blocks[segs == index].max()) + 1
+            self._segments[index].check_rows_size(end * self.pool.block_bytes)
+
+    def _open_rows(self, segs: np.ndarray) -> np.ndarray:
+        """segs: (k,) int64 segment indices, ascending -> (k,) int32 their rows files'
+        descriptors, all open together (the pool's budget reopens closed ones)."""
+        starts = np.r_[0, np.flatnonzero(segs[1:] != segs[:-1]) + 1]
+        fds = self.pool.open_rows([self._segments[int(i)] for i in segs[starts].tolist()])
+        return np.repeat(np.asarray(fds, np.int32), np.diff(np.r_[starts, segs.shape[0]]))
+
+    def _legacy_table(self) -> np.ndarray:
+        """(max index + 1,) bool: whether a live segment's block checksums are the legacy ones
+        (rebuilt when the live segments change)."""
+        if self._legacy is None:
+            self._legacy = np.zeros(max(self._segments, default=-1) + 1, np.bool_)
             for index, seg in self._segments.items():
-                self._fds[index] = seg.fd
-        return self._fds
+                self._legacy[index] = seg.checksum == seg_files.LEGACY_BLOCK_CHECKSUM
+        return self._legacy
 
     def _append(self, keys: np.ndarray, lines: np.ndarray) -> np.ndarray:
         """Append rows (keys (n,) uint64, lines (n, line_size) float32) to the active segment,
@@ -334,7 +365,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
     def _add(self, seg) -> None:
         self._segments[seg.index] = seg
         self._slots_total += seg.n_slots
-        self._fds = None
+        self._legacy = None
 
     def _write_into(self, seg, keys: np.ndarray, lines: np.ndarray) -> None:
         """Rows go to slots seg.n_slots.. of ``seg``: whole blocks, the partly filled last block
@@ -364,9 +395,9 @@ class SlotFileStore(SlotSnapshots, StoreTier):
             if b1 == end_block and s1 % rpb:
                 view[-1, s1 % rpb:] = 0
             self._copy(_scatter, view, block[r0:r1] - b0, within[r0:r1], lines, line_rows[r0:r1])
-            block_sums(raw.view(np.uint64), seg.sums[b0:b1])
+            seg.sums[b0:b1] = block_checksums(raw, seg.checksum)
             try:
-                self._io.write(seg.fd, np.arange(b0, b1, dtype=np.int64), bb, buf)
+                self._io.write(seg.fd(), np.arange(b0, b1, dtype=np.int64), bb, buf)
             except OSError as e:
                 # the rewritten last block may be half written: its earlier rows are suspect
                 self._broken = (f"writing {self.pool.path(seg.id, 'rows')!r} failed "
@@ -402,7 +433,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         del self._segments[seg.index]
         self._free_indices.append(seg.index)
         self._slots_total -= seg.n_slots
-        self._fds = None
+        self._legacy = None
         seg.close()
 
     def _count_live(self, locs: np.ndarray, step: int) -> None:

@@ -3,7 +3,9 @@
 A snapshot of the slot engine is ``slots.json`` in the snapshot's folder: the format, the layout
 (rows per block, block bytes, segment rows), the pool folder relative to the snapshot (so a path
 may move as a whole) and, per live segment in id order, its ``SegmentInfo`` (slots, sizes, CRC32s
-of its keys, checksums and tombstones, and of its rows for a full check). Saving seals the active
+of its keys, checksums and tombstones, and of its rows for a full check, and the function of its
+block checksums). Format 3 names that function per segment; format 2 (before it) named none, and
+its segments carry the legacy checksum, with which they are still verified. Saving seals the active
 segment and writes that list. Loading checks every listed segment (sizes, key and checksum CRC32s;
 rows only with a full check), opens them where they lie (read only, and never deleted, when they
 belong to another path's pool) and replays their key files into a fresh directory. Garbage
@@ -19,10 +21,13 @@ import numpy as np
 
 from ..errors import SnapshotError, StoreError
 from .durable import read_array, write_bytes_atomic
-from .segments import SegmentInfo
+from .segments import LEGACY_BLOCK_CHECKSUM, SegmentInfo
 
 LAYOUT_FILE = "slots.json"
-FORMAT = 2
+#: the format written: 3 names each segment's block checksum
+FORMAT = 3
+#: formats read, with the block checksum of a segment entry that names none (None: required)
+READ_FORMATS = {2: LEGACY_BLOCK_CHECKSUM, 3: None}
 
 
 class SlotSnapshots:
@@ -99,19 +104,30 @@ class SlotSnapshots:
         return sum(i.rows_bytes + 8 * i.slots + 16 * i.dead for i in infos)
 
     def _read_layout(self, directory: str):
+        path = os.path.join(directory, LAYOUT_FILE)
         try:
-            with open(os.path.join(directory, LAYOUT_FILE), "rb") as f:
+            with open(path, "rb") as f:
                 layout = json.loads(f.read())
-            infos = [SegmentInfo.from_dict(d) for d in layout["segments"]]
-            pool_dir = os.path.normpath(os.path.join(directory, layout["pool"]))
-        except (OSError, ValueError, KeyError, TypeError) as e:
+            if not isinstance(layout, dict):
+                raise ValueError("not a JSON object")
+        except (OSError, ValueError) as e:
             raise SnapshotError(f"{self.name}: snapshot {directory!r} is unreadable: {e}") from None
+        fmt = layout.get("format")
         if layout.get("engine") != "slots" or layout.get("line_size") != self.line_size \
-                or layout.get("format") != FORMAT:
+                or not isinstance(fmt, int) or fmt not in READ_FORMATS:
             raise SnapshotError(
                 f"{self.name}: snapshot {directory!r} has layout "
                 f"{ {k: layout.get(k) for k in ('engine', 'format', 'line_size')} }; this store "
-                f"needs a 'slots' snapshot of format {FORMAT} and line_size={self.line_size}")
+                f"needs a 'slots' snapshot of format {' or '.join(map(str, READ_FORMATS))} and "
+                f"line_size={self.line_size}")
+        try:
+            infos = [SegmentInfo.from_dict(d, READ_FORMATS[fmt]) for d in layout["segments"]]
+            pool_dir = os.path.normpath(os.path.join(directory, layout["pool"]))
+        except (KeyError, TypeError) as e:
+            raise SnapshotError(
+                f"{self.name}: snapshot {directory!r} is unreadable: {e!r}") from None
+        except SnapshotError as e:
+            raise SnapshotError(f"{self.name}: snapshot {path!r}: {e}") from None
         return layout, sorted(infos, key=lambda i: i.id), pool_dir
 
     def load_snapshot(self, directory: str) -> None:
