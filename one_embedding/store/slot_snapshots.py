@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from ..errors import SnapshotError, StoreError
-from .durable import read_array, write_bytes_atomic
+from .durable import read_array, write_bytes_atomic, write_failed
 from .segments import LEGACY_BLOCK_CHECKSUM, SegmentInfo
 
 LAYOUT_FILE = "slots.json"
@@ -85,11 +85,9 @@ class SlotSnapshots:
                       "segments": [s.info.as_dict() for s in live]}
             write_bytes_atomic(os.path.join(directory, LAYOUT_FILE), json.dumps(layout).encode())
         except OSError as e:
-            raise StoreError(
-                f"{self.name}: writing snapshot files into {directory!r} failed "
-                f"({e.strerror or e}); free disk space and save again. The previous snapshot "
-                "of that name is intact"
-            ) from None
+            raise StoreError(f"{self.name}: " + write_failed(
+                "writing snapshot files into", directory, e,
+                "save again (the previous snapshot of that name is intact too)")) from None
 
     def verify_snapshot(self, directory: str, full: bool = False) -> None:
         """Raise SnapshotError unless every segment the snapshot in ``directory`` lists is there
