@@ -227,3 +227,36 @@ def test_slots_disk_full_in_every_save_phase_keeps_every_snapshot(small_disk):
         subprocess.run(["rm", "-rf", str(root)], check=True)
     assert {"allocating the segment", "sealing", "compacting", "writing snapshot files",
             "saving snapshot"} <= set(phases), phases
+
+
+@pytest.mark.slow
+def test_cli_slots_disk_full_has_no_traceback(small_disk):
+    """train --store cached_ssd (slot engine) on a full disk: one message naming the full
+    disk's path, exit 2, no traceback; the checkpoints that were published load."""
+    from one_embedding.inspect_snapshot import inspect_path
+
+    seen = []
+    for free_kb in (0, 72, 256):
+        path = small_disk / f"c{free_kb}"
+        args = [sys.executable, "-m", "one_embedding", "train", "--synthetic-rows", "20000",
+                "--batch-size", "512", "--no-progress", "--store", "cached_ssd",
+                "--cache-mb", "0.1", "--eval-batches", "1", "--persistent-path", str(path),
+                "--metrics", os.devnull, "--snapshot-interval", "1", "--keep-snapshots", "2"]
+        ok = subprocess.run([*args, "--steps", "2"], capture_output=True, text=True, timeout=300)
+        assert ok.returncode == 0, ok.stderr[-2000:]
+        filler = fill(small_disk, free_kb << 10)
+        proc = subprocess.run([*args, "--steps", "40", "--resume"], capture_output=True,
+                              text=True, timeout=300)
+        os.unlink(filler)
+        assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert ("is full" in proc.stderr or "No space left" in proc.stderr) \
+            and "intact" in proc.stderr and str(path) in proc.stderr, proc.stderr[-3000:]
+        seen.append(slot_phase_of(proc.stderr))
+        if seen[-1] != "saving snapshot":  # (SnapshotDirectory's own wording)
+            assert f"the disk of '{path}" in proc.stderr and "is full" in proc.stderr, \
+                proc.stderr[-3000:]
+        report = inspect_path(str(path))
+        assert report and all(r["status"] == "ok" for r in report), report
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+    assert len(seen) == 3, seen
