@@ -26,6 +26,12 @@ the page cache to confirm tag matches. A lookup of a key that was never stored m
   but leased by a reader) refers to. A killed process leaves only unreferenced segments
   behind (everything after its last snapshot), which the next open collects.
 
+A full disk (ENOSPC, EDQUOT) on any write (a new segment's preallocation of its rows and keys,
+a seal's checksum and tombstone files, slots.json, a compaction's appends) is a StoreError that
+names the path, says the disk is full and the published snapshots are intact; the live table
+stays as it was before the failed call (the rows of a failed write are garbage no key points
+at), so once space is free the run saves again or loads any snapshot in the same process.
+
 Snapshots of this engine live under ``<directory>/snapshots/``, where garbage collection sees
 them (``slot_snapshots.py``). A snapshot written by the earlier format (``keys.npy``,
 ``slots.npy``, ``rows.bin``) still loads; its rows are copied into segments.

@@ -205,9 +205,14 @@ class SlotSnapshots:
         rpb, bb = layout["rows_per_block"], layout["block_bytes"]
         view = np.ndarray((os.path.getsize(src) // bb, rpb, self.line_size), np.float32,
                           buffer=rows, strides=(bb, 4 * self.line_size, 4))
-        for start in range(0, keys.shape[0], 1 << 16):
-            s = slots[start:start + (1 << 16)]
-            self.insert_or_assign(keys[start:start + (1 << 16)],
-                                  np.ascontiguousarray(view[s // rpb, s % rpb]))
-        del view, rows
+        try:
+            for start in range(0, keys.shape[0], 1 << 16):
+                s = slots[start:start + (1 << 16)]
+                self.insert_or_assign(keys[start:start + (1 << 16)],
+                                      np.ascontiguousarray(view[s // rpb, s % rpb]))
+        except BaseException:
+            self.clear()  # (a full disk) an empty table, never a part of the snapshot
+            raise
+        finally:
+            del view, rows
 
