@@ -3,7 +3,8 @@ the memtable flush, the blob garbage collection before and after the checkpoint,
 the snapshot's own files. Each failure is a StoreError saying the disk is full, which path, and
 that the published snapshots are intact; every published snapshot then loads with a full read
 and holds exactly the rows it was saved with, and saving works again once space is free. The
-CLI prints such an error without a traceback and exits 2.
+CLI prints such an error without a traceback and exits 2. The same for the slot engine: a new
+segment's preallocation, a seal, a compaction, slots.json and the manifest.
 
 Needs root (mount); skipped elsewhere."""
 import os
