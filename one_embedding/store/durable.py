@@ -1,10 +1,26 @@
 """Durable file primitives: fsync'd writes, atomic replace, directory sync."""
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 
 import numpy as np
+
+
+def disk_full(e: BaseException) -> bool:
+    """True for a full disk or an exhausted quota (ENOSPC, EDQUOT)."""
+    return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
+
+
+def write_failed(doing: str, path: str, e: OSError, then: str) -> str:
+    """The message of a write that failed with ``e``: ``doing`` what, on which ``path``, whether
+    the disk is full (naming its folder), that the published snapshots are intact, and ``then``:
+    what to do once space is free (the project's wording for every full disk)."""
+    where = os.path.dirname(os.path.abspath(path))
+    what = f"the disk of {where!r} is full" if disk_full(e) else "an I/O error stopped it"
+    return (f"{doing} {path!r} failed: {what} ({e.strerror or e}). Every snapshot already "
+            f"published is intact: free disk space, then {then}")
 
 
 def fsync_path(path: str) -> None:

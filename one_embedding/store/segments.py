@@ -27,7 +27,8 @@ garbage collection deletes its files once neither the live table nor a snapshot 
 The keys and checksums are mapped, the rows read with ``pread``; the pool's ``HandleBudget``
 (``handles.py``) bounds the descriptors and mappings it holds open, and every use of a mapping
 checks the file's size first, so a file another process truncates is an error naming it, not
-SIGBUS. The active segment's keys file is sized to its capacity and mapped once, not once a write.
+SIGBUS. The active segment's keys file is preallocated to its capacity (with its rows file: a
+full disk fails when a segment is made, before a row moves) and mapped once, not once a write.
 """
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ from numba import njit
 
 from ..errors import SnapshotError, StoreError
 from .direct_io import check_alignment, open_block_file, warn_buffered
-from .durable import file_crc32, fsync_dir
+from .durable import file_crc32, fsync_dir, write_failed
 from .file_limit import too_many_open_files
 from .handles import HandleBudget, MappedWords, short_file_error
 
@@ -57,7 +58,7 @@ BLOCK_CHECKSUM = "xxh3_64"
 #: only verified, never written
 LEGACY_BLOCK_CHECKSUM = "mulxor4"
 
-# The syscall that preallocates a segment, named so a test can make it fail (ENOSPC).
+# The syscall that preallocates a segment's rows and keys, named so a test can make it fail.
 _allocate = os.posix_fallocate
 
 
@@ -188,17 +189,23 @@ class Segment:
         return self._sums_ram if self._sums_map is None else self._sums_map.array()
 
     def append_keys(self, keys: np.ndarray) -> None:
-        """keys: (m,) uint64 of the rows just written at slots n_slots..n_slots+m-1. The file
-        is sized to ``capacity`` slots (sparse) and mapped so once, until the seal cuts it."""
+        """keys: (m,) uint64 of the rows about to be written at slots n_slots..n_slots+m-1
+        (written first: a failure leaves the segment as it was, a StoreError). The file is
+        preallocated to ``capacity`` slots and mapped so once, until the seal cuts it."""
         start = self.n_slots
-        if self._keys.n < self.capacity:
-            os.ftruncate(self.keys_fd, 8 * self.capacity)
-            self._keys.unmap()
-            self._keys = MappedWords(self.path("keys"), self.capacity, self.pool.handles)
-        data = np.ascontiguousarray(keys, np.uint64).tobytes()
-        done = 0
-        while done < len(data):
-            done += os.pwrite(self.keys_fd, data[done:], 8 * start + done)
+        try:
+            if self._keys.n < self.capacity:  # a failed seal cut it: allocate it again
+                _allocate(self.keys_fd, 0, 8 * self.capacity)
+                self._keys.unmap()
+                self._keys = MappedWords(self.path("keys"), self.capacity, self.pool.handles)
+            data = np.ascontiguousarray(keys, np.uint64).tobytes()
+            done = 0
+            while done < len(data):
+                done += os.pwrite(self.keys_fd, data[done:], 8 * start + done)
+        except OSError as e:
+            # slots from n_slots on are not the segment's yet: nothing it holds changed
+            raise StoreError(write_failed("writing the keys of", self.path("keys"), e,
+                                          "write the rows again")) from None
 
     def cut_keys(self) -> None:
         """Cut the keys file to the slots written (sealing) and map just those."""
@@ -314,21 +321,26 @@ class SegmentPool:
                 direct = False
                 warn_buffered(self.folder, f"O_DIRECT refuses {self.block_bytes}-byte blocks here")
             keys_fd = os.open(keys_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                _allocate(keys_fd, 0, 8 * capacity)
+            except OSError:
+                os.close(keys_fd)
+                os.unlink(keys_path)
+                raise
         except OSError as e:
-            # nothing of the segment stays behind: neither its descriptor nor its rows file
-            # (a keys file is created last: a failure to create it leaves none)
+            # nothing of the segment stays behind: neither its descriptors nor its files
             if fd is not None:
                 os.close(fd)
             os.unlink(path)
-            raise too_many_open_files(path, e) or StoreError(
-                f"cannot allocate the segment {path!r} ({e.strerror or e}); free disk space or "
-                "move persistent_path to a bigger disk. The rows held so far are unchanged and "
-                "the last snapshot is intact") from None
+            raise too_many_open_files(path, e) or StoreError(write_failed(
+                "allocating the segment", path, e, "train on or save again (or move "
+                "persistent_path to a bigger disk); the rows held so far are unchanged")) from None
         self.direct = direct
         seg = Segment(self, seg_id, index, fd, direct, False, 0, True, capacity,
                       self.block_checksum, self.folder)
         seg._sums_ram = np.zeros(self.blocks_for(capacity), np.uint64)
         seg.keys_fd = keys_fd
+        seg._keys = MappedWords(keys_path, capacity, self.handles)
         self.handles.file_used([seg])
         return seg
 
@@ -342,14 +354,16 @@ class SegmentPool:
         sums = np.ascontiguousarray(seg.sums[:n_blocks])
         dead = np.array(seg.dead, np.uint64).reshape(-1, 2)
         fd = seg.fd()
+        # the files that take space first: a full disk fails before the rows and keys files
+        # are cut, so the segment stays active, preallocated and whole (seal it again later)
+        _write_synced(self.path(seg.id, "sums"), sums.tobytes())
+        if dead.shape[0]:
+            _write_synced(self.path(seg.id, "dead"), dead.tobytes())
         os.ftruncate(fd, n_blocks * self.block_bytes)
         os.fdatasync(fd)
         seg.cut_keys()
         os.fsync(seg.keys_fd)
         keys_crc = zlib.crc32(seg.keys[:seg.n_slots]) if seg.n_slots else 0
-        _write_synced(self.path(seg.id, "sums"), sums.tobytes())
-        if dead.shape[0]:
-            _write_synced(self.path(seg.id, "dead"), dead.tobytes())
         fsync_dir(self.folder)
         seg.info = SegmentInfo(seg.id, seg.n_slots, n_blocks * self.block_bytes, rows_crc,
                                keys_crc, zlib.crc32(sums.tobytes()),

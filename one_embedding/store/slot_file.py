@@ -26,6 +26,12 @@ the page cache to confirm tag matches. A lookup of a key that was never stored m
   but leased by a reader) refers to. A killed process leaves only unreferenced segments
   behind (everything after its last snapshot), which the next open collects.
 
+A full disk (ENOSPC, EDQUOT) on any write (a new segment's preallocation of its rows and keys,
+a seal's checksum and tombstone files, slots.json, a compaction's appends) is a StoreError that
+names the path, says the disk is full and the published snapshots are intact; the live table
+stays as it was before the failed call (the rows of a failed write are garbage no key points
+at), so once space is free the run saves again or loads any snapshot in the same process.
+
 Snapshots of this engine live under ``<directory>/snapshots/``, where garbage collection sees
 them (``slot_snapshots.py``). A snapshot written by the earlier format (``keys.npy``,
 ``slots.npy``, ``rows.bin``) still loads; its rows are copied into segments.
@@ -47,6 +53,7 @@ from ..tiers import StoreTier, empty_lines
 from ..tiers.compact_index import MAX_LOCATION, CompactIndex
 from . import segments as seg_files
 from .direct_io import AlignedBuffer, IOPool
+from .durable import write_failed
 from .segments import SegmentPool, block_checksums, block_layout, default_segment_rows
 from .slot_snapshots import SlotSnapshots
 from .snapshots import SnapshotDirectory
@@ -357,7 +364,12 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         index = self._take_index()
         want = max(1024, len(self._index) // 8)
         capacity = min(self.pool.segment_rows, 1 << (want - 1).bit_length())
-        seg = self.pool.create(self._next_id, index, capacity)
+        try:
+            seg = self.pool.create(self._next_id, index, capacity)
+        except BaseException:
+            # the index goes back: lost, the next segment would take a live one's (len(...))
+            self._free_indices.append(index)
+            raise
         self._next_id += 1
         self._add(seg)
         return seg
@@ -381,6 +393,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         line_rows = np.arange(m, dtype=np.int64)
         chunk = self._chunk_blocks()
         final_blocks = s1 // rpb  # blocks below this are full after the write
+        seg.append_keys(keys)  # first: a failure (StoreError) changes nothing of the segment
         for b0 in range(first_block, end_block, chunk):
             b1 = min(b0 + chunk, end_block)
             r0, r1 = np.searchsorted(block, [b0, b1])
@@ -399,10 +412,12 @@ class SlotFileStore(SlotSnapshots, StoreTier):
             try:
                 self._io.write(seg.fd(), np.arange(b0, b1, dtype=np.int64), bb, buf)
             except OSError as e:
-                # the rewritten last block may be half written: its earlier rows are suspect
-                self._broken = (f"writing {self.pool.path(seg.id, 'rows')!r} failed "
-                                f"({e.strerror or e}); the live table is inconsistent: "
-                                "load_snapshot restores the last snapshot")
+                # (rows files are preallocated: a file system that still refuses a write, such
+                # as a copy-on-write one that is full) the rewritten last block may be half
+                # written: its earlier rows are suspect
+                self._broken = write_failed(
+                    "writing the rows of", self.pool.path(seg.id, "rows"), e,
+                    "load_snapshot restores the last snapshot (the live table is inconsistent)")
                 raise StoreError(f"{self.name}: {self._broken}") from None
             for b in range(max(b0, seg.crc_blocks), min(b1, final_blocks)):
                 seg.rows_crc = zlib.crc32(raw[b - b0], seg.rows_crc)
@@ -410,7 +425,6 @@ class SlotFileStore(SlotSnapshots, StoreTier):
             if b1 == end_block:
                 seg.tail = raw[-1].tobytes() if s1 % rpb else None
         self.io_counts["written_blocks"] += end_block - first_block
-        seg.append_keys(keys)
         seg.n_slots = s1
         self._slots_total += m
 
@@ -424,9 +438,9 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         try:
             self.pool.seal(seg)
         except OSError as e:
-            self._active = seg
-            raise StoreError(f"{self.name}: sealing segment {seg.id:016x} failed "
-                             f"({e.strerror or e}); free disk space and try again") from None
+            self._active = seg  # still active and whole: sealed again by the next save
+            raise StoreError(f"{self.name}: " + write_failed(
+                "sealing the segment", seg.path("rows"), e, "save again")) from None
 
     def _forget(self, seg) -> None:
         """Take ``seg`` out of the live table and close it (its files stay until GC)."""
@@ -503,10 +517,10 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         held = pos >= 0
         if not held.any():
             return 0
+        if self._active is None:  # first: a full disk fails here, before a key goes
+            self._active = self._new_segment()
         self._count_live(self._index.locations_at(pos[held]), -1)
         self._index.erase_at(pos[held])
-        if self._active is None:
-            self._active = self._new_segment()
         at = self._active.n_slots
         self._active.dead.extend((int(k), at) for k in keys[held])
         self._maybe_compact()
@@ -557,7 +571,16 @@ class SlotFileStore(SlotSnapshots, StoreTier):
             self.collect_garbage()
 
     def _compact(self, seg) -> None:
-        """Append the live rows of sealed segment ``seg`` again and retire it."""
+        """Append the live rows of sealed segment ``seg`` again and retire it. A failure (a
+        full disk) leaves ``seg`` in the live table with the rows not yet moved, each key at
+        exactly one place: a StoreError saying so."""
+        try:
+            self._compact_rows(seg)
+        except StoreError as e:
+            raise StoreError(f"{self.name}: compacting segment {seg.path('rows')!r} stopped, "
+                             f"every row written is kept where the table finds it: {e}") from None
+
+    def _compact_rows(self, seg) -> None:
         oldest = seg.id == min(s.id for s in self._segments.values())
         step = 1 << 16
         for s0 in range(0, seg.n_slots, step):

@@ -20,7 +20,7 @@ import os
 import numpy as np
 
 from ..errors import SnapshotError, StoreError
-from .durable import read_array, write_bytes_atomic
+from .durable import read_array, write_bytes_atomic, write_failed
 from .segments import LEGACY_BLOCK_CHECKSUM, SegmentInfo
 
 LAYOUT_FILE = "slots.json"
@@ -85,11 +85,9 @@ class SlotSnapshots:
                       "segments": [s.info.as_dict() for s in live]}
             write_bytes_atomic(os.path.join(directory, LAYOUT_FILE), json.dumps(layout).encode())
         except OSError as e:
-            raise StoreError(
-                f"{self.name}: writing snapshot files into {directory!r} failed "
-                f"({e.strerror or e}); free disk space and save again. The previous snapshot "
-                "of that name is intact"
-            ) from None
+            raise StoreError(f"{self.name}: " + write_failed(
+                "writing snapshot files into", directory, e,
+                "save again (the previous snapshot of that name is intact too)")) from None
 
     def verify_snapshot(self, directory: str, full: bool = False) -> None:
         """Raise SnapshotError unless every segment the snapshot in ``directory`` lists is there
@@ -207,9 +205,14 @@ class SlotSnapshots:
         rpb, bb = layout["rows_per_block"], layout["block_bytes"]
         view = np.ndarray((os.path.getsize(src) // bb, rpb, self.line_size), np.float32,
                           buffer=rows, strides=(bb, 4 * self.line_size, 4))
-        for start in range(0, keys.shape[0], 1 << 16):
-            s = slots[start:start + (1 << 16)]
-            self.insert_or_assign(keys[start:start + (1 << 16)],
-                                  np.ascontiguousarray(view[s // rpb, s % rpb]))
-        del view, rows
+        try:
+            for start in range(0, keys.shape[0], 1 << 16):
+                s = slots[start:start + (1 << 16)]
+                self.insert_or_assign(keys[start:start + (1 << 16)],
+                                      np.ascontiguousarray(view[s // rpb, s % rpb]))
+        except BaseException:
+            self.clear()  # (a full disk) an empty table, never a part of the snapshot
+            raise
+        finally:
+            del view, rows
 

@@ -3,7 +3,8 @@ the memtable flush, the blob garbage collection before and after the checkpoint,
 the snapshot's own files. Each failure is a StoreError saying the disk is full, which path, and
 that the published snapshots are intact; every published snapshot then loads with a full read
 and holds exactly the rows it was saved with, and saving works again once space is free. The
-CLI prints such an error without a traceback and exits 2.
+CLI prints such an error without a traceback and exits 2. The same for the slot engine: a new
+segment's preallocation, a seal, a compaction, slots.json and the manifest.
 
 Needs root (mount); skipped elsewhere."""
 import os
@@ -142,3 +143,121 @@ def test_cli_disk_full_during_garbage_collection_has_no_traceback(small_disk):
         assert report and all(r["status"] == "ok" for r in report), report
         subprocess.run(["rm", "-rf", str(path)], check=True)
     assert "blob garbage collection" in seen, seen
+
+
+def slot_phase_of(message: str) -> str:
+    for key in ("compacting", "allocating the segment", "writing the keys", "writing the rows",
+                "sealing", "writing snapshot files", "saving snapshot"):
+        if key in message:
+            return key
+    return message
+
+
+def test_slots_disk_full_in_every_save_phase_keeps_every_snapshot(small_disk):
+    """The slot engine on a full disk, free space chosen so the failure lands in each phase (a
+    new segment's preallocation, a seal's checksum file, slots.json, the manifest, a compaction's
+    appends): a StoreError naming the path and saying the snapshots are intact; then, in the same
+    process, lookups return exactly the rows of each published snapshot, and training and
+    saving go on once space is free (no IndexError from a half-made segment)."""
+    phases = []
+    # (free KiB, whether a step runs before each save): 72 KiB is a segment's preallocation
+    # (1024 rows and keys), 76 leaves its seal's checksums no page; a save with no step
+    # between writes only slots.json (0 free) and the manifest (4 free); 256 and 512: the
+    # compaction of a step (measured)
+    for free_kb, train in ((0, True), (64, True), (72, True), (76, True), (256, True),
+                           (512, True), (0, False), (4, False)):
+        root = small_disk / f"slots{free_kb}{train}"
+        opts = oe.make_cached_ssd_store_options(0.01, str(root), engine="slots", size_factor=2)
+        emb = oe.MultiTableEmbedding("t", 8, np.float32, np.int64, None, opts, seed=1)
+        opt = oe.Optimizer(oe.optim.Adagrad(lr=0.1), embeddings=[emb])
+        rng = np.random.default_rng(free_kb)
+
+        def step():
+            ids = rng.integers(0, 5000, 3000)
+            out = emb(ids)
+            emb.backward(np.ones_like(out))
+            opt.step()
+            return ids
+
+        saved = {}
+        for i in range(3):
+            step()
+            emb.save_snapshot(f"s{i}")
+            saved[f"s{i}"] = emb.export()
+        filler = fill(small_disk, free_kb << 10)
+        error = None
+        for i in range(3, 12):
+            name = f"s{i % 3}"
+            try:
+                if train:
+                    step()
+                pending = emb.export()
+                emb.save_snapshot(name)
+                saved[name] = pending
+            except OneEmbeddingError as e:
+                error = str(e)
+                break
+        os.unlink(filler)
+        assert error is not None, f"{free_kb} KiB free: the disk never filled"
+        assert ("is full" in error or "No space left" in error) and "intact" in error, error
+        assert str(root) in error, error
+        phases.append(slot_phase_of(error))
+        if slot_phase_of(error) != "saving snapshot":  # (SnapshotDirectory's own wording)
+            assert "the disk of" in error and "is full" in error, error
+        snaps = SnapshotDirectory(str(root / "0-1"), create=False)
+        assert sorted(snaps.names()) == sorted(saved)
+        for name, (keys, lines) in saved.items():
+            snaps.open(name, {}, verify="full")
+            emb.load_snapshot(name)
+            got_keys, got_lines = emb.export()
+            np.testing.assert_array_equal(got_keys, keys)
+            np.testing.assert_array_equal(got_lines, lines)
+            # lookups through the live table (the directory, not only the export)
+            probe = keys[::7].astype(np.int64)
+            np.testing.assert_array_equal(emb(probe), lines[::7, :8])
+        for i in range(2):  # the run goes on once space is free: new segments, seals, saves
+            step()
+            emb.save_snapshot(f"again{i}")
+            pending = emb.export()
+            snaps.open(f"again{i}", {}, verify="full")
+        emb.load_snapshot("again1")
+        got_keys, got_lines = emb.export()
+        np.testing.assert_array_equal(got_keys, pending[0])
+        np.testing.assert_array_equal(got_lines, pending[1])
+        emb.close()
+        subprocess.run(["rm", "-rf", str(root)], check=True)
+    assert {"allocating the segment", "sealing", "compacting", "writing snapshot files",
+            "saving snapshot"} <= set(phases), phases
+
+
+@pytest.mark.slow
+def test_cli_slots_disk_full_has_no_traceback(small_disk):
+    """train --store cached_ssd (slot engine) on a full disk: one message naming the full
+    disk's path, exit 2, no traceback; the checkpoints that were published load."""
+    from one_embedding.inspect_snapshot import inspect_path
+
+    seen = []
+    for free_kb in (0, 72, 256):
+        path = small_disk / f"c{free_kb}"
+        args = [sys.executable, "-m", "one_embedding", "train", "--synthetic-rows", "20000",
+                "--batch-size", "512", "--no-progress", "--store", "cached_ssd",
+                "--cache-mb", "0.1", "--eval-batches", "1", "--persistent-path", str(path),
+                "--metrics", os.devnull, "--snapshot-interval", "1", "--keep-snapshots", "2"]
+        ok = subprocess.run([*args, "--steps", "2"], capture_output=True, text=True, timeout=300)
+        assert ok.returncode == 0, ok.stderr[-2000:]
+        filler = fill(small_disk, free_kb << 10)
+        proc = subprocess.run([*args, "--steps", "40", "--resume"], capture_output=True,
+                              text=True, timeout=300)
+        os.unlink(filler)
+        assert proc.returncode == 2, (proc.returncode, proc.stderr[-3000:])
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        assert ("is full" in proc.stderr or "No space left" in proc.stderr) \
+            and "intact" in proc.stderr and str(path) in proc.stderr, proc.stderr[-3000:]
+        seen.append(slot_phase_of(proc.stderr))
+        if seen[-1] != "saving snapshot":  # (SnapshotDirectory's own wording)
+            assert f"the disk of '{path}" in proc.stderr and "is full" in proc.stderr, \
+                proc.stderr[-3000:]
+        report = inspect_path(str(path))
+        assert report and all(r["status"] == "ok" for r in report), report
+        subprocess.run(["rm", "-rf", str(path)], check=True)
+    assert len(seen) == 3, seen

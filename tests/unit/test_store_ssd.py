@@ -213,6 +213,30 @@ def test_disk_full_while_growing_keeps_rows(tmp_path, monkeypatch):
     store.close()
 
 
+def test_disk_full_on_erase_keeps_the_keys_and_their_tombstones(tmp_path, monkeypatch):
+    """An erase needs an active segment for its tombstones: a full disk making one is a
+    StoreError before any key goes (was: the keys left the directory with no tombstone, so a
+    snapshot saved later brought them back)."""
+    store = SlotFileStore(8, str(tmp_path / "p"))
+    keys = np.arange(1, 501, dtype=np.uint64)
+    store.insert_or_assign(keys, lines_for(keys, 8))
+    snapshot(store, tmp_path / "p", "full")  # seals: no active segment left
+    monkeypatch.setattr(segments, "_allocate", enospc)
+    with pytest.raises(StoreError, match="is full"):
+        store.erase(keys[:100])
+    monkeypatch.undo()
+    assert len(store) == 500
+    assert store.erase(keys[:100]) == 100
+    folder = snapshot(store, tmp_path / "p", "erased")
+    store.close()
+    again = TierProbe(SlotFileStore(8, str(tmp_path / "p")))
+    again.load_snapshot(folder)
+    found, got = again.find(keys)
+    assert found.tolist() == [False] * 100 + [True] * 400
+    np.testing.assert_array_equal(got, lines_for(keys[100:], 8))
+    again.close()
+
+
 @pytest.mark.parametrize("engine,module,target", [
     ("slots", segments, "_write_synced"), ("rocksdb", rocksdb_store, "write_bytes_atomic")])
 def test_disk_full_during_save_snapshot_keeps_last_snapshot(engine, module, target, tmp_path, monkeypatch):
