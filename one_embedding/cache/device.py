@@ -170,10 +170,12 @@ class DeviceHashIndex:
             raise InputError(f"out has lines of {out.shape[1]} floats, the store {rows.shape[1]}")
         return self._find(keys, rows, out, out_rows)[0]
 
-    def find_or_insert(self, keys):
+    def find_or_insert(self, keys, distinct: bool = False):
         """keys: (n,) uint64 -> (slots (n,) int64, is_new (n,) bool); new keys take the next slots
         in batch order. A key given twice gets one slot, new at its first place only (as on the
-        CPU): the insert kernel needs distinct keys, or both copies would claim a bucket."""
+        CPU): the insert kernel needs distinct keys, or both copies would claim a bucket.
+        ``distinct=True``: the caller's keys are distinct, so the duplicate check (a host read) is
+        skipped."""
         xp = self._xp
         keys = self._keys(keys)
         self._reserve(keys.shape[0])
@@ -183,15 +185,16 @@ class DeviceHashIndex:
         if m:
             new = device_ops.positions_of(xp, is_new, m)
             new_keys = keys[new]
-            order = xp.argsort(new_keys, kind="stable")     # equal keys: first place first
-            ranked = new_keys[order]
-            first = xp.ones(m, dtype=xp.bool_)
-            first[1:] = ranked[1:] != ranked[:-1]
-            if host_sync.flag(first.all(), "cache find_or_insert: duplicate new keys"):
+            if not distinct:
+                order = xp.argsort(new_keys, kind="stable")     # equal keys: first place first
+                ranked = new_keys[order]
+                first = xp.ones(m, dtype=xp.bool_)
+                first[1:] = ranked[1:] != ranked[:-1]
+            if distinct or host_sync.flag(first.all(), "cache find_or_insert: duplicate keys"):
                 new_slots = xp.arange(self._next_slot, self._next_slot + m, dtype=xp.int64)
                 slots[new] = new_slots
             else:                                   # duplicates: one slot per distinct key
-                n_place = device_ops.count_true(xp, first, "cache find_or_insert: distinct new keys")
+                n_place = device_ops.count_true(xp, first, "cache find_or_insert: distinct keys")
                 place = order[device_ops.positions_of(xp, first, n_place)]  # first places
                 slot_of = xp.empty(place.shape[0], dtype=xp.int64)
                 slot_of[xp.argsort(place)] = xp.arange(      # slots in order of first place
@@ -290,7 +293,7 @@ class DeviceFullStore(_OnDevice, StoreTier):
         """keys: (n,) uint64 unique, lines: (n, line_size) float32 -> nothing evicted (empty)."""
         xp = self._xp
         lines = device_ops.device_array(self._launch, "lines", lines, np.float32, ndim=2)
-        slots, _ = self._index.find_or_insert(keys)
+        slots, _ = self._index.find_or_insert(keys, distinct=True)  # unique, as documented
         if lines.shape != (slots.shape[0], self.line_size):
             raise InputError(f"lines {tuple(lines.shape)} must be ({slots.shape[0]}, {self.line_size})")
         self._ensure_rows(self._index.slot_limit)

@@ -331,12 +331,14 @@ def first_occurrence(inverse, n_unique: int, launch: Launcher | None = None):
     return first
 
 
-def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None):
+def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None,
+                check_inverse: bool = True):
     """values: (n, E) float32, inverse: (n,) int64 in [0, n_segments) -> (n_segments, E).
 
     Each segment's rows are added in row order from +0, one thread per (segment, column), so the
     sums equal ``parallel.unique.segment_sum`` bit for bit (float32 subnormal sums flush to zero
-    on the GPU).
+    on the GPU). ``check_inverse=False`` skips the inverse's range check (a host read) for an
+    inverse that ``unique_ids`` made.
     """
     launch = resolve(launch)
     xp = launch.xp
@@ -350,7 +352,7 @@ def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None
     out = xp.zeros((n_segments, dim), dtype=dtype)
     if n == 0 or n_segments == 0 or dim == 0:
         return out
-    if host_sync.flag((inverse.min() < 0) | (inverse.max() >= n_segments),
+    if check_inverse and host_sync.flag((inverse.min() < 0) | (inverse.max() >= n_segments),
                       "segment_sum: inverse range check"):
         raise InputError(f"inverse holds values outside [0, {n_segments}): pass the inverse of "
                          "unique_ids and its number of unique keys")
@@ -365,10 +367,11 @@ def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None
     return out
 
 
-def gather_rows(src, index, launch: Launcher | None = None):
+def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = True):
     """src: (R, E) float, index: (...) int64 -> (..., E): ``src[index]``, zero rows where index < 0.
 
-    The twin of ``reference.gather_rows`` (copies, so bit-identical).
+    The twin of ``reference.gather_rows`` (copies, so bit-identical). ``check_index=False`` skips
+    the index's range check (a host read) for an index that lies in src by construction.
     """
     launch = resolve(launch)
     xp = launch.xp
@@ -377,7 +380,7 @@ def gather_rows(src, index, launch: Launcher | None = None):
     index = device_array(launch, "index", index, np.int64)
     flat = index.reshape(-1)
     dim = src.shape[1]
-    if flat.size and host_sync.flag(flat.max() >= src.shape[0], "gather_rows: index range check"):
+    if check_index and flat.size and host_sync.flag(flat.max() >= src.shape[0], "gather_rows: index range check"):
         raise InputError(f"index holds {int(flat.max())} but src has {src.shape[0]} rows")
     out = xp.empty((flat.shape[0], dim), dtype=dtype)
     launch_threads(launch, "embedding", "gather", dtype, flat.shape[0] * dim,
