@@ -37,6 +37,7 @@ import numpy as np
 
 from .cache.set_associative import SetAssociativeCache
 from .errors import ConfigError, SnapshotError
+from .kernels import device_ops
 from .store.memory import MemoryStore
 from .store.rocksdb_store import RocksDBStore
 from .store.slot_file import SlotFileStore
@@ -187,10 +188,11 @@ class TierChain:
             self._buffers[name] = buf
         return buf[:nbytes].view(dtype).reshape(shape)
 
-    def _to_host(self, a, name: str | None = None) -> np.ndarray:
+    def _to_host(self, a, name: str | None = None,
+                 reason: str = "lines down to host tier") -> np.ndarray:
         """A host copy of device array ``a``: into staging buffer ``name``, or a new array."""
         out = None if name is None else self._host_buffer(name, tuple(a.shape), a.dtype)
-        out = self.launch.to_host(a, out)
+        out = self.launch.to_host(a, out, reason=reason)
         self.transfers.to_host(out.nbytes)
         return out
 
@@ -223,7 +225,7 @@ class TierChain:
         xp, launch = self.xp, self.launch
         m = keys.shape[0]
         launch.synchronize(self._staged)      # the staging buffers are free again
-        host_keys = self._to_host(keys, "keys")
+        host_keys = self._to_host(keys, "keys", reason="miss keys to host tier")
         staging = self._host_buffer("lines", (m, self.line_size), np.float32)
         remaining = np.arange(m, dtype=np.int64)
         for tier, counters in zip(self.tiers[self.n_device:], self.counters[self.n_device:]):
@@ -241,9 +243,10 @@ class TierChain:
         # contiguous copy costs less than compacting on the host first)
         staged_lines, staged_found = self._to_device(staging), self._to_device(found)
         self._staged = launch.record()
-        hit = xp.flatnonzero(staged_found)
+        n_missing = remaining.shape[0]        # known on the host: no size read back
+        hit = device_ops.positions_of(xp, staged_found, m - n_missing)
         lines[rows[hit]] = staged_lines[hit]
-        return rows[xp.flatnonzero(~staged_found)]
+        return rows[device_ops.positions_of(xp, ~staged_found, n_missing)]
 
     def _write_device(self, level: int, keys, lines, on_device: bool) -> None:
         for i in range(level, len(self.tiers)):

@@ -347,7 +347,7 @@ class MultiTableMultiColumnEmbedding:
         e, xp, launch = self.embedding_dim, self.xp, self.launch
         rows = shuffle_rows(self.comm, state.exchange, state.owner.lines[:, :e], self.exchange_dtype,
                             self.traffic, launch)
-        out = device_ops.gather_rows(rows, state.exchange.local.inverse, launch)
+        out = device_ops.gather_rows(rows, state.exchange.local.inverse, launch, check_index=False)
         if state.keep is not None:
             n = int(np.prod(state.ids_shape, dtype=np.int64))
             full = xp.zeros((n, e), dtype=xp.float32)

@@ -123,7 +123,9 @@ class EmbeddingShard:
         # every put after ``version`` is logged, so refresh patches in whatever it missed
         # (re-applying a put it already saw changes nothing)
         lines, found = self._chain.lookup(keys)
-        if not bool(found.all()):
+        if self.launch is not None:         # one read: the per-table count of new rows
+            self._initialize_on_device(lines, ~found, keys, table_ids)
+        elif not found.all():
             self._initialize(lines, ~found, keys, table_ids)
         rows = OwnerRows(keys, table_ids, lines, found, version, generation)
         rows.on_release(self._release, version)
@@ -149,7 +151,7 @@ class EmbeddingShard:
                 elif newer:
                     missing = _patch(rows, newer)
             rows.version, rows.generation = self._version, self._generation
-        if missing is not None and bool(missing.any()):
+        if missing is not None and (self.launch is not None or missing.any()):
             self._initialize(rows.lines, missing, rows.keys, rows.table_ids)
         rows.release()
 
@@ -181,17 +183,33 @@ class EmbeddingShard:
                                     offset, dim, offset)
 
     def _initialize_on_device(self, lines, missing, keys, table_ids) -> None:
-        """``_initialize`` on device arrays: the init kernel of each (table, column)."""
+        """``_initialize`` on device arrays: the init kernel of each (table, column) with new
+        rows. One host read per call, the new rows' count per table (a bincount): the rows are
+        grouped by table with a sort (no nonzero kernel, no size read back), each table's run
+        initialised from its start and count. The values depend on the key only (the counter
+        hash), so they equal the CPU path's bit for bit."""
         xp, launch = self.xp, self.launch
-        idx = xp.flatnonzero(missing)
+        n, n_tables = keys.shape[0], len(self.tables)
+        if n == 0:
+            return
+        # missing rows keep their table id, the others sort last (table n_tables)
+        group = xp.where(missing, table_ids.astype(xp.int64), n_tables)
+        counts = launch.to_host(xp.bincount(group, minlength=n_tables + 1)[:n_tables],
+                                reason="new rows: per-table count").astype(np.int64)
+        total = int(counts.sum())
+        if total == 0:
+            return
+        # (table, position) packed into one distinct int64: any sort is the stable grouping
+        idx = xp.argsort(group * n + xp.arange(n, dtype=xp.int64))[:total].astype(xp.int64)
         e = self.layout.embedding_dim
         lines[idx, e:] = 0.0
-        miss_tables = table_ids[idx]
-        for t in launch.to_host(xp.unique(miss_tables)).tolist():
-            rows = idx[miss_tables == t]
+        ends = np.cumsum(counts)
+        for t in np.flatnonzero(counts).tolist():       # host counts: no device read
+            rows = idx[ends[t] - counts[t]:ends[t]]
             for (offset, dim), col_opt in zip(self.layout.columns, self.tables[t].columns):
                 device_ops.fill_initial_values(lines, rows, keys[rows], col_opt.initializer,
-                                               self.seed, offset, dim, offset, launch)
+                                               self.seed, offset, dim, offset, launch,
+                                               check_rows=False)
 
     # ---------------------------------------------------------------- writes
     def update(self, keys: np.ndarray, lines: np.ndarray, found: np.ndarray, grads: np.ndarray,
@@ -551,7 +569,8 @@ def _patch_on_device(xp, rows: OwnerRows, newer: list):
     for put_keys, put_lines in newer:
         put_keys = xp.asarray(put_keys)
         pos = xp.minimum(xp.searchsorted(sorted_keys, put_keys), v - 1)
-        hit = xp.flatnonzero(sorted_keys[pos] == put_keys)
+        hit = device_ops.flatnonzero(xp, sorted_keys[pos] == put_keys,
+                                     "refresh: rows put since the lookup")
         erased = _apply_put(xp, rows, order[pos[hit]], put_lines, hit, erased)
     return erased
 

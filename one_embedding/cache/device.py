@@ -24,6 +24,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .. import host_sync
 from ..errors import CapacityError, ConfigError, InputError, SnapshotError
 from ..hashing import mix64
 from ..kernels import device_ops
@@ -169,28 +170,32 @@ class DeviceHashIndex:
             raise InputError(f"out has lines of {out.shape[1]} floats, the store {rows.shape[1]}")
         return self._find(keys, rows, out, out_rows)[0]
 
-    def find_or_insert(self, keys):
+    def find_or_insert(self, keys, distinct: bool = False):
         """keys: (n,) uint64 -> (slots (n,) int64, is_new (n,) bool); new keys take the next slots
         in batch order. A key given twice gets one slot, new at its first place only (as on the
-        CPU): the insert kernel needs distinct keys, or both copies would claim a bucket."""
+        CPU): the insert kernel needs distinct keys, or both copies would claim a bucket.
+        ``distinct=True``: the caller's keys are distinct, so the duplicate check (a host read) is
+        skipped."""
         xp = self._xp
         keys = self._keys(keys)
         self._reserve(keys.shape[0])
         slots, _ = self._find(keys)
         is_new = slots < 0
-        new = xp.flatnonzero(is_new)
-        m = int(new.shape[0])
+        m = device_ops.count_true(xp, is_new, "cache find_or_insert: new key count")
         if m:
+            new = device_ops.positions_of(xp, is_new, m)
             new_keys = keys[new]
-            order = xp.argsort(new_keys, kind="stable")     # equal keys: first place first
-            ranked = new_keys[order]
-            first = xp.ones(m, dtype=xp.bool_)
-            first[1:] = ranked[1:] != ranked[:-1]
-            if bool(first.all()):
+            if not distinct:
+                order = xp.argsort(new_keys, kind="stable")     # equal keys: first place first
+                ranked = new_keys[order]
+                first = xp.ones(m, dtype=xp.bool_)
+                first[1:] = ranked[1:] != ranked[:-1]
+            if distinct or host_sync.flag(first.all(), "cache find_or_insert: duplicate keys"):
                 new_slots = xp.arange(self._next_slot, self._next_slot + m, dtype=xp.int64)
                 slots[new] = new_slots
             else:                                   # duplicates: one slot per distinct key
-                place = order[first]                # each distinct key's first place (sorted keys)
+                n_place = device_ops.count_true(xp, first, "cache find_or_insert: distinct keys")
+                place = order[device_ops.positions_of(xp, first, n_place)]  # first places
                 slot_of = xp.empty(place.shape[0], dtype=xp.int64)
                 slot_of[xp.argsort(place)] = xp.arange(      # slots in order of first place
                     self._next_slot, self._next_slot + place.shape[0], dtype=xp.int64)
@@ -282,13 +287,13 @@ class DeviceFullStore(_OnDevice, StoreTier):
         """keys: (n,) uint64; out: (N, line_size) float32; out_rows: (n,) int64 -> missing (m,)
         int64 ascending, all on the device."""
         slots = self._index.find_rows(keys, self._rows, out, out_rows)
-        return self._xp.flatnonzero(slots < 0)
+        return device_ops.flatnonzero(self._xp, slots < 0, "device store find: missing count")
 
     def insert_or_assign(self, keys, lines):
         """keys: (n,) uint64 unique, lines: (n, line_size) float32 -> nothing evicted (empty)."""
         xp = self._xp
         lines = device_ops.device_array(self._launch, "lines", lines, np.float32, ndim=2)
-        slots, _ = self._index.find_or_insert(keys)
+        slots, _ = self._index.find_or_insert(keys, distinct=True)  # unique, as documented
         if lines.shape != (slots.shape[0], self.line_size):
             raise InputError(f"lines {tuple(lines.shape)} must be ({slots.shape[0]}, {self.line_size})")
         self._ensure_rows(self._index.slot_limit)
@@ -452,7 +457,7 @@ class DeviceCache(_OnDevice, Tier):
                                  starts, set_ids, np.int64(set_ids.shape[0]), np.int64(self._clock),
                                  out_rows, out, hit))
         self._clock += n
-        return xp.flatnonzero(hit == 0)
+        return device_ops.flatnonzero(xp, hit == 0, "miss keys to host tier")
 
     def insert_or_assign(self, keys, lines):
         """keys: (n,) uint64 unique, lines: (n, line_size) float32.
@@ -481,8 +486,9 @@ class DeviceCache(_OnDevice, Tier):
                                  np.int64(set_ids.shape[0]), np.int64(self._clock), ev_keys, ev_lines,
                                  ev_flag, new_flag))
         self._clock += n
-        leaving = xp.flatnonzero(ev_flag == 1)
-        self._size += int(new_flag.sum()) - int(xp.count_nonzero(ev_flag))
+        leaving = device_ops.flatnonzero(xp, ev_flag == 1, "cache evictions to host tier")
+        self._size += (host_sync.scalar(new_flag.sum(), "cache size: new lines")
+                       - device_ops.count_true(xp, ev_flag, "cache size: evicted lines"))
         return ev_keys[leaving], ev_lines[leaving]
 
     def _held(self):

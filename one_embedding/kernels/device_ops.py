@@ -25,6 +25,7 @@ import contextlib
 
 import numpy as np
 
+from .. import host_sync
 from ..errors import ConfigError, InputError
 from ..optim.base import _check_step
 from ..optim.row_optimizers import SGD, Adagrad, Adam, Ftrl
@@ -67,13 +68,11 @@ class Launcher:
         """A device copy of host array ``host`` (issued on the current stream)."""
         return self.xp.array(host, copy=True)
 
-    def to_host(self, a, out: np.ndarray | None = None) -> np.ndarray:
+    def to_host(self, a, out: np.ndarray | None = None,
+                reason: str = "launcher.to_host") -> np.ndarray:
         """A host copy of device array ``a``, into ``out`` (same shape and dtype) when given;
-        complete when it returns."""
-        if out is None:
-            return np.array(a, copy=True)
-        out[...] = a
-        return out
+        complete when it returns. Counted by ``host_sync`` under ``reason``."""
+        return host_sync.to_host(a, reason, out)
 
     def host_empty(self, shape, dtype) -> np.ndarray:
         """An uninitialised host array for staging copies (page-locked on a GPU)."""
@@ -94,7 +93,11 @@ class Launcher:
         """Work issued on the current stream from now on runs after ``event`` (None: no wait)."""
 
     def synchronize(self, event) -> None:
-        """Block the calling thread until ``event`` completed (None: at once)."""
+        """Block the calling thread until ``event`` completed (None: at once). Host work is
+        complete when issued: nothing to wait for, but a wait on an event is counted as on a
+        GPU, so that the dry run counts what the device would do."""
+        if event is not None:
+            host_sync.flag(True, "launcher.synchronize")
 
     def done(self, event) -> bool:
         """True when ``event`` completed (None always has)."""
@@ -123,12 +126,9 @@ class CupyLauncher(Launcher):
             out.set(np.ascontiguousarray(host))   # from page-locked memory: asynchronous
             return out
 
-    def to_host(self, a, out=None):
+    def to_host(self, a, out=None, reason: str = "launcher.to_host"):
         with self.xp.cuda.Device(self.device):
-            if out is None:
-                return a.get()
-            a.get(out=out)                         # blocking: complete when it returns
-            return out
+            return host_sync.to_host(a, reason, out)   # blocking: complete when it returns
 
     def host_empty(self, shape, dtype):
         import cupyx
@@ -146,8 +146,7 @@ class CupyLauncher(Launcher):
             self.xp.cuda.get_current_stream().wait_event(event)
 
     def synchronize(self, event) -> None:
-        if event is not None:
-            event.synchronize()
+        host_sync.wait(event, "launcher.synchronize")
 
     def done(self, event) -> bool:
         return event is None or bool(event.done)
@@ -297,7 +296,7 @@ def unique_ids(keys, launch: Launcher | None = None, return_first: bool = False)
     head = xp.ones(n, dtype=xp.int64)
     head[1:] = sorted_keys[1:] != sorted_keys[:-1]
     segment = xp.cumsum(head) - 1                                   # (n,) run of each sorted key
-    n_unique = int(segment[-1]) + 1
+    n_unique = host_sync.scalar(segment[-1], "dedup: unique count") + 1
     first = xp.full(n_unique, n, dtype=xp.int64)                    # (u,) first position of a run
     launch_threads(launch, "embedding", "unique_first", np.float32, n, (order, segment, np.int64(n), first))
     by_first = xp.argsort(first)                                    # distinct values: one order
@@ -332,12 +331,14 @@ def first_occurrence(inverse, n_unique: int, launch: Launcher | None = None):
     return first
 
 
-def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None):
+def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None,
+                check_inverse: bool = True):
     """values: (n, E) float32, inverse: (n,) int64 in [0, n_segments) -> (n_segments, E).
 
     Each segment's rows are added in row order from +0, one thread per (segment, column), so the
     sums equal ``parallel.unique.segment_sum`` bit for bit (float32 subnormal sums flush to zero
-    on the GPU).
+    on the GPU). ``check_inverse=False`` skips the inverse's range check (a host read) for an
+    inverse that ``unique_ids`` made.
     """
     launch = resolve(launch)
     xp = launch.xp
@@ -351,7 +352,8 @@ def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None
     out = xp.zeros((n_segments, dim), dtype=dtype)
     if n == 0 or n_segments == 0 or dim == 0:
         return out
-    if int(inverse.min()) < 0 or int(inverse.max()) >= n_segments:
+    if check_inverse and host_sync.flag((inverse.min() < 0) | (inverse.max() >= n_segments),
+                      "segment_sum: inverse range check"):
         raise InputError(f"inverse holds values outside [0, {n_segments}): pass the inverse of "
                          "unique_ids and its number of unique keys")
     counts = xp.bincount(inverse, minlength=n_segments)
@@ -365,10 +367,11 @@ def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None
     return out
 
 
-def gather_rows(src, index, launch: Launcher | None = None):
+def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = True):
     """src: (R, E) float, index: (...) int64 -> (..., E): ``src[index]``, zero rows where index < 0.
 
-    The twin of ``reference.gather_rows`` (copies, so bit-identical).
+    The twin of ``reference.gather_rows`` (copies, so bit-identical). ``check_index=False`` skips
+    the index's range check (a host read) for an index that lies in src by construction.
     """
     launch = resolve(launch)
     xp = launch.xp
@@ -377,7 +380,7 @@ def gather_rows(src, index, launch: Launcher | None = None):
     index = device_array(launch, "index", index, np.int64)
     flat = index.reshape(-1)
     dim = src.shape[1]
-    if flat.size and int(flat.max()) >= src.shape[0]:
+    if check_index and flat.size and host_sync.flag(flat.max() >= src.shape[0], "gather_rows: index range check"):
         raise InputError(f"index holds {int(flat.max())} but src has {src.shape[0]} rows")
     out = xp.empty((flat.shape[0], dim), dtype=dtype)
     launch_threads(launch, "embedding", "gather", dtype, flat.shape[0] * dim,
@@ -403,13 +406,15 @@ def initializer_code(init) -> tuple[int, tuple[float, float, float, float]]:
 
 
 def fill_initial_values(lines, rows, keys, init, seed: int, col_start: int, n_cols: int,
-                        out_offset: int, launch: Launcher | None = None) -> None:
+                        out_offset: int, launch: Launcher | None = None,
+                        check_rows: bool = True) -> None:
     """``lines[rows, out_offset:out_offset + n_cols]`` = initial values of ``keys`` at columns
     ``col_start..col_start + n_cols - 1``, in place. lines: (N, L) float32 (C-contiguous);
     rows: (m,) int64; keys: (m,) uint64.
 
     The device twin of ``initializers.fill_initial_values``: the same counter hash (exact), the
-    same float64 transforms rounded once to float32. CUDA's log1p / cos may differ from the host
+    same float64 transforms rounded once to float32. ``check_rows=False`` skips the rows' range
+    check (a host read) for callers whose rows index ``lines`` by construction. CUDA's log1p / cos may differ from the host
     libm in the last float64 ulp, which moves a float32 result by at most 1 ulp, rarely.
     """
     launch = resolve(launch)
@@ -421,7 +426,8 @@ def fill_initial_values(lines, rows, keys, init, seed: int, col_start: int, n_co
     if out_offset < 0 or n_cols < 0 or out_offset + n_cols > lines.shape[1]:
         raise InputError(f"columns [{out_offset}, {out_offset + n_cols}) lie outside lines of "
                          f"width {lines.shape[1]}")
-    if rows.shape[0] and not 0 <= int(rows.min()) <= int(rows.max()) < lines.shape[0]:
+    if check_rows and rows.shape[0] and host_sync.flag(
+            (rows.min() < 0) | (rows.max() >= lines.shape[0]), "fill_initial_values: row range check"):
         raise InputError(f"rows must lie in [0, {lines.shape[0]}), the rows of lines")
     kind, params = initializer_code(init)
     launch_threads(launch, "embedding", "init", np.float32, keys.shape[0] * int(n_cols),
@@ -561,3 +567,28 @@ def decode(payload, exchange_dtype: str, dim: int, launch: Launcher | None = Non
         launch_threads(launch, "codec", "int8_decode", np.float32, n * dim,
                        (payload, np.int64(n), np.int32(dim), out))
     return out
+
+
+# ---------------------------------------------------------------- counted compaction
+
+
+def count_true(xp, mask, reason: str) -> int:
+    """The number of True entries of device array ``mask``: one host read, counted."""
+    return int(host_sync.scalar(xp.count_nonzero(mask), reason))
+
+
+def positions_of(xp, mask, n: int):
+    """mask: (N,) bool with ``n`` True entries -> (n,) int64 ascending positions of them, without
+    reading anything back and without CuPy's nonzero kernel: each True entry scatters its
+    position to its rank (a cumulative sum); the False entries all land on a spare slot n."""
+    mask = mask.reshape(-1)
+    rank = xp.cumsum(mask, dtype=xp.int64) - 1
+    target = xp.where(mask, rank, n)
+    out = xp.empty(n + 1, dtype=xp.int64)
+    out[target] = xp.arange(mask.shape[0], dtype=xp.int64)
+    return out[:n]
+
+
+def flatnonzero(xp, mask, reason: str):
+    """``xp.flatnonzero(mask)`` with its one size read counted under ``reason``."""
+    return positions_of(xp, mask, count_true(xp, mask, reason))

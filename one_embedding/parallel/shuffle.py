@@ -92,7 +92,8 @@ def _partition_on_device(keys, table_ids, world: int, launch) -> LocalIds:
     if world == 1:
         return LocalIds(uniq, uniq_tables, inverse, np.array([uniq.shape[0]], np.int64))
     owners = owner_rank(uniq, world, xp)
-    counts = launch.to_host(xp.bincount(owners, minlength=world)).astype(np.int64)
+    counts = launch.to_host(xp.bincount(owners, minlength=world),
+                            reason="partition: per-rank counts for the exchange").astype(np.int64)
     # (owner, position) packed into one distinct int64: any sort is the stable grouping
     u = uniq.shape[0]
     order = xp.argsort(owners * max(u, 1) + xp.arange(u, dtype=xp.int64)).astype(xp.int64)

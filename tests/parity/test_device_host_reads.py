@@ -1,0 +1,53 @@
+"""Host reads of the device path's lookup + update (issue 30 item 2), counted by ``host_sync`` on
+the emulated launcher (numpy standing in for CuPy, the CUDA kernels emulated): a device_mem
+embedding's steady-state step makes only the reads listed here, each by its reason."""
+from __future__ import annotations
+
+import numpy as np
+import one_embedding as oe
+from one_embedding import host_sync
+
+E, TABLES, BATCH = 8, 3, 40
+
+# the bottom layer's reads (dedup, partition, cache find/insert, new rows) in one steady step
+BOTTOM_READS = {"dedup: unique count", "device store find: missing count",
+                "cache find_or_insert: new key count", "new rows: per-table count"}
+
+
+def _embedding(tmp_path, launch):
+    tables = [oe.make_table_options(oe.make_uniform_initializer(-0.1, 0.1)),
+              oe.make_table_options(oe.make_normal_initializer(0.0, 0.05)),
+              oe.make_table_options(oe.make_trunc_normal_initializer(0.0, 0.2, -0.3, 0.3))]
+    store = oe.make_device_mem_store_options(str(tmp_path), capacity=1000)
+    return oe.MultiTableEmbedding("t", E, np.float32, np.int64, tables, store, seed=5,
+                                  device=launch)
+
+
+def _step(emb, opt, ids, grad):
+    out = emb(ids)
+    emb.backward(emb.xp.asarray(grad))
+    opt.step()
+    opt.zero_grad()
+    return out
+
+
+def test_device_mem_steady_step_reads_by_reason(tmp_path, launch):
+    emb = _embedding(tmp_path, launch)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    rng = np.random.default_rng(3)
+    grad = rng.standard_normal((BATCH, TABLES, E)).astype(np.float32)
+    batches = [(rng.zipf(1.2, size=(BATCH, TABLES)) % (30 + 20 * k)).astype(np.int64) * 7 + 1
+               for k in range(4)]
+    for ids in batches[:2]:                                # warm: keys created
+        _step(emb, opt, ids, grad)
+    per_step = []
+    for ids in batches[2:]:
+        with host_sync.counting() as reads:
+            _step(emb, opt, ids, grad)
+        per_step.append(reads.by_reason)
+    emb.close()
+    for reads in per_step:
+        # one read each: the unique count (dedup), the store's missing count (find), the new rows'
+        # per-table count (initial values), the new keys' count (find_or_insert); no range
+        # check, duplicate check, nonzero or unique read remains
+        assert dict(reads) == {reason: 1 for reason in BOTTOM_READS}, dict(reads)
