@@ -540,7 +540,7 @@ class Trainer:
                 for (epoch, batch), state in prefetcher:
                     progress.phase_seconds["wait"] += time.perf_counter() - wait
                     loss = self.train_step(batch, state)
-                    host_loss = loss if isinstance(loss, float) else None
+                    host_loss = loss if self.comm.world > 1 else None  # several ranks: a float
                     if host_loss is None:
                         pending.append(loss)
                     progress.count(epoch, cfg.batch_size, host_loss,
