@@ -110,6 +110,10 @@ class TrainConfig:
                                help="linear warmup, OneFlow's LinearLR from 0: update t uses "
                                     "lr * min(1, (t - 1) / warmup_steps), so the first update "
                                     "has lr 0")
+    log_interval: int = option(10, group="training", at_least=1,
+                               help="read the losses back and write a train record every N "
+                                    "steps (and at step 1 and the end); between reads the "
+                                    "step leaves its loss on the device")
     eval_interval: int = option(0, group="training", at_least=0,
                                 help="evaluate every N steps (0: only at the end)")
     eval_batches: int = option(20, group="training", at_least=0,

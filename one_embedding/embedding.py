@@ -46,6 +46,7 @@ from .parallel.comm import default_comm
 from .parallel.shuffle import Traffic
 from .shard import EmbeddingShard
 from .step import LineLayout, StepState
+from . import host_sync
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +312,7 @@ class MultiTableMultiColumnEmbedding:
         if self.padding_idx is not None:
             pad_key = keys_as_uint64(np.array([self.padding_idx]), self.key_type)[0]
             is_pad = keys == pad_key
-            if bool(is_pad.any()):
+            if host_sync.flag(is_pad.any(), "embedding: padding ids"):
                 keep = ~is_pad
                 keys, tables = keys[keep], tables[keep]
         exchange = shuffle_ids(comm, keys, tables, self.traffic, self.launch)

@@ -40,6 +40,7 @@ from .errors import ConfigError, InputError
 from .optim.groups import clip_coefficient
 from .optim.loss_scale import LossScaler, all_finite
 from .parallel.comm import Communicator, default_comm
+from . import host_sync
 
 
 class Optimizer:
@@ -133,7 +134,8 @@ class Optimizer:
             scaler.update(found_inf=True)
             return loss
         dense = [(p, states) for p, states in zip(self.parameters, self._dense_states)
-                 if p.grad is not None and bool(p.grad.any())]
+                 if p.grad is not None and host_sync.flag(p.grad.any(),
+                                                               "optimizer: dense grad nonzero")]
         if not dense and not any(emb.has_gradients for emb in self.embeddings):
             return loss  # nothing received a gradient: the step does not count
         t = self.step_count + 1

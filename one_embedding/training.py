@@ -34,6 +34,7 @@ from .config import MODELS, OPTIMIZERS, STORES, TrainConfig, make_row_optimizer
 from .data import BatchLoader, SyntheticCriteo
 from .backend import array_namespace, cupy_available, embedding_device, to_numpy
 from .errors import ConfigError
+from . import host_sync
 from .metrics import log_loss, roc_auc
 from .models import DCN, DLRM, DeepFM
 from .nn import amp
@@ -73,7 +74,7 @@ DENSE_FEATURES = 13
 #: Sparse features of a file source (Criteo's C1..C26); the synthetic source says its own
 FILE_SPARSE_FEATURES = 26
 #: a "train" record every this many steps (and after the first)
-TRAIN_RECORD_EVERY = 10
+TRAIN_RECORD_EVERY = 10  # the default of --log-interval
 
 
 def lifecycle_options_for(cfg: TrainConfig):
@@ -228,7 +229,7 @@ LIFECYCLE_FIELDS = ("admitted_rows", "not_admitted_lookups", "evicted_rows")
 #: it resumes with this value (Ftrl computed only TensorFlow's convention before issue 23)
 LEGACY_CONFIG = {"ftrl_convention": "tensorflow"}
 
-RESUME_MAY_CHANGE = {"steps", "epochs", "eval_interval", "eval_batches", "snapshot_interval",
+RESUME_MAY_CHANGE = {"steps", "epochs", "log_interval", "eval_interval", "eval_batches", "snapshot_interval",
                      "snapshot_name", "keep_snapshots", "prefetch_depth", "read_ahead", "cache_mb",
                      "host_cache_mb", "capacity", "resume", "overwrite", "persistent_path"}
 
@@ -254,16 +255,18 @@ class TrainProgress:
     #: in), dense (model and loss forward + backward), update (optimizer step)
     phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
 
-    def count(self, epoch: int, batch_size: int, loss: float, seconds: float,
+    def count(self, epoch: int, batch_size: int, loss, seconds: float,
               skip_steps: int) -> None:
         """One finished step of ``batch_size`` samples of ``epoch`` that took ``seconds``
-        (``batch_size`` is the global batch)."""
+        (``batch_size`` is the global batch); ``loss`` is a float, or None when the trainer
+        reads it back later (``read_losses``)."""
         if epoch != self.epoch:
             self.epoch, self.batches_in_epoch = epoch, 0
         self.step += 1
         self.batches_in_epoch += 1
         self.samples += batch_size
-        self.losses.append(loss)
+        if loss is not None:
+            self.losses.append(loss)
         self.train_seconds += seconds
         if self.step > skip_steps:
             self.steady_seconds += seconds
@@ -329,7 +332,8 @@ class Trainer:
 
         batch: this rank's block of a global batch: dense (b, 13) float32, ids (b, F) int64,
         labels (b,); state: the ``StepState`` of ``embedding.prepare(batch.ids)`` (prepared now
-        when None). Returns the global batch's mean loss."""
+        when None). Returns the global batch's mean loss: a float on several ranks, else a
+        0-d array of the model's backend, left on the device (read back by ``read_losses``)."""
         phases, clock = self.progress.phase_seconds, time.perf_counter
         t0 = clock()
         if state is None:
@@ -340,10 +344,11 @@ class Trainer:
         scaler = self.optimizer.loss_scaler
         with amp.autocast(self.cfg.amp):
             logits = self.model.forward_from_embeddings(dense, embedded)  # (b,)
-            loss = float(self.loss_fn(logits, labels))
+            loss = self.loss_fn(logits, labels)
             dlogits = self.loss_fn.backward()
             if self.comm.world > 1:  # the gradient of this rank's share of the global mean
                 dlogits = dlogits * np.float32(batch.labels.shape[0] / self.cfg.batch_size)
+                loss = float(host_sync.scalar(loss, "loss (several ranks)"))
                 loss = float(self.comm.allreduce_sum(np.array([loss]))[0]) / self.comm.world
             if scaler is not None:  # unscaled by Optimizer.step, which skips an overflowed step
                 dlogits = dlogits * np.float32(scaler.scale)
@@ -540,6 +545,7 @@ class Trainer:
             batches = itertools.islice(batches, max(0, cfg.steps - progress.step))
         prefetcher = Prefetcher(batches, self.embedding, depth=cfg.prefetch_depth,
                                 ids=lambda item: item[1].ids)
+        pending: list = []  # losses of the steps since the last read, still on the device
         try:
             with prefetcher:
                 t0 = time.perf_counter()
@@ -547,15 +553,24 @@ class Trainer:
                 for (epoch, batch), state in prefetcher:
                     progress.phase_seconds["wait"] += time.perf_counter() - wait
                     loss = self.train_step(batch, state)
-                    progress.count(epoch, cfg.batch_size, loss, time.perf_counter() - t0,
-                                   self.skip_steps)
+                    host_loss = loss if self.comm.world > 1 else None  # several ranks: a float
+                    if host_loss is None:
+                        pending.append(loss)
+                    progress.count(epoch, cfg.batch_size, host_loss,
+                                   time.perf_counter() - t0, self.skip_steps)
                     step = progress.step
+                    last = cfg.steps is not None and step >= cfg.steps
                     if bar is not None:
                         bar.update(1)
-                        bar.set_postfix(loss=f"{np.mean(progress.losses[-20:]):.4f}",
-                                        samples_s=f"{progress.samples / progress.train_seconds:,.0f}")
-                    if step % TRAIN_RECORD_EVERY == 0 or step == 1:
-                        self.write({"event": "train", "step": step, "loss": loss,
+                    if step % cfg.log_interval == 0 or step == 1 or last or \
+                            self._reads_progress(step):
+                        self.read_losses(pending)
+                        if bar is not None:
+                            bar.set_postfix(
+                                loss=f"{np.mean(progress.losses[-20:]):.4f}",
+                                samples_s=f"{progress.samples / progress.train_seconds:,.0f}")
+                    if step % cfg.log_interval == 0 or step == 1:
+                        self.write({"event": "train", "step": step, "loss": progress.losses[-1],
                                     "samples_per_s": progress.samples / progress.train_seconds})
                     self.maybe_evaluate(step)
                     self.maybe_snapshot(step)
@@ -565,10 +580,26 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        self.read_losses(pending)  # the loader ran out before --steps
         record = self.finish()
         self.write(record)
         self.close()
         return record
+
+    def _reads_progress(self, step: int) -> bool:
+        """Whether ``step`` evaluates or checkpoints (both need the losses on the host)."""
+        cfg = self.cfg
+        return bool(cfg.eval_interval and step % cfg.eval_interval == 0) or \
+            bool(cfg.snapshot_interval and step % cfg.snapshot_interval == 0)
+
+    def read_losses(self, pending: list) -> None:
+        """Append the device losses in ``pending`` to ``progress.losses`` with one read (they
+        are stacked first), and empty ``pending``."""
+        if not pending:
+            return
+        losses = host_sync.to_host(self.xp.stack(pending), "losses")
+        self.progress.losses.extend(float(x) for x in losses)
+        pending.clear()
 
     def _finished(self) -> bool:
         """The run holds its final checkpoint (``--snapshot-name``) at the step it resumed from

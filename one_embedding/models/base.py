@@ -16,6 +16,7 @@ import inspect
 import math
 
 import numpy as np
+from .. import host_sync
 
 from ..backend import array_namespace, to_numpy
 from ..errors import ConfigError, InputError
@@ -182,7 +183,7 @@ class CTRModel(Module):
             raise InputError(f"dense has dtype {dense.dtype}; pass floating-point features")
         xp = array_namespace(dense)
         bad = ~xp.isfinite(dense)
-        if bool(bad.any()):
+        if host_sync.flag(bad.any(), "model: input check"):
             where = np.argwhere(to_numpy(bad))[0]
             raise InputError(
                 f"dense[{where[0]}, {where[1]}] is {float(dense[tuple(where)])}: the dense input must be "

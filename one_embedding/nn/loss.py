@@ -5,6 +5,7 @@ from ..backend import array_namespace
 from ..errors import InputError
 from ..kernels import ops_for
 from .module import Module
+from .. import host_sync
 
 
 class BCEWithLogits(Module):
@@ -26,7 +27,8 @@ class BCEWithLogits(Module):
                 "pass one label per sample"
             )
         labels = labels.astype(logits.dtype, copy=False)
-        if bool(((labels < 0) | (labels > 1) | xp.isnan(labels)).any()):
+        if host_sync.flag(((labels < 0) | (labels > 1) | xp.isnan(labels)).any(),
+                          "loss: labels outside [0, 1]"):
             raise InputError("labels must lie in [0, 1] (click = 1, no click = 0)")
         self._saved = (logits, labels)
         return ops_for(xp).bce_with_logits_forward(logits, labels)

@@ -28,6 +28,7 @@ import numpy as np
 from one_embedding.backend import array_namespace
 from one_embedding.errors import ConfigError, ConventionWarning, InputError
 from one_embedding.optim.groups import ParamGroup, build_groups, check_repeated, clip_coefficient
+from .. import host_sync
 
 __all__ = ["RowOptimizer", "check_real", "WEIGHT_DECAY_MODES", "DEFAULT_LR"]
 
@@ -339,7 +340,8 @@ class RowOptimizer(ABC):
                                     for group in self.param_groups])
         count, all_states = self._standalone
         live = [[(p, s) for p, s in zip(group.parameters, states)
-                 if p.grad is not None and bool(p.grad.any())]
+                 if p.grad is not None and host_sync.flag(p.grad.any(),
+                                                               "optimizer: dense grad nonzero")]
                 for group, states in zip(self.param_groups, all_states)]
         if any(live):
             count += 1
