@@ -597,7 +597,7 @@ class Trainer:
         are stacked first), and empty ``pending``."""
         if not pending:
             return
-        losses = host_sync.to_host(self.xp.stack(pending), "losses")
+        losses = host_sync.to_host(self.xp.stack([self.xp.asarray(x) for x in pending]), "losses")
         self.progress.losses.extend(float(x) for x in losses)
         pending.clear()
 

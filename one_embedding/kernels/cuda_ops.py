@@ -404,10 +404,11 @@ def _bce_inputs(logits, labels):
 
 
 def bce_with_logits_forward(logits, labels):
-    """Mean binary cross-entropy of ``logits`` (B,) against ``labels`` (B,) in [0, 1] -> float.
+    """Mean binary cross-entropy of ``logits`` (B,) against ``labels`` (B,) in [0, 1] -> a 0-d
+    float64 device array (left on the device: the trainer reads its losses every
+    ``--log-interval`` steps; ``float()`` of it waits for the device).
 
-    Stable form max(z, 0) - z * y + log1p(exp(-|z|)), summed in float64. Returns a Python float,
-    so it waits for the device.
+    Stable form max(z, 0) - z * y + log1p(exp(-|z|)), summed in float64.
     """
     cp = _cupy()
     logits, labels = _bce_inputs(logits, labels)
@@ -416,7 +417,7 @@ def bce_with_logits_forward(logits, labels):
     block_sums = cp.empty((blocks,), dtype=cp.float64)
     cm.get_kernel("loss", "bce_forward", logits.dtype)(
         (blocks,), (cm.BLOCK,), (logits, labels, np.int64(n), block_sums))
-    return float(block_sums.sum()) / n
+    return block_sums.sum() / n
 
 
 def bce_with_logits_backward(logits, labels):

@@ -285,7 +285,8 @@ def test_bce_with_logits_matches_reference(n, dtype):
     labels = (rng.random(n) < 0.3).astype(dtype)
     loss = ops.bce_with_logits_forward(cp.asarray(logits), cp.asarray(labels))
     loss_true = ref.bce_with_logits_forward(logits.astype(np.float64), labels.astype(np.float64))
-    assert isinstance(loss, float)
+    assert loss.shape == () and isinstance(loss, cp.ndarray)   # left on the device
+    loss = float(loss)
     tol = 1e-6 if np.dtype(dtype) == np.float32 else 1e-12
     assert abs(loss - loss_true) <= tol * max(1.0, abs(loss_true))
     _close(ops.bce_with_logits_backward(cp.asarray(logits), cp.asarray(labels)),
