@@ -208,8 +208,10 @@ class Prefetcher:
 
     def __exit__(self, exc_type, exc, tb):
         comm = getattr(self.embedding, "comm", None)
-        if exc_type is not None and self._several_ranks() and comm is not None \
-                and abort_enabled():
+        # Ctrl-C is left to the caller (the CLI names the last checkpoint, then ends every rank);
+        # should no one end the job, close()'s timeout still does
+        if exc_type is not None and not issubclass(exc_type, KeyboardInterrupt) \
+                and self._several_ranks() and comm is not None and abort_enabled():
             # the other ranks wait for this one in a collective it will never enter
             end_job(comm, f"raised {exc_type.__name__} with prefetch on", exc)
         self.close()
