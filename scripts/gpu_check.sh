@@ -93,8 +93,9 @@ timeout 240 "$python" -m pytest -m gpu -q -rfEs -p no:cacheprovider --durations=
     --junitxml="$out/gpu_tests.xml" ${GPU_CHECK_TESTS:-tests} > "$out/gpu_tests.log" 2>&1
 tests_rc=$?
 [ "$tests_rc" -eq 124 ] && echo "gpu_check: pytest timed out after 240 s" >> "$out/gpu_tests.log"
-# the serving tests' client (tritonclient) is not on the GPU image; they hold no GPU test
-allow_skip="${GPU_CHECK_ALLOW_SKIP-could not import .tritonclient}"
+# the serving tests' client (tritonclient) is not on the GPU image (they hold no GPU test); the
+# host-read test is a strict xfail until issue 30 item 2 is done
+allow_skip="${GPU_CHECK_ALLOW_SKIP-could not import .tritonclient|issue 30 item 2 is not finished}"
 tests_line="$(report tests "$out/gpu_tests.xml" ${allow_skip:+--allow-skip "$allow_skip"})"
 tests_ok=$?
 if [ "$tests_ok" -eq 0 ] && [ "$tests_rc" -ne 0 ]; then
