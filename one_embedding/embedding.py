@@ -231,8 +231,10 @@ class MultiTableMultiColumnEmbedding:
             )
         if ids.ndim == 0:
             raise InputError("ids is a scalar: pass an array of ids, e.g. shape (B,) or (B, F)")
-        if ids.size:
-            lo, hi = ids.min(), ids.max()
+        if ids.size and not np.can_cast(ids.dtype, self.key_type, "safe"):
+            # the dtype may hold ids the key type cannot: two reads (none for fitting dtypes)
+            lo = int(host_sync.scalar(ids.min(), "embedding: id range check"))
+            hi = int(host_sync.scalar(ids.max(), "embedding: id range check"))
             info = np.iinfo(self.key_type)
             if int(lo) < info.min or int(hi) > info.max:
                 bad = int(lo) if int(lo) < info.min else int(hi)
@@ -263,7 +265,8 @@ class MultiTableMultiColumnEmbedding:
             raise InputError(
                 f"table_ids of shape {table_ids.shape} do not broadcast to ids of shape {ids.shape}"
             ) from None
-        if table_ids.size and bool(table_ids.min() < 0 or table_ids.max() >= n_tables):
+        if table_ids.size and host_sync.flag((table_ids.min() < 0) | (table_ids.max() >= n_tables),
+                                             "embedding: table id range check"):
             bad = int(table_ids.max()) if table_ids.max() >= n_tables else int(table_ids.min())
             raise InputError(
                 f"table id {bad} is out of range: this embedding has {n_tables} tables "
@@ -389,13 +392,21 @@ class MultiTableMultiColumnEmbedding:
         grad = grad.reshape(-1, self.embedding_dim).astype(np.float32, copy=False)
         if state.keep is not None:
             grad = grad[state.keep]
-        if not bool(xp.isfinite(grad).all()):
-            grad = to_numpy(grad)
-            bad = np.argwhere(~np.isfinite(grad))[0]
-            raise InputError(
-                f"grad_out holds a non-finite value ({grad[tuple(bad)]}) at row {int(bad[0])}: "
-                "the table is unchanged; check the loss (e.g. lower the learning rate)"
-            )
+        bad = ~xp.isfinite(grad)
+        width = self.embedding_dim
+
+        def first_bad():
+            at = xp.argmax(bad.ravel())
+            return at, grad.ravel()[at]
+
+        # read at once (the table unchanged), or on the device path at the next metrics read,
+        # before any checkpoint is written
+        after = "the table is unchanged" if host_sync.deferred_checks() is None else \
+            "the run stops before its next checkpoint"
+        host_sync.check(bad.any(), lambda at, value: (
+            f"grad_out holds a non-finite value ({value}) at row {int(at) // width}: {after}; "
+            "check the loss (e.g. lower the learning rate)"),
+            "embedding: gradient check", details=first_bad)
         local = state.exchange.local
         summed = segment_sum(grad, local.inverse, local.unique_keys.shape[0], self.launch)
         grads = shuffle_grads(self.comm, state.exchange, summed, self.exchange_dtype, self.traffic,

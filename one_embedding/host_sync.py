@@ -9,7 +9,11 @@ metrics, the losses and the step's error flags, once every ``--log-interval`` st
 Code on the step's path calls these functions instead of reading arrays directly, so that the
 reads are counted wherever they happen, by reason:
 
-    >>> import numpy as np
+    >>> from typing import Callable
+
+import numpy as np
+
+from .errors import InputError
     >>> from one_embedding import host_sync
     >>> with host_sync.counting() as reads:
     ...     host_sync.to_host(np.arange(3), "example")
@@ -18,6 +22,11 @@ reads are counted wherever they happen, by reason:
     2.5
     >>> reads.total, reads.by_reason["example"]
     (2, 2)
+
+Checks of values on the device (ids, NaN inputs, labels) use ``check``: outside ``deferring`` it
+reads its flag at once and raises; inside (the trainer's device path) the flag stays on the
+device and ``DeferredChecks.read`` raises the first failed one at the next metrics read, naming
+the step, in the same read that brings the losses back.
 
 The counts cover every backend alike (a numpy "read" costs nothing, but it is counted the
 same), so the CPU dry run of the device path counts what a GPU run would do.
@@ -29,7 +38,11 @@ import threading
 from collections import Counter
 from dataclasses import dataclass, field
 
+from typing import Callable
+
 import numpy as np
+
+from .errors import InputError
 
 _lock = threading.Lock()
 _totals: Counter = Counter()  # reason -> reads since the process started
@@ -99,3 +112,97 @@ def counting():
         after = totals()
         after.subtract(before)
         reads.by_reason = Counter({k: v for k, v in after.items() if v > 0})
+
+
+# ---------------------------------------------------------------- checks on the device
+
+
+@dataclass
+class _Check:
+    step: int                    # the trainer's step when it was registered
+    bad: object                  # 0-d device bool: True = the check failed
+    details: tuple               # 0-d device values the message is made of
+    message: Callable[..., str]  # message(*host details) -> str
+    error: type
+    reason: str
+
+
+class DeferredChecks:
+    """Checks whose flags stay on the device until ``read``: a step queues them without a
+    host read; ``read`` brings every flag (and the losses beside them) back in one read and
+    raises the first failed check's error, its message prefixed with its step.
+
+    ``step`` is set by the trainer before each step; a check registered by another thread
+    (the prefetcher preparing a later batch) carries the step running then.
+    """
+
+    def __init__(self):
+        self.step = 0
+        self._pending: list[_Check] = []
+        self._lock = threading.Lock()
+
+    def add(self, check: _Check) -> None:
+        with self._lock:
+            self._pending.append(check)
+
+    def __len__(self) -> int:
+        return len(self._pending)
+
+    def read(self, xp, values=(), reason: str = "checks") -> np.ndarray:
+        """values: 0-d device arrays (e.g. the pending losses) -> their host float64 values,
+        read in one ``to_host`` with every pending check's flag; raises the first (oldest)
+        failed check (its details read then). No read when there is nothing to read."""
+        with self._lock:
+            pending, self._pending = self._pending, []
+        if not pending and not values:
+            return np.empty(0, np.float64)
+        parts = [xp.asarray(v, dtype=xp.float64).reshape(1) for v in values]
+        parts += [xp.asarray(c.bad, dtype=xp.float64).reshape(1) for c in pending]
+        host = to_host(xp.concatenate(parts), reason)
+        for c, bad in zip(pending, host[len(values):]):
+            if bad:  # its details in their own dtypes (a 64-bit key does not fit a float64)
+                details = [to_host(d, c.reason + " (details)").reshape(()).item()
+                           for d in c.details]
+                raise c.error(f"step {c.step}: {c.message(*details)}")
+        return host[:len(values)]
+
+
+_deferred: DeferredChecks | None = None
+
+
+def deferred_checks() -> DeferredChecks | None:
+    """The ``DeferredChecks`` that ``check`` queues into now (None: checks read at once)."""
+    return _deferred
+
+
+@contextlib.contextmanager
+def deferring(checks: DeferredChecks):
+    """Inside, ``check`` queues into ``checks`` instead of reading (one at a time: not nested)."""
+    global _deferred
+    if _deferred is not None:
+        raise RuntimeError("host_sync.deferring is already active")
+    _deferred = checks
+    try:
+        yield checks
+    finally:
+        _deferred = None
+
+
+def check(bad, message: Callable[..., str], reason: str, *, details: Callable[[], tuple] = tuple,
+          error: type = InputError) -> None:
+    """Raise ``error(message(*host details))`` when the 0-d device bool ``bad`` is True.
+
+    details: a callable returning 0-d device values for the message (e.g. the position and
+    value of the first bad entry), called only when needed: at once after a failed read, or at
+    registration inside ``deferring`` (then read with the flag, so nothing the step reuses
+    later is needed to write the message). Outside ``deferring``: one counted read (two when it
+    fails); inside: none until ``DeferredChecks.read``.
+    """
+    queue = _deferred
+    if queue is None:
+        if flag(bad, reason):
+            values = details()
+            host = [to_host(v, reason + " (details)").reshape(()).item() for v in values]
+            raise error(message(*host))
+        return
+    queue.add(_Check(queue.step, bad, tuple(details()), message, error, reason))

@@ -133,9 +133,12 @@ class Optimizer:
             self.zero_grad()  # gradients at the old scale must not reach a later step
             scaler.update(found_inf=True)
             return loss
+        # a parameter whose gradient is all zero is left alone (its state too); on the device
+        # path that is decided on the device (``masked_update``), without a read
+        on_device = host_sync.deferred_checks() is not None
         dense = [(p, states) for p, states in zip(self.parameters, self._dense_states)
-                 if p.grad is not None and host_sync.flag(p.grad.any(),
-                                                               "optimizer: dense grad nonzero")]
+                 if p.grad is not None and (on_device or host_sync.flag(
+                     p.grad.any(), "optimizer: dense grad nonzero"))]
         if not dense and not any(emb.has_gradients for emb in self.embeddings):
             return loss  # nothing received a gradient: the step does not count
         t = self.step_count + 1
@@ -146,7 +149,10 @@ class Optimizer:
         staged = [emb.stage_gradients(bound[id(emb)], t, rows)
                   for emb, rows in zip(self.embeddings, taken)]
         for p, states in dense:
-            bound[id(p)].update(p.data, states, p.grad, t)
+            if on_device:
+                masked_update(bound[id(p)], p.data, states, p.grad, t)
+            else:
+                bound[id(p)].update(p.data, states, p.grad, t)
         self.step_count = t
         for emb, update in zip(self.embeddings, staged):
             emb.commit_gradients(update)
@@ -257,3 +263,19 @@ def _embeddings_by_group(groups, embeddings: list) -> list:
                 "parameter)")
         groups[0].embeddings.append(emb)
     return embeddings + [e for e in named if not any(e is x for x in embeddings)]
+
+
+def masked_update(bound, w, states, g, step: int) -> None:
+    """``bound.update(w, states, g, step)`` where ``g`` has a non-zero entry; elsewhere ``w``
+    and ``states`` keep their values, bit for bit, decided on the device (no host read): the
+    values are saved, the update runs, and a select on the device puts the saved values back
+    when ``g`` is all zero.
+
+    w, g: same shape float arrays (numpy or cupy); states: arrays shaped like ``w``."""
+    xp = array_namespace(w, g)
+    keep = ~g.any()                                             # 0-d device bool
+    before = [w.copy()] + [s.copy() for s in states]
+    bound.update(w, states, g, step)
+    for now, old in zip([w] + list(states), before):
+        xp.copyto(now, old, where=keep)
+

@@ -30,6 +30,7 @@ import numpy as np
 from .chain import build_chain, read_snapshot_rows
 from .errors import ConfigError, InputError, SnapshotError
 from .initializers import fill_initial_values
+from . import host_sync
 from .kernels import device_ops
 from .lifecycle import Lifecycle, StepPlan, check_step
 from .options import LifecycleOptions
@@ -88,6 +89,7 @@ class EmbeddingShard:
         self._lock = PathLock(self.path) if self.path else None
         self._snapshots = None
         self._chain = None
+        self._init_spec = None  # the tables' initializers on the device (built at first use)
         if self.path:
             self._snapshots = SnapshotDirectory(self.path)
             self._snapshots.recover()
@@ -123,7 +125,7 @@ class EmbeddingShard:
         # every put after ``version`` is logged, so refresh patches in whatever it missed
         # (re-applying a put it already saw changes nothing)
         lines, found = self._chain.lookup(keys)
-        if self.launch is not None:         # one read: the per-table count of new rows
+        if self.launch is not None:         # no read: a masked init kernel
             self._initialize_on_device(lines, ~found, keys, table_ids)
         elif not found.all():
             self._initialize(lines, ~found, keys, table_ids)
@@ -183,33 +185,18 @@ class EmbeddingShard:
                                     offset, dim, offset)
 
     def _initialize_on_device(self, lines, missing, keys, table_ids) -> None:
-        """``_initialize`` on device arrays: the init kernel of each (table, column) with new
-        rows. One host read per call, the new rows' count per table (a bincount): the rows are
-        grouped by table with a sort (no nonzero kernel, no size read back), each table's run
-        initialised from its start and count. The values depend on the key only (the counter
-        hash), so they equal the CPU path's bit for bit."""
-        xp, launch = self.xp, self.launch
-        n, n_tables = keys.shape[0], len(self.tables)
-        if n == 0:
+        """``_initialize`` on device arrays, in one launch and without a read: every row where
+        ``missing`` is True gets its table's initial values (``device_ops.init_missing``). The
+        values depend on the key only (the counter hash), so they equal the CPU path's bit for
+        bit."""
+        if keys.shape[0] == 0:
             return
-        # missing rows keep their table id, the others sort last (table n_tables)
-        group = xp.where(missing, table_ids.astype(xp.int64), n_tables)
-        counts = launch.to_host(xp.bincount(group, minlength=n_tables + 1)[:n_tables],
-                                reason="new rows: per-table count").astype(np.int64)
-        total = int(counts.sum())
-        if total == 0:
-            return
-        # (table, position) packed into one distinct int64: any sort is the stable grouping
-        idx = xp.argsort(group * n + xp.arange(n, dtype=xp.int64))[:total].astype(xp.int64)
-        e = self.layout.embedding_dim
-        lines[idx, e:] = 0.0
-        ends = np.cumsum(counts)
-        for t in np.flatnonzero(counts).tolist():       # host counts: no device read
-            rows = idx[ends[t] - counts[t]:ends[t]]
-            for (offset, dim), col_opt in zip(self.layout.columns, self.tables[t].columns):
-                device_ops.fill_initial_values(lines, rows, keys[rows], col_opt.initializer,
-                                               self.seed, offset, dim, offset, launch,
-                                               check_rows=False)
+        if self._init_spec is None:
+            self._init_spec = device_ops.init_spec(
+                self.layout.columns, [[c.initializer for c in t.columns] for t in self.tables],
+                self.launch)
+        device_ops.init_missing(lines, missing, table_ids, keys, self._init_spec, self.seed,
+                                self.launch)
 
     # ---------------------------------------------------------------- writes
     def update(self, keys: np.ndarray, lines: np.ndarray, found: np.ndarray, grads: np.ndarray,
@@ -242,7 +229,9 @@ class EmbeddingShard:
         if lifecycle.sketch is None:  # every key admitted: only the new rows are counted
             if lifecycle.meta is not None:
                 check_step(step)
-            return keys, lines, found, grads, StepPlan(step, int(xp.count_nonzero(~found)))
+            new_rows = device_ops.count_true(xp, ~found, "update: new row count") \
+                if self.launch is not None else int(np.count_nonzero(~found))
+            return keys, lines, found, grads, StepPlan(step, new_rows)
         to_host = self.launch.to_host if self.launch is not None else np.asarray
         keep, plan = lifecycle.admit(to_host(keys), to_host(~found), step)
         if not keep.all():
@@ -258,31 +247,15 @@ class EmbeddingShard:
         layout = self.layout
         optimizer.update(layout.embedding(lines), layout.states(lines, optimizer.n_states), grads,
                          step, last_step=layout.row_column(lines, optimizer))
-        finite = np.isfinite(lines).all(axis=1)
-        if not finite.all():
-            self._refuse_update(keys, grads, finite, optimizer, step)
+        _check_finite_rows(np, keys, lines, grads, optimizer, step)
 
     def _stage_on_device(self, keys, lines, found, grads, optimizer, step: int):
         """``stage_update`` on device arrays: one fused optimizer kernel over the whole lines
         (bit-identical to the numpy update; see ``device_ops.update_lines``)."""
         xp = self.xp
-        if not bool(found.all()):
-            self.layout.reset_states(lines, xp.flatnonzero(~found), optimizer)
+        self.layout.reset_states_where(xp, lines, ~found, optimizer)   # no read: a select
         device_ops.update_lines(optimizer, lines, grads, step, self.launch)
-        finite = xp.isfinite(lines).all(axis=1)
-        if not bool(finite.all()):
-            self._refuse_update(*(self.launch.to_host(a) for a in (keys, grads, finite)),
-                                optimizer, step)
-
-    @staticmethod
-    def _refuse_update(keys, grads, finite, optimizer, step: int):
-        """InputError naming the first row the update made non-finite (host arrays)."""
-        bad = int(np.flatnonzero(~finite)[0])
-        raise InputError(
-            f"the {type(optimizer).__name__} update of step {step} makes the row of key "
-            f"{int(keys[bad])} non-finite (gradient max |g| = {float(np.abs(grads[bad]).max())}):"
-            " nothing was stored; lower the learning rate or check the loss"
-        )
+        _check_finite_rows(xp, keys, lines, grads, optimizer, step)
 
     def put(self, keys: np.ndarray, lines: np.ndarray, plan: StepPlan | None = None) -> int:
         """Store updated lines (v, stored_size) of keys (v,) uint64; returns v. ``plan`` (from
@@ -557,21 +530,31 @@ def _patch(rows: OwnerRows, newer: list):
 
 
 def _patch_on_device(xp, rows: OwnerRows, newer: list):
-    """``_patch`` on device arrays: the keys of each put or erase found by binary search in the
-    sorted keys of ``rows`` (the device's sort-based stand-in for the CPU hash index; keys are
-    unique within each)."""
+    """``_patch`` on device arrays, without reading anything back: each row looks its key up
+    by binary search in the put's (or erase's) sorted keys and takes the put's line by a select,
+    so no compaction sizes a result (keys are unique within each). Returns the rows erased and
+    not put again since (to initialise), or None."""
     v = rows.keys.shape[0]
     if v == 0:
         return None
-    order = xp.argsort(rows.keys)
-    sorted_keys = rows.keys[order]
     erased = None
     for put_keys, put_lines in newer:
         put_keys = xp.asarray(put_keys)
-        pos = xp.minimum(xp.searchsorted(sorted_keys, put_keys), v - 1)
-        hit = device_ops.flatnonzero(xp, sorted_keys[pos] == put_keys,
-                                     "refresh: rows put since the lookup")
-        erased = _apply_put(xp, rows, order[pos[hit]], put_lines, hit, erased)
+        m = put_keys.shape[0]
+        if m == 0:
+            continue
+        order = xp.argsort(put_keys)
+        sorted_keys = put_keys[order]
+        pos = xp.minimum(xp.searchsorted(sorted_keys, rows.keys), m - 1)
+        hit = sorted_keys[pos] == rows.keys                        # (v,) row's key was put
+        if put_lines is None:                                      # an erase
+            erased = hit.copy() if erased is None else erased | hit
+            rows.found[...] = rows.found & ~hit
+            continue
+        rows.lines[...] = xp.where(hit[:, None], xp.asarray(put_lines)[order[pos]], rows.lines)
+        rows.found[...] = rows.found | hit
+        if erased is not None:
+            erased = erased & ~hit
     return erased
 
 
@@ -588,3 +571,22 @@ def _apply_put(xp, rows: OwnerRows, slots, put_lines, hit, erased):
     if erased is not None:
         erased[slots] = False
     return erased
+
+
+def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int) -> None:
+    """InputError naming the first row the update made non-finite, before anything is stored:
+    read at once, or on the trainer's device path (``host_sync.deferring``) at its next metrics
+    read, before any checkpoint is written. keys: (v,) uint64; lines: (v, L); grads: (v, E)."""
+    bad = ~xp.isfinite(lines).all(axis=1)
+
+    def first_bad():
+        at = xp.argmax(bad)
+        return at, keys[at], xp.abs(grads[at]).max()
+
+    after = "nothing was stored" if host_sync.deferred_checks() is None else \
+        "the run stops before its next checkpoint"
+    host_sync.check(bad.any(), lambda at, key, g_max: (
+        f"the {type(optimizer).__name__} update of step {step} makes the row of key "
+        f"{int(key)} non-finite (gradient max |g| = {g_max}): {after}; lower the learning "
+        "rate or check the loss"), "update: finite rows check", details=first_bad)
+

@@ -110,6 +110,18 @@ class LineLayout:
         for index in range(len(optimizer.row_columns)):
             self.row_column(lines, optimizer, index)[rows] = 0
 
+    def reset_states_where(self, xp, lines, missing, optimizer) -> None:
+        """``reset_states`` of the rows where ``missing`` ((m,) bool) is True, by a select on
+        every state column (no index compaction: nothing is read back on a device); the other
+        rows keep their bits."""
+        keep = ~missing[:, None]
+        for state, value in zip(self.states(lines, optimizer.n_states), optimizer.initial_state()):
+            state[...] = xp.where(keep, state, state.dtype.type(value))
+        for index in range(len(optimizer.row_columns)):
+            column = self.row_column(lines, optimizer, index)
+            column[...] = xp.where(keep.reshape(keep.shape[:1] + (1,) * (column.ndim - 1)),
+                                   column, column.dtype.type(0))
+
     def manifest_fields(self) -> dict:
         return {"embedding_dims": list(self.column_dims), "line_size": self.line_size}
 

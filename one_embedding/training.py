@@ -20,6 +20,7 @@ its own. Rank r of several uses GPU ``r % local ranks``.
 """
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -315,6 +316,8 @@ class Trainer:
                                    loss_scale=LossScaler() if cfg.amp == "fp16" else None)
         self.lr_schedule = make_lr_schedule(cfg, self.optimizer)
         self.loss_fn = BCEWithLogits()
+        # the device path's checks, read with the losses (None on the CPU: checks read at once)
+        self.checks = host_sync.DeferredChecks() if self.xp is not np else None
         self.progress = TrainProgress()
         # steps left out of the steady-state samples/s
         self.skip_steps = max(1, cfg.steps // 10) if cfg.steps else 0
@@ -546,12 +549,17 @@ class Trainer:
         prefetcher = Prefetcher(batches, self.embedding, depth=cfg.prefetch_depth,
                                 ids=lambda item: item[1].ids)
         pending: list = []  # losses of the steps since the last read, still on the device
+        # on the device the step's checks (inputs, labels) stay there until the losses are read
+        checks = host_sync.deferring(self.checks) if self.checks is not None \
+            else contextlib.nullcontext()
         try:
-            with prefetcher:
+            with prefetcher, checks:
                 t0 = time.perf_counter()
                 wait = t0
                 for (epoch, batch), state in prefetcher:
                     progress.phase_seconds["wait"] += time.perf_counter() - wait
+                    if self.checks is not None:
+                        self.checks.step = progress.step + 1
                     loss = self.train_step(batch, state)
                     host_loss = loss if self.comm.world > 1 else None  # several ranks: a float
                     if host_loss is None:
@@ -594,10 +602,15 @@ class Trainer:
 
     def read_losses(self, pending: list) -> None:
         """Append the device losses in ``pending`` to ``progress.losses`` with one read (they
-        are stacked first), and empty ``pending``."""
-        if not pending:
+        are stacked first, with the flags of the checks deferred since the last read: a failed
+        one raises, naming its step), and empty ``pending``."""
+        if self.checks is not None:
+            losses = self.checks.read(self.xp, pending, "losses")
+        elif pending:
+            losses = host_sync.to_host(self.xp.stack([self.xp.asarray(x) for x in pending]),
+                                       "losses")
+        else:
             return
-        losses = host_sync.to_host(self.xp.stack([self.xp.asarray(x) for x in pending]), "losses")
         self.progress.losses.extend(float(x) for x in losses)
         pending.clear()
 

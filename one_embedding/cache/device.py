@@ -321,7 +321,7 @@ class DeviceFullStore(_OnDevice, StoreTier):
         keys = device_ops.device_array(self._launch, "keys", keys, np.uint64, ndim=1)
         held_keys, slots = self._sorted_items()
         gone = xp.isin(held_keys, keys)
-        n = int(xp.count_nonzero(gone))
+        n = device_ops.count_true(xp, gone, "device store erase: erased count")
         if n:
             keep = xp.flatnonzero(~gone)
             rows = self._rows[slots[keep]]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import contextlib
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .. import host_sync
@@ -434,6 +436,57 @@ def fill_initial_values(lines, rows, keys, init, seed: int, col_start: int, n_co
                    (lines, np.int32(lines.shape[1]), rows, keys, np.int64(keys.shape[0]),
                     np.int64(col_start), np.int32(n_cols), np.int32(out_offset),
                     np.uint64(int(seed) & MASK64), np.int32(kind), *(np.float64(p) for p in params)))
+
+
+@dataclass(frozen=True)
+class InitSpec:
+    """Every table's initializers for ``init_missing``, on the device: col_of (width,) int32,
+    the column holding each embedding element; kinds (n_tables * n_columns,) int32 and params
+    (n_tables * n_columns * 4,) float64, table-major (``initializer_code``)."""
+    width: int
+    n_columns: int
+    col_of: object
+    kinds: object
+    params: object
+
+
+def init_spec(columns, initializers, launch: Launcher | None = None) -> InitSpec:
+    """columns: [(offset, dim), ...] covering the embedding elements [0, width) in order;
+    initializers: per table, one initializer per column -> the ``InitSpec`` of them."""
+    launch = resolve(launch)
+    width = sum(dim for _, dim in columns)
+    col_of = np.empty(width, np.int32)
+    for c, (offset, dim) in enumerate(columns):
+        col_of[offset:offset + dim] = c
+    codes = [initializer_code(init) for table in initializers for init in table]
+    kinds = np.array([kind for kind, _ in codes], np.int32)
+    params = np.array([p for _, ps in codes for p in ps], np.float64)
+    return InitSpec(width, len(columns), *(launch.to_device(a) for a in (col_of, kinds, params)))
+
+
+def init_missing(lines, missing, table_ids, keys, spec: InitSpec, seed: int,
+                 launch: Launcher | None = None) -> None:
+    """The lines of the rows where ``missing`` is True, in place, in one launch and without a
+    read: the initial values of each row's key with its table's initializers in the embedding
+    columns, 0 in the state columns; the other rows keep their bits. lines: (n, L) float32;
+    missing: (n,) bool; table_ids: (n,) int32; keys: (n,) uint64. Equals ``fill_initial_values``
+    of each table's missing rows (and zeroed states), element for element."""
+    launch = resolve(launch)
+    xp = launch.xp
+    lines = device_array(launch, "lines", lines, np.float32, ndim=2, writable=True)
+    n = lines.shape[0]
+    missing = device_array(launch, "missing", missing, np.bool_, ndim=1).view(xp.uint8)
+    table_ids = device_array(launch, "table_ids", table_ids, np.int32, ndim=1)
+    keys = device_array(launch, "keys", keys, np.uint64, ndim=1)
+    if not (missing.shape[0] == table_ids.shape[0] == keys.shape[0] == n):
+        raise InputError(f"missing {tuple(missing.shape)}, table_ids {tuple(table_ids.shape)} and "
+                         f"keys {tuple(keys.shape)} must all have the {n} rows of lines")
+    if spec.width > lines.shape[1]:
+        raise InputError(f"the initializers cover {spec.width} columns; lines have {lines.shape[1]}")
+    launch_threads(launch, "embedding", "init_missing", np.float32, n * lines.shape[1],
+                   (lines, np.int32(lines.shape[1]), missing, table_ids, keys, np.int64(n),
+                    np.int32(spec.width), spec.col_of, np.int32(spec.n_columns), spec.kinds,
+                    spec.params, np.uint64(int(seed) & MASK64)))
 
 
 # ---------------------------------------------------------------- row optimizers

@@ -18,7 +18,7 @@ import math
 import numpy as np
 from .. import host_sync
 
-from ..backend import array_namespace, to_numpy
+from ..backend import array_namespace
 from ..errors import ConfigError, InputError
 from ..nn.module import Module
 from ..step import StepState
@@ -183,12 +183,16 @@ class CTRModel(Module):
             raise InputError(f"dense has dtype {dense.dtype}; pass floating-point features")
         xp = array_namespace(dense)
         bad = ~xp.isfinite(dense)
-        if host_sync.flag(bad.any(), "model: input check"):
-            where = np.argwhere(to_numpy(bad))[0]
-            raise InputError(
-                f"dense[{where[0]}, {where[1]}] is {float(dense[tuple(where)])}: the dense input must be "
-                "finite (fill missing values in the data layer, e.g. log(x + 1) with missing -> 0)"
-            )
+
+        def first_bad():
+            at = xp.argmax(bad.ravel())
+            return at, dense.ravel()[at]
+
+        width = self.dense_features
+        host_sync.check(bad.any(), lambda at, value: (
+            f"dense[{int(at) // width}, {int(at) % width}] is {value}: the dense input must be "
+            "finite (fill missing values in the data layer, e.g. log(x + 1) with missing -> 0)"),
+            "model: input check", details=first_bad)
         return dense.astype(self.dtype, copy=False)
 
     def _embedded(self, embedded, batch):

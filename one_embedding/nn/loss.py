@@ -27,9 +27,15 @@ class BCEWithLogits(Module):
                 "pass one label per sample"
             )
         labels = labels.astype(logits.dtype, copy=False)
-        if host_sync.flag(((labels < 0) | (labels > 1) | xp.isnan(labels)).any(),
-                          "loss: labels outside [0, 1]"):
-            raise InputError("labels must lie in [0, 1] (click = 1, no click = 0)")
+        bad = (labels < 0) | (labels > 1) | xp.isnan(labels)
+
+        def first_bad():
+            at = xp.argmax(bad)
+            return at, labels[at]
+
+        host_sync.check(bad.any(), lambda at, value: (
+            f"labels[{int(at)}] is {value}: labels must lie in [0, 1] (click = 1, no click = 0)"),
+            "loss: labels outside [0, 1]", details=first_bad)
         self._saved = (logits, labels)
         return ops_for(xp).bce_with_logits_forward(logits, labels)
 

@@ -24,6 +24,7 @@ import numbers
 
 import numpy as np
 
+from one_embedding import host_sync
 from one_embedding.backend import array_namespace
 from one_embedding.errors import ConfigError
 from one_embedding.optim.base import check_bool, check_real
@@ -37,7 +38,7 @@ def all_finite(*arrays) -> bool:
         if a is None:
             continue
         xp = array_namespace(a)
-        if not bool(xp.isfinite(a).all()):
+        if not host_sync.flag(xp.isfinite(a).all(), "loss scale: overflow check"):
             return False
     return True
 

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from one_embedding import host_sync
 from one_embedding.errors import ConfigError, InputError
 from one_embedding.optim import kernels
 from one_embedding.optim.base import as_f64
@@ -91,7 +92,7 @@ class SmartDecayAdam(Adam):
                              "line, whose low word must stay a finite float32")
         if words.shape[0] == 0:
             return
-        last = int(xp.max(_steps_of(xp, words)))
+        last = int(host_sync.scalar(xp.max(_steps_of(xp, words)), "SmartDecayAdam: last step"))
         if last >= t:
             raise InputError(
                 f"a row was last updated at step {last}, not before this step {t}: the step count "
@@ -138,7 +139,7 @@ def _powi(xp, x: float, k):
     k = k.copy()
     result = xp.ones(k.shape, xp.float64)
     base = float(x)
-    while bool((k > 0).any()):
+    while host_sync.flag((k > 0).any(), "SmartDecayAdam: power loop"):
         odd = (k & 1) == 1
         result = xp.where(odd, result * base, result)
         base = base * base

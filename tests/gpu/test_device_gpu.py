@@ -166,6 +166,36 @@ def test_initial_values_equal_numpy_within_one_ulp(name, keyset):
     assert (_get(lines)[:, n_cols:] == 9.0).all()
 
 
+def test_init_missing_equals_the_cpu_initial_lines_within_one_ulp():
+    """The masked one-launch init of a lookup's missing rows (issue 30 item 2) against the CPU
+    path's per-table fill: initial values within 1 ulp, states zeroed, other rows untouched."""
+    from one_embedding.initializers import fill_initial_values
+    from one_embedding.kernels import device_ops
+
+    cp = _cp()
+    tables = list(INITIALIZERS.values())
+    columns = [(0, 64), (64, 1)]
+    rng = np.random.default_rng(9)
+    n, width, seed = 20_000, 65 * 2, 77
+    keys = _keys(rng, n)
+    table_ids = rng.integers(0, len(tables), size=n).astype(np.int32)
+    missing = rng.random(n) < 0.5
+    start = rng.uniform(-1, 1, (n, width)).astype(np.float32)
+    lines = cp.asarray(start)
+    spec = device_ops.init_spec(columns, [[init, init] for init in tables])
+    device_ops.init_missing(lines, cp.asarray(missing), cp.asarray(table_ids), cp.asarray(keys),
+                            spec, seed)
+    want = start.copy()
+    for t, init in enumerate(tables):
+        rows = np.flatnonzero(missing & (table_ids == t)).astype(np.int64)
+        want[rows, 65:] = 0.0
+        for offset, dim in columns:
+            fill_initial_values(want, rows, keys[rows], init, seed, offset, dim, offset)
+    got = _get(lines)
+    assert (got[~missing] == start[~missing]).all() and (got[missing, 65:] == 0).all()
+    assert _ulps(got[missing, :65], want[missing, :65]).max() <= 1
+
+
 # ---------------------------------------------------------------- fused optimizer updates
 
 

@@ -11,7 +11,10 @@ E, TABLES, BATCH = 8, 3, 40
 
 # the bottom layer's reads (dedup, partition, cache find/insert, new rows) in one steady step
 BOTTOM_READS = {"dedup: unique count", "device store find: missing count",
-                "cache find_or_insert: new key count", "new rows: per-table count"}
+                "cache find_or_insert: new key count", "new rows: per-table count",
+                "update: new row count"}
+# the checks, read at once outside the trainer (which defers them to its metrics read)
+CHECKS = {"embedding: gradient check", "update: finite rows check"}
 
 
 def _embedding(tmp_path, launch):
@@ -50,4 +53,21 @@ def test_device_mem_steady_step_reads_by_reason(tmp_path, launch):
         # one read each: the unique count (dedup), the store's missing count (find), the new rows'
         # per-table count (initial values), the new keys' count (find_or_insert); no range
         # check, duplicate check, nonzero or unique read remains
-        assert dict(reads) == {reason: 1 for reason in BOTTOM_READS}, dict(reads)
+        assert dict(reads) == {reason: 1 for reason in BOTTOM_READS | CHECKS}, dict(reads)
+
+
+def test_deferred_checks_leave_only_the_bottom_reads(tmp_path, launch):
+    """Inside ``host_sync.deferring`` (the trainer's device path) the checks read nothing."""
+    emb = _embedding(tmp_path, launch)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    rng = np.random.default_rng(4)
+    grad = rng.standard_normal((BATCH, TABLES, E)).astype(np.float32)
+    ids = (rng.zipf(1.2, size=(BATCH, TABLES)) % 40).astype(np.int64) * 3 + 1
+    checks = host_sync.DeferredChecks()
+    _step(emb, opt, ids, grad)
+    with host_sync.counting() as reads, host_sync.deferring(checks):
+        _step(emb, opt, ids, grad)
+    assert dict(reads.by_reason) == {reason: 1 for reason in BOTTOM_READS}, dict(reads.by_reason)
+    assert len(checks) == len(CHECKS)
+    checks.read(emb.xp)  # all passed: no error
+    emb.close()

@@ -107,7 +107,7 @@ def test_convert_refuses_missing_source_folder_target_and_parquet_source(tmp_pat
 
 
 def test_cli_convert_errors_are_one_line(tmp_path):
-    from test_cli import run_cli
+    from system.test_cli import run_cli  # tests/ is on sys.path (conftest)
 
     src = write_lines(tmp_path / "day_0", tsv_lines(10))
     for args, said in (((tmp_path / "nope", tmp_path / "o.parquet"), "nope: no such TSV file"),

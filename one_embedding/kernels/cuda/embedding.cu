@@ -78,11 +78,45 @@ __device__ __forceinline__ float py_minf(float a, float b) { return b < a ? b : 
 }  // namespace init
 }  // namespace oe
 
+namespace oe {
+namespace init {
+
+// The initial value of one element, initializers._fill_initial's: computed in float64 from the
+// counter hash and rounded to float32 once. kind: 0 constant (p0), 1 uniform [p0, p1), 2 normal
+// (mean p0, std p1), 3 truncated normal (p0, p1, bounds [p2, p3]).
+__device__ __forceinline__ float value(u64 key_state, u64 column, int kind, double p0, double p1,
+                                       double p2, double p3) {
+  double v;
+  if (kind == CONSTANT) {
+    v = p0;
+  } else if (kind == UNIFORM) {
+    v = p0 + (p1 - p0) * uniform01(counter_hash(key_state, column, 0u));
+  } else if (kind == NORMAL) {
+    v = p0 + p1 * standard_normal(key_state, column, 0);
+  } else {
+    bool found = false;
+    v = 0.0;
+    for (int pair = 0; pair < TRUNC_NORMAL_TRIES && !found; ++pair) {
+      const double x = p0 + p1 * standard_normal(key_state, column, pair);
+      if (x >= p2 && x <= p3) {
+        v = x;
+        found = true;
+      }
+    }
+    if (!found) v = py_min(py_max(p0, p2), p3);
+  }
+  float f = (float)v;
+  if (kind == TRUNC_NORMAL) f = py_minf(py_maxf(f, (float)p2), (float)p3);
+  return f;
+}
+
+}  // namespace init
+}  // namespace oe
+
 // Initial values of new keys, initializers._fill_initial element for element:
 // lines[rows[i], out_offset + j] = init(keys[i], column col_start + j) for j < n_cols, computed in
 // float64 from the counter hash and rounded to float32 once (stored as T: a float64 line gets the
-// float32 value). kind: 0 constant (p0), 1 uniform [p0, p1), 2 normal (mean p0, std p1),
-// 3 truncated normal (p0, p1, bounds [p2, p3]). lines: (N, line_size); rows: (n,) i64;
+// float32 value). kind, p0..p3: as oe::init::value. lines: (N, line_size); rows: (n,) i64;
 // keys: (n,) u64. One thread per (i, j).
 template <typename T>
 __global__ void embedding_init(T* lines, int line_size, const oe::i64* rows, const oe::u64* keys,
@@ -94,29 +128,36 @@ __global__ void embedding_init(T* lines, int line_size, const oe::i64* rows, con
     const oe::i64 i = t / n_cols;
     const int j = (int)(t - i * n_cols);
     const oe::u64 key_state = oe::counter_key_state(seed, keys[i]);
-    const oe::u64 column = (oe::u64)(col_start + j);
-    double v;
-    if (kind == oe::init::CONSTANT) {
-      v = p0;
-    } else if (kind == oe::init::UNIFORM) {
-      v = p0 + (p1 - p0) * oe::uniform01(oe::counter_hash(key_state, column, 0u));
-    } else if (kind == oe::init::NORMAL) {
-      v = p0 + p1 * oe::init::standard_normal(key_state, column, 0);
-    } else {
-      bool found = false;
-      v = 0.0;
-      for (int pair = 0; pair < oe::init::TRUNC_NORMAL_TRIES && !found; ++pair) {
-        const double x = p0 + p1 * oe::init::standard_normal(key_state, column, pair);
-        if (x >= p2 && x <= p3) {
-          v = x;
-          found = true;
-        }
-      }
-      if (!found) v = oe::init::py_min(oe::init::py_max(p0, p2), p3);
-    }
-    float f = (float)v;
-    if (kind == oe::init::TRUNC_NORMAL) f = oe::init::py_minf(oe::init::py_maxf(f, (float)p2), (float)p3);
+    const float f = oe::init::value(key_state, (oe::u64)(col_start + j), kind, p0, p1, p2, p3);
     lines[rows[i] * line_size + out_offset + j] = T(f);
+  }
+}
+
+// The whole line of every row i with missing[i] != 0, in one launch for every table: element j
+// of the embedding columns [0, width) gets init(keys[i], column j) with the initializer of the
+// column holding j in table table_ids[i]; the state columns [width, line_size) get 0. The other
+// rows are left alone, so no compaction (and no count read back) comes first.
+// lines: (n, line_size); missing: (n,) u8; table_ids: (n,) int; keys: (n,) u64;
+// col_of: (width,) int, the column holding each element; kinds: (n_tables * n_columns,) int and
+// params: (n_tables * n_columns * 4,) double, table-major. One thread per (i, j).
+template <typename T>
+__global__ void embedding_init_missing(T* lines, int line_size, const unsigned char* missing,
+                                       const int* table_ids, const oe::u64* keys, oe::i64 n,
+                                       int width, const int* col_of, int n_columns,
+                                       const int* kinds, const double* params, oe::u64 seed) {
+  const oe::i64 total = n * line_size;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    const oe::i64 i = t / line_size;
+    if (!missing[i]) continue;
+    const int j = (int)(t - i * line_size);
+    float f = 0.0f;
+    if (j < width) {
+      const int spec = table_ids[i] * n_columns + col_of[j];
+      const double* p = params + 4 * (oe::i64)spec;
+      f = oe::init::value(oe::counter_key_state(seed, keys[i]), (oe::u64)j, kinds[spec], p[0],
+                          p[1], p[2], p[3]);
+    }
+    lines[t] = T(f);
   }
 }
 
@@ -125,4 +166,5 @@ ONE_EMBEDDING_KERNEL(embedding_unique_first)
 ONE_EMBEDDING_KERNEL(embedding_segment_sum)
 ONE_EMBEDDING_KERNEL(embedding_gather)
 ONE_EMBEDDING_KERNEL(embedding_init)
+ONE_EMBEDDING_KERNEL(embedding_init_missing)
 #endif
