@@ -11,8 +11,7 @@ E, TABLES, BATCH = 8, 3, 40
 
 # the bottom layer's reads (dedup, partition, cache find/insert, new rows) in one steady step
 BOTTOM_READS = {"dedup: unique count", "device store find: missing count",
-                "cache find_or_insert: new key count", "new rows: per-table count",
-                "update: new row count"}
+                "cache find_or_insert: new key count", "update: new row count"}
 # the checks, read at once outside the trainer (which defers them to its metrics read)
 CHECKS = {"embedding: gradient check", "update: finite rows check"}
 
@@ -50,9 +49,10 @@ def test_device_mem_steady_step_reads_by_reason(tmp_path, launch):
         per_step.append(reads.by_reason)
     emb.close()
     for reads in per_step:
-        # one read each: the unique count (dedup), the store's missing count (find), the new rows'
-        # per-table count (initial values), the new keys' count (find_or_insert); no range
-        # check, duplicate check, nonzero or unique read remains
+        # one read each: the unique count (dedup), the store's missing count (find), the new
+        # rows' count (update) and the new keys' count (find_or_insert); the new rows' initial
+        # values (one masked kernel) read nothing; no range check, duplicate check, nonzero or
+        # unique read remains
         assert dict(reads) == {reason: 1 for reason in BOTTOM_READS | CHECKS}, dict(reads)
 
 
