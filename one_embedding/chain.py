@@ -205,6 +205,12 @@ class TierChain:
         keys = xp.ascontiguousarray(keys, dtype=xp.uint64)
         n = keys.shape[0]
         lines = xp.empty((n, self.line_size), dtype=xp.float32) if out is None else out
+        if len(self.tiers) == 1 and hasattr(self.tiers[0], "find_found"):
+            # every line in one device store: found is a mask, and nothing is read back
+            with self._lock, self._ordered():
+                found = self.tiers[0].find_found(keys, lines)
+                self.counters[0].record_find(n, xp.asarray(xp.count_nonzero(~found)))
+            return lines, found
         rows = xp.arange(n, dtype=xp.int64)  # rows of `lines` still missing
         with self._lock, self._ordered():
             for tier, counters in zip(self.tiers[:self.n_device], self.counters[:self.n_device]):

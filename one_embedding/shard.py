@@ -90,6 +90,7 @@ class EmbeddingShard:
         self._snapshots = None
         self._chain = None
         self._init_spec = None  # the tables' initializers on the device (built at first use)
+        self._new_rows_on_device = None  # 0-d count of rows stored since the last settle
         if self.path:
             self._snapshots = SnapshotDirectory(self.path)
             self._snapshots.recover()
@@ -229,8 +230,9 @@ class EmbeddingShard:
         if lifecycle.sketch is None:  # every key admitted: only the new rows are counted
             if lifecycle.meta is not None:
                 check_step(step)
-            new_rows = device_ops.count_true(xp, ~found, "update: new row count") \
-                if self.launch is not None else int(np.count_nonzero(~found))
+            # on the device a 0-d count, read when the rows are counted (``_settle_rows``)
+            new_rows = xp.asarray(xp.count_nonzero(~found)) if self.launch is not None \
+                else int(np.count_nonzero(~found))
             return keys, lines, found, grads, StepPlan(step, new_rows)
         to_host = self.launch.to_host if self.launch is not None else np.asarray
         keep, plan = lifecycle.admit(to_host(keys), to_host(~found), step)
@@ -263,15 +265,32 @@ class EmbeddingShard:
         when one is due after this step."""
         self._put(keys, lines)
         if plan is not None:
+            if not isinstance(plan.new_rows, (int, np.integer)):   # a device count
+                pending = self._new_rows_on_device
+                self._new_rows_on_device = plan.new_rows if pending is None else \
+                    pending + plan.new_rows
+                plan.new_rows = 0
+                if self._lifecycle.max_rows:  # the row limit needs the count now
+                    self._settle_rows()
             self._lifecycle.commit(plan)
             self._rows += plan.new_rows
             if self._lifecycle.sweep_due(plan.step, self._rows):
                 self._sweep(plan.step)
         return keys.shape[0]
 
+    def _settle_rows(self) -> None:
+        """Add the new rows counted on the device since the last settle to the row count and the
+        lifecycle's counters (one read, counted); nothing to do on the numpy path."""
+        pending, self._new_rows_on_device = self._new_rows_on_device, None
+        if pending is not None:
+            new_rows = int(host_sync.scalar(pending, "update: new row count"))
+            self._lifecycle.counters.admitted_rows += new_rows
+            self._rows += new_rows
+
     def _sweep(self, step: int) -> None:
         """Evict what the lifecycle's rules select at ``step`` from every tier, then reclaim the
         disk no snapshot needs. Lookups made before (prefetched) see the rows gone at refresh."""
+        self._settle_rows()
         lifecycle = self._lifecycle
         meta = slice(lifecycle.meta, lifecycle.meta + 2)
 
@@ -461,6 +480,7 @@ class EmbeddingShard:
         snapshot, and the row count from the store."""
         self._lifecycle.load(sources, resharded)
         self._rows = len(self._chain)
+        self._new_rows_on_device = None  # counted rows of the table the load replaced
 
     def _other_world_sources(self, name: str) -> list[str]:
         """The rank folders ``<base>/<r>-<P>`` of the newest complete set (every r of some P
@@ -489,6 +509,7 @@ class EmbeddingShard:
     def stats(self) -> list[dict]:
         """The chain's per-tier stats; the bottom tier's entry (the table) also holds the
         lifecycle's ``admitted_rows``, ``not_admitted_lookups`` and ``evicted_rows``."""
+        self._settle_rows()
         stats = self._chain.stats()
         stats[-1].update(self._lifecycle.stats())
         return stats

@@ -97,11 +97,29 @@ class DeviceHashIndex:
         self._allocate(_capacity_for(max(int(expected_keys), 1)))
         self._size = 0
         self._next_slot = 0
+        # inserts without a read (``find_or_insert(distinct=True)``) count on the device:
+        # (2,) int64 [size, next slot], read when the host needs them (``_settle``); until then
+        # ``_bound`` is a host upper bound of the next slot (>= size)
+        self._counts = None
+        self._bound = 0
+
+    def _settle(self) -> None:
+        """Bring the device's counts back (one read, counted) when inserts ran since the last."""
+        if self._counts is not None:
+            size, next_slot = host_sync.to_host(self._counts, "device index: size").tolist()
+            self._size, self._next_slot, self._counts = int(size), int(next_slot), None
+        self._bound = self._next_slot
+
+    @property
+    def slot_bound(self) -> int:
+        """An upper bound of ``slot_limit`` known without a read."""
+        return max(self._bound, self._next_slot)
 
     def _allocate(self, cap: int) -> None:
         self._table = self._xp.full((cap, 2), EMPTY, dtype=self._xp.uint64)
 
     def __len__(self) -> int:
+        self._settle()
         return self._size
 
     @property
@@ -111,6 +129,7 @@ class DeviceHashIndex:
     @property
     def slot_limit(self) -> int:
         """One past the highest slot handed out: the rows the storage behind must hold."""
+        self._settle()
         return self._next_slot
 
     @property
@@ -118,6 +137,9 @@ class DeviceHashIndex:
         return int(self._table.nbytes)
 
     def _reserve(self, extra: int) -> None:
+        if self.slot_bound + extra <= self.capacity * MAX_LOAD:  # size <= bound: no read
+            return
+        self._settle()
         need = self._size + extra
         if need <= self.capacity * MAX_LOAD:
             return
@@ -179,6 +201,9 @@ class DeviceHashIndex:
         xp = self._xp
         keys = self._keys(keys)
         self._reserve(keys.shape[0])
+        if distinct:
+            return self._insert_new_on_device(keys)
+        self._settle()
         slots, _ = self._find(keys)
         is_new = slots < 0
         m = device_ops.count_true(xp, is_new, "cache find_or_insert: new key count")
@@ -210,8 +235,30 @@ class DeviceHashIndex:
             self._size += m
         return slots, is_new
 
+    def _insert_new_on_device(self, keys):
+        """``find_or_insert`` of distinct keys without a read: a new key's slot is the device's
+        next slot plus its rank among the new keys (batch order, as on the CPU), the masked
+        insert kernel adds them, and the counts stay on the device."""
+        xp = self._xp
+        n = keys.shape[0]
+        slots, _ = self._find(keys)
+        is_new = slots < 0
+        if n == 0:
+            return slots, is_new
+        rank = xp.cumsum(is_new, dtype=xp.int64)                 # (n,) inclusive
+        counts = self._counts if self._counts is not None else \
+            xp.asarray(np.array([self._size, self._next_slot], np.int64))
+        slots = xp.where(is_new, counts[1] + rank - 1, slots)
+        device_ops.launch_threads(self._launch, "hashindex", "insert_where", np.float32, n,
+                                  (self._table, np.int64(self.capacity - 1), keys, slots,
+                                   is_new.view(xp.uint8), np.int64(n)))
+        self._counts = counts + rank[-1]
+        self._bound = self.slot_bound + n
+        return slots, is_new
+
     def assign(self, keys, slots) -> None:
         """Insert or overwrite key -> slot (restoring an index as it was saved); keys unique."""
+        self._settle()
         xp = self._xp
         keys = self._keys(keys)
         slots = device_ops.device_array(self._launch, "slots", slots, np.int64, ndim=1)
@@ -236,6 +283,7 @@ class DeviceHashIndex:
         self._table.fill(EMPTY)
         self._size = 0
         self._next_slot = 0
+        self._counts, self._bound = None, 0
 
 
 # ---------------------------------------------------------------- the "full" store
@@ -289,6 +337,12 @@ class DeviceFullStore(_OnDevice, StoreTier):
         slots = self._index.find_rows(keys, self._rows, out, out_rows)
         return device_ops.flatnonzero(self._xp, slots < 0, "device store find: missing count")
 
+    def find_found(self, keys, out):
+        """keys: (n,) uint64; out: (n, line_size) float32, row i written with key i's line where
+        held -> found (n,) bool, on the device: no count is read back."""
+        rows = self._xp.arange(keys.shape[0], dtype=self._xp.int64)
+        return self._index.find_rows(keys, self._rows, out, rows) >= 0
+
     def insert_or_assign(self, keys, lines):
         """keys: (n,) uint64 unique, lines: (n, line_size) float32 -> nothing evicted (empty)."""
         xp = self._xp
@@ -296,7 +350,8 @@ class DeviceFullStore(_OnDevice, StoreTier):
         slots, _ = self._index.find_or_insert(keys, distinct=True)  # unique, as documented
         if lines.shape != (slots.shape[0], self.line_size):
             raise InputError(f"lines {tuple(lines.shape)} must be ({slots.shape[0]}, {self.line_size})")
-        self._ensure_rows(self._index.slot_limit)
+        if self._index.slot_bound > self._rows.shape[0]:  # else the rows hold every slot: no read
+            self._ensure_rows(self._index.slot_limit)
         self._rows[slots] = lines
         return xp.empty(0, dtype=xp.uint64), xp.empty((0, self.line_size), dtype=xp.float32)
 

@@ -36,15 +36,30 @@ class TierCounters:
     evictions: int = 0  # lines this level pushed out to the level below
     writes: int = 0  # lines written into this level (puts, evictions from above, flushes)
 
-    def record_find(self, queried: int, missing: int) -> None:
-        self.hits += queried - missing
-        self.misses += missing
+    def record_find(self, queried: int, missing) -> None:
+        """missing: an int, or a 0-d device count, summed on the device and read (once, counted)
+        when the counters are (``as_dict``), not during the step."""
+        if isinstance(missing, (int, np.integer)):
+            self.hits += queried - int(missing)
+            self.misses += int(missing)
+            return
+        self._queried_on_device = getattr(self, "_queried_on_device", 0) + queried
+        pending = getattr(self, "_missing_on_device", None)
+        self._missing_on_device = missing if pending is None else pending + missing
 
     def record_write(self, written: int, evicted: int) -> None:
         self.writes += written
         self.evictions += evicted
 
     def as_dict(self) -> dict:
+        pending = getattr(self, "_missing_on_device", None)
+        if pending is not None:
+            from .. import host_sync
+
+            missing = int(host_sync.scalar(pending, "tier counters: device misses"))
+            self._missing_on_device = None
+            self.record_find(self._queried_on_device, missing)
+            self._queried_on_device = 0
         return asdict(self)
 
 

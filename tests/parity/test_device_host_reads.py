@@ -9,9 +9,9 @@ from one_embedding import host_sync
 
 E, TABLES, BATCH = 8, 3, 40
 
-# the bottom layer's reads (dedup, partition, cache find/insert, new rows) in one steady step
-BOTTOM_READS = {"dedup: unique count", "device store find: missing count",
-                "cache find_or_insert: new key count", "update: new row count"}
+# the bottom layer's reads in one steady step: the unique count alone (the store's missing
+# rows, the new rows' initial values, their count and the new keys' slots stay on the device)
+BOTTOM_READS = {"dedup: unique count"}
 # the checks, read at once outside the trainer (which defers them to its metrics read)
 CHECKS = {"embedding: gradient check", "update: finite rows check"}
 
@@ -49,10 +49,8 @@ def test_device_mem_steady_step_reads_by_reason(tmp_path, launch):
         per_step.append(reads.by_reason)
     emb.close()
     for reads in per_step:
-        # one read each: the unique count (dedup), the store's missing count (find), the new
-        # rows' count (update) and the new keys' count (find_or_insert); the new rows' initial
-        # values (one masked kernel) read nothing; no range check, duplicate check, nonzero or
-        # unique read remains
+        # the unique count and the checks (read at once outside the trainer); no missing count,
+        # per-table count, new row or new key count, range check, nonzero or unique read
         assert dict(reads) == {reason: 1 for reason in BOTTOM_READS | CHECKS}, dict(reads)
 
 

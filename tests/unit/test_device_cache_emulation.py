@@ -106,6 +106,38 @@ def test_device_hash_index_assigns_the_cpu_slots(launch, launch32, block):
     assert dict(zip(keys.tolist(), slots.tolist())) == dict(zip(want_keys.tolist(), want_slots.tolist()))
 
 
+def test_distinct_inserts_keep_their_counts_on_the_device(launch):
+    """find_or_insert(distinct=True) (the device store's put) hands out the CPU's slots without
+    reading the new keys' count back: the counts stay on the device and are read only when a
+    host upper bound of them could pass the table's load limit (or when asked: len, slot_limit)."""
+    from one_embedding import host_sync
+
+    rng = np.random.default_rng(11)
+    dev, cpu = DeviceHashIndex(2000, launch=launch), HashIndex(0)
+    limit = dev.capacity * 0.7                     # 4096 buckets: 2867 keys
+    universe = rng.integers(0, 2**64, 1500, dtype=np.uint64, endpoint=False)
+    reads_per_call, expected, bound = [], [], 0
+    for size in [300, 300, 200, 900, 900, 900, 900]:
+        keys = rng.permutation(np.unique(rng.choice(universe, size)))
+        # the host's bound counts every key as new until a read brings the true count back
+        if bound + keys.size > limit:
+            expected.append(1)
+            bound = len(cpu) + keys.size
+        else:
+            expected.append(0)
+            bound += keys.size
+        with host_sync.counting() as reads:
+            slots, is_new = dev.find_or_insert(keys, distinct=True)
+        reads_per_call.append(reads.total)
+        want_slots, want_new = cpu.find_or_insert(keys)
+        np.testing.assert_array_equal(slots, want_slots)
+        np.testing.assert_array_equal(is_new, want_new)
+    assert reads_per_call == expected and 0 < sum(expected) < len(expected), reads_per_call
+    assert dev.capacity == 4096  # the true count never needed a larger table
+    assert len(dev) == len(cpu) and dev.slot_limit == cpu.slot_limit
+    np.testing.assert_array_equal(dev.find(universe), cpu.find(universe))
+
+
 def test_device_hash_index_concurrent_inserts_into_one_probe_chain(launch):
     # keys sharing a home bucket race for the same run of buckets (the fibers interleave at every
     # atomicCAS); however they land, each key must be found with its own slot

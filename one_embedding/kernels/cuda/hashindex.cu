@@ -83,7 +83,26 @@ __global__ void hashindex_insert(oe::u64* table, oe::i64 mask, const oe::u64* ke
   }
 }
 
+// hashindex_insert for the keys with is_new[i] != 0 only (the others are skipped), so a caller
+// need not compact the new keys first (and read their count back). keys, slots, is_new: (n,).
+template <typename T>
+__global__ void hashindex_insert_where(oe::u64* table, oe::i64 mask, const oe::u64* keys,
+                                       const oe::i64* slots, const unsigned char* is_new,
+                                       oe::i64 n) {
+  for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
+    if (!is_new[i]) continue;
+    const oe::u64 key = keys[i];
+    oe::i64 b = oe::hashindex::home(key, mask);
+    while (atomicCAS(&table[2 * b + 1], oe::hashindex::EMPTY, (oe::u64)slots[i]) !=
+           oe::hashindex::EMPTY) {
+      b = (b + 1) & mask;
+    }
+    table[2 * b] = key;
+  }
+}
+
 #ifdef ONE_EMBEDDING_INSTANTIATE
 ONE_EMBEDDING_KERNEL(hashindex_find)
 ONE_EMBEDDING_KERNEL(hashindex_insert)
+ONE_EMBEDDING_KERNEL(hashindex_insert_where)
 #endif
