@@ -46,11 +46,15 @@ from .errors import InputError
 
 _lock = threading.Lock()
 _totals: Counter = Counter()  # reason -> reads since the process started
+_main_totals: Counter = Counter()  # ... of them, made by the main thread (the step's own)
 
 
 def _count(reason: str) -> None:
+    on_main = threading.current_thread() is threading.main_thread()
     with _lock:
         _totals[reason] += 1
+        if on_main:
+            _main_totals[reason] += 1
 
 
 def to_host(a, reason: str, out: np.ndarray | None = None) -> np.ndarray:
@@ -85,33 +89,40 @@ def wait(event_or_stream, reason: str) -> None:
     event_or_stream.synchronize()
 
 
-def totals() -> Counter:
-    """A copy of the reads counted so far in this process, by reason."""
+def totals(main_thread_only: bool = False) -> Counter:
+    """A copy of the reads counted so far in this process, by reason (those of the main thread
+    alone with ``main_thread_only``: a prefetch thread's reads do not stall the step)."""
     with _lock:
-        return Counter(_totals)
+        return Counter(_main_totals if main_thread_only else _totals)
 
 
 @dataclass
 class Reads:
-    """The reads made inside one ``counting()`` block (filled when it exits)."""
+    """The reads made inside one ``counting()`` block (filled when it exits): by every thread,
+    and by the main thread (the one that runs the training step)."""
     by_reason: Counter = field(default_factory=Counter)
+    main_thread: Counter = field(default_factory=Counter)
 
     @property
     def total(self) -> int:
         return sum(self.by_reason.values())
 
 
+def _since(before: Counter, after: Counter) -> Counter:
+    after.subtract(before)
+    return Counter({k: v for k, v in after.items() if v > 0})
+
+
 @contextlib.contextmanager
 def counting():
     """Count the reads made (by any thread) while inside: yields a ``Reads``, filled at exit."""
     reads = Reads()
-    before = totals()
+    before, before_main = totals(), totals(main_thread_only=True)
     try:
         yield reads
     finally:
-        after = totals()
-        after.subtract(before)
-        reads.by_reason = Counter({k: v for k, v in after.items() if v > 0})
+        reads.by_reason = _since(before, totals())
+        reads.main_thread = _since(before_main, totals(main_thread_only=True))
 
 
 # ---------------------------------------------------------------- checks on the device
