@@ -320,7 +320,7 @@ class MultiTableMultiColumnEmbedding:
         return StepState(tuple(ids.shape), keep, exchange, owner, on_gpu=True)
 
     def embed(self, state: StepState):
-        """The rows of a prepared step: (*ids.shape, embedding_dim) float32 (CuPy when the ids
+        """The rows of a prepared step: ``(*ids.shape, embedding_dim)`` float32 (CuPy when the ids
         were). Keeps ``state`` for the next ``backward``."""
         self._owner().refresh(state.owner)
         if self.launch is not None:

@@ -67,7 +67,7 @@ class ConstantInitializer:
 
 @dataclass(frozen=True)
 class TruncNormalInitializer:
-    """N(mean, std**2) restricted to [a, b] (absolute bounds, as in PyTorch's trunc_normal_)."""
+    """N(mean, std**2) restricted to [a, b] (absolute bounds, as in PyTorch's ``trunc_normal_``)."""
 
     mean: float = 0.0
     std: float = 1.0
@@ -92,20 +92,25 @@ DEFAULT_INITIALIZER = NormalInitializer(0.0, 0.05)
 
 
 def make_uniform_initializer(low: float = 0.0, high: float = 1.0) -> UniformInitializer:
+    """Initial values uniform between low and high (OneFlow's arguments and defaults)."""
     return UniformInitializer(low, high)
 
 
 def make_normal_initializer(mean: float = 0.0, std: float = 1.0) -> NormalInitializer:
+    """Initial values drawn from N(mean, std**2)."""
     return NormalInitializer(mean, std)
 
 
 def make_constant_initializer(value: float) -> ConstantInitializer:
+    """Every initial value is ``value``."""
     return ConstantInitializer(value)
 
 
 def make_trunc_normal_initializer(
     mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0
 ) -> TruncNormalInitializer:
+    """Initial values drawn from N(mean, std**2) restricted to [a, b] (absolute bounds, as in
+    PyTorch's ``trunc_normal_``)."""
     return TruncNormalInitializer(mean, std, a, b)
 
 
@@ -142,6 +147,8 @@ class TableOptions:
 
 
 def make_column_options(initializer: Initializer) -> ColumnOptions:
+    """One column of a multi-column table (``MultiTableMultiColumnEmbedding``) and its initializer;
+    a list of them goes to ``make_table_options``."""
     return ColumnOptions(check_initializer(initializer, "make_column_options(initializer)"))
 
 

@@ -1,5 +1,7 @@
 """OneFlow's persistent table reader and writer: rows in and out of snapshots, no embedding needed.
 
+::
+
     with make_persistent_table_writer(paths, "pretrained", np.int64, np.float32, 64) as w:
         w.write(keys, values)            # keys (n,) ids, values (n, 64) whole lines
     emb.load_snapshot("pretrained")      # an embedding with line_size 64 serves those rows
