@@ -5,7 +5,6 @@ import re
 import subprocess
 import sys
 
-import numpy as np
 import pytest
 
 import helpers
@@ -45,20 +44,9 @@ def test_example_trains_on_synthetic_data(script, store, tmp_path):
     check_report(out, tmp_path)
 
 
-def write_criteo_tsv(path, rows, seed=0):
-    """rows lines of raw Criteo: label, 13 integers (some missing), 26 hex categoricals."""
-    rng = np.random.default_rng(seed)
-    with open(path, "w") as f:
-        for _ in range(rows):
-            ints = ["" if rng.random() < 0.1 else str(rng.integers(0, 100)) for _ in range(13)]
-            cats = [f"{rng.integers(0, 50) * 2654435761 % 2**32:08x}" for _ in range(26)]
-            label = int(rng.random() < 0.3 + 0.4 * (cats[0] < "80000000"))
-            f.write("\t".join([str(label), *ints, *cats]) + "\n")
-
-
 def test_example_trains_on_tsv_files(tmp_path):
     data = tmp_path / "day_0.tsv"
-    write_criteo_tsv(data, 4000)
+    helpers.write_criteo_tsv(data, 4000)
     out = run_example("train_deepfm.py", tmp_path, "--data", str(data), "--batch-size", "128")
     check_report(out, tmp_path)
 
