@@ -56,3 +56,39 @@ def test_example_help_names_reference_sizes():
                           capture_output=True, text=True, cwd=ROOT,
                           env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60)
     assert proc.returncode == 0 and "--reference-sizes" in proc.stdout, proc.stderr
+
+
+@pytest.mark.parametrize("script", ["train_dlrm.py", "train_dcn.py", "train_deepfm.py",
+                                    "train_dlrm_torch.py"])
+def test_example_without_a_path_leaves_no_temporary_folder(script, tmp_path):
+    """Without --persistent-path the store lives in a temporary folder that the script removes
+    at the end (the system's temporary folder is pointed at tmp_path/tmp to look)."""
+    if script == "train_dlrm_torch.py":
+        pytest.importorskip("torch")
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp),
+               PYTHONPATH=str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    store = [] if script == "train_dlrm_torch.py" else ["--store", "cached_ssd"]
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / script), "--steps", "2", "--eval-every", "2",
+         "--batch-size", "64", *store], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "was a temporary folder and is removed" in proc.stdout, proc.stdout
+    # torch keeps a cache of its own there (torchinductor_<user>), shared by every torch program
+    left = [p.name for p in tmp.iterdir() if not p.name.startswith("torchinductor_")]
+    assert left == []
+
+
+def test_torch_example_without_torch_names_the_extra():
+    """Where torch is not installed, the PyTorch example says which extra to install in one
+    line (no traceback), as `one-embedding serve` does for its extra."""
+    code = ("import runpy, sys\n"
+            "sys.modules['torch'] = None  # as if torch were not installed\n"
+            f"sys.argv = [{str(EXAMPLES / 'train_dlrm_torch.py')!r}]\n"
+            f"runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=120)
+    assert proc.returncode == 1, proc.stderr
+    assert "pip install 'one_embedding[torch]'" in proc.stderr and "Traceback" not in proc.stderr, \
+        proc.stderr
