@@ -157,9 +157,10 @@ def main(argv=None) -> None:
         path = os.path.join(root, "run")
         train(path, "--steps", args.steps, "--snapshot-interval", args.steps)
         port = free_port()
+        # the server's private stores go under root too: a terminated server leaves them behind
         server = subprocess.Popen([sys.executable, "-m", "one_embedding", "serve",
                                    "--persistent-path", path, "--port", str(port),
-                                   "--poll-seconds", "0.5"],
+                                   "--poll-seconds", "0.5", "--scratch", root],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"127.0.0.1:{port}"
         try:
