@@ -92,3 +92,15 @@ def test_torch_example_without_torch_names_the_extra():
     assert proc.returncode == 1, proc.stderr
     assert "pip install 'one_embedding[torch]'" in proc.stderr and "Traceback" not in proc.stderr, \
         proc.stderr
+
+
+def test_readme_sample_output_has_the_scripts_format():
+    """examples/README.md's sample output is what train_dlrm.py prints with its defaults: an
+    evaluation line every 50 of 200 steps (check_report's format), then the final summary."""
+    text = (EXAMPLES / "README.md").read_text()
+    sample = re.search(r"`python examples/train_dlrm.py`\nwith the defaults printed.*?```\n(.*?)```",
+                       text, re.S).group(1)
+    evals = re.findall(r"step\s+(\d+).*eval AUC (\S+)\s+logloss (\S+)\s+([\d,]+) samples/s", sample)
+    assert [int(s) for s, *_ in evals] == [50, 100, 150, 200], sample
+    assert re.search(r"trained 200 steps, 102,400 samples: [\d,]+ samples/s; [\d,]+ rows stored; "
+                     r"snapshot 'final' in \S+\n\S+ was a temporary folder and is removed", sample)
