@@ -1,7 +1,7 @@
 """Options: initializers, tables and columns, store presets.
 
 Frozen dataclasses, each validated once in ``__post_init__``; the ``make_*`` builders on top carry
-OneEmbedding's names and defaults (REFERENCE.md, "Public names").
+OneEmbedding's names and defaults.
 """
 from __future__ import annotations
 
@@ -87,7 +87,7 @@ class TruncNormalInitializer:
 Initializer = Union[UniformInitializer, NormalInitializer, ConstantInitializer, TruncNormalInitializer]
 _INITIALIZER_TYPES = (UniformInitializer, NormalInitializer, ConstantInitializer, TruncNormalInitializer)
 
-#: REFERENCE.md: the default when ``tables=None`` and no ``default_initializer`` is given.
+#: OneFlow's default when ``tables=None`` and no ``default_initializer`` is given.
 DEFAULT_INITIALIZER = NormalInitializer(0.0, 0.05)
 
 
@@ -291,7 +291,7 @@ class CacheOptions:
             raise ConfigError(f"ways={self.ways} must be >= 1")
 
     def rows(self, line_size: int) -> int:
-        """Rows that fit the budget: budget_mb * 2**20 / (4 * line_size) (REFERENCE.md)."""
+        """Rows that fit the budget: budget_mb * 2**20 / (4 * line_size), as OneFlow sizes a cache."""
         if self.budget_mb is None:
             raise ConfigError("a 'full' cache has no row budget")
         return int(self.budget_mb * 2**20 // (4 * line_size))
