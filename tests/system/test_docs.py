@@ -25,3 +25,7 @@ def test_docs_build_without_warnings(tmp_path):
     assert 'id="one_embedding.options.make_uniform_initializer"' in page
     assert (tmp_path / "html" / "api" / "embedding.html").read_text().count(
         'id="one_embedding.embedding.MultiTableEmbedding"') == 1
+    # the site names no file outside the repository (the design notes live beside it, not in it)
+    outside = [str(p.relative_to(tmp_path)) for p in (tmp_path / "html").rglob("*.html")
+               if "REFERENCE.md" in p.read_text() or "DESIGN.md" in p.read_text()]
+    assert not outside, outside
