@@ -7,8 +7,17 @@ sections). Build it with warnings as errors, as .ci/run does:
 from __future__ import annotations
 
 import importlib.util
+import sys
+from pathlib import Path
 
-import one_embedding
+# document this checkout's package (flat or src/ layout), whatever else is installed or on the path
+ROOT = Path(__file__).resolve().parents[1]
+for _parent in (ROOT / "src", ROOT):
+    if (_parent / "one_embedding" / "__init__.py").is_file():
+        sys.path.insert(0, str(_parent))
+        break
+
+import one_embedding  # noqa: E402
 
 project = "one_embedding"
 author = "the one_embedding authors"

@@ -17,7 +17,8 @@ def test_docs_build_without_warnings(tmp_path):
             pytest.skip(f"{module} is not installed: python -m pip install -e \".[docs]\"")
     proc = subprocess.run([sys.executable, "-m", "sphinx", "-W", "--keep-going", "-q", "-b", "html",
                            "-d", str(tmp_path / "doctrees"), str(helpers.ROOT / "docs"),
-                           str(tmp_path / "html")], capture_output=True, text=True, timeout=600)
+                           str(tmp_path / "html")], capture_output=True, text=True, timeout=600,
+                          cwd=tmp_path)  # conf.py finds the checkout's package from any folder
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     page = (tmp_path / "html" / "api" / "options.html").read_text()
     # the API reference holds the documented public names, with their docstrings
