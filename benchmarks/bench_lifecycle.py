@@ -18,7 +18,7 @@ Parts:
   ids (alpha 1.05), ``--rows`` rows in batches of 4,096, one epoch, 5 % held out.
 
 Writes results/lifecycle.json, a plot (results/lifecycle.png: rows stored and AUC per rule set)
-and prints the markdown table the README shows.
+and prints the markdown table docs/lifecycle.md shows.
 """
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ and 16: in-process, 16 threads share one Predictor; over HTTP, 16 threads with a
 each, one request in flight per thread (binary tensors, tritonclient's default). Then batch 64 at concurrency 16
 again while a training run resumes on the same path and publishes a checkpoint every 5 steps
 (keeping 1), so the server switches snapshots under load: its QPS, latency, switches seen and
-failed requests. Writes results/serve.json and prints the markdown table the README shows.
+failed requests. Writes results/serve.json and prints the markdown table docs/serving.md shows.
 """
 from __future__ import annotations
 
@@ -157,9 +157,10 @@ def main(argv=None) -> None:
         path = os.path.join(root, "run")
         train(path, "--steps", args.steps, "--snapshot-interval", args.steps)
         port = free_port()
+        # the server's private stores go under root too: a terminated server leaves them behind
         server = subprocess.Popen([sys.executable, "-m", "one_embedding", "serve",
                                    "--persistent-path", path, "--port", str(port),
-                                   "--poll-seconds", "0.5"],
+                                   "--poll-seconds", "0.5", "--scratch", root],
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         url = f"127.0.0.1:{port}"
         try:

@@ -31,7 +31,8 @@ p.add_argument("--synthetic-scale", type=float, default=0.002, help="x Criteo Ka
 p.add_argument("--store", default="device_mem",
                choices=["device_mem", "cached_host_mem", "cached_ssd"])
 p.add_argument("--cache-mb", type=float, default=4.0, help="device cache of the cached stores")
-p.add_argument("--persistent-path", help="store and snapshot folder (default: a temp dir)")
+p.add_argument("--persistent-path",
+               help="store and snapshot folder (default: a temporary folder, removed at the end)")
 p.add_argument("--steps", type=int, default=200)
 p.add_argument("--batch-size", type=int, help="default 512 (reference 10000)")
 p.add_argument("--lr", type=float, help="default 0.005 (reference 0.001)")
@@ -43,7 +44,9 @@ REFERENCE = dict(dnn=(1000,) * 5, batch=10_000, lr=1e-3)
 SMALL = dict(dnn=(128, 64), batch=512, lr=5e-3)
 cfg = REFERENCE if args.reference_sizes else SMALL
 batch_size, lr = args.batch_size or cfg["batch"], args.lr or cfg["lr"]
-path = args.persistent_path or tempfile.mkdtemp(prefix="deepfm_")
+# without --persistent-path the store lives in a temporary folder, removed at the end
+scratch = None if args.persistent_path else tempfile.TemporaryDirectory(prefix="deepfm_")
+path = args.persistent_path or scratch.name
 
 if args.data:
     sizes, source = resolve_cardinalities("kaggle"), args.data  # sizes only scale the init
@@ -126,3 +129,6 @@ embedding.save_snapshot("final")
 print(f"trained {args.steps} steps, {samples:,} samples: {samples / seconds:,.0f} samples/s; "
       f"{len(embedding):,} rows stored; snapshot 'final' in {path}")
 embedding.close()
+if scratch is not None:
+    scratch.cleanup()
+    print(f"{path} was a temporary folder and is removed: --persistent-path keeps the snapshot")

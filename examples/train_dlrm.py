@@ -29,7 +29,8 @@ p.add_argument("--synthetic-scale", type=float, default=0.001, help="x Criteo 1T
 p.add_argument("--store", default="device_mem",
                choices=["device_mem", "cached_host_mem", "cached_ssd"])
 p.add_argument("--cache-mb", type=float, default=4.0, help="device cache of the cached stores")
-p.add_argument("--persistent-path", help="store and snapshot folder (default: a temp dir)")
+p.add_argument("--persistent-path",
+               help="store and snapshot folder (default: a temporary folder, removed at the end)")
 p.add_argument("--steps", type=int, default=200)
 p.add_argument("--batch-size", type=int, help="default 512 (reference 55296)")
 p.add_argument("--lr", type=float, help="default 0.5 (reference 24)")
@@ -43,7 +44,9 @@ SMALL = dict(E=16, bottom=(64, 32, 16), top=(64, 32, 1), batch=512, lr=0.5, warm
              decay_start=args.steps // 2, decay_steps=max(1, args.steps - args.steps // 2))
 cfg = REFERENCE if args.reference_sizes else SMALL
 E, batch_size, lr = cfg["E"], args.batch_size or cfg["batch"], args.lr or cfg["lr"]
-path = args.persistent_path or tempfile.mkdtemp(prefix="dlrm_")
+# without --persistent-path the store lives in a temporary folder, removed at the end
+scratch = None if args.persistent_path else tempfile.TemporaryDirectory(prefix="dlrm_")
+path = args.persistent_path or scratch.name
 
 # Data: every source yields dense (B, 13) log(x + 1), ids (B, 26) int64 unique across columns.
 if args.data:
@@ -115,3 +118,6 @@ embedding.save_snapshot("final")
 print(f"trained {args.steps} steps, {samples:,} samples: {samples / seconds:,.0f} samples/s; "
       f"{len(embedding):,} rows stored; snapshot 'final' in {path}")
 embedding.close()
+if scratch is not None:
+    scratch.cleanup()
+    print(f"{path} was a temporary folder and is removed: --persistent-path keeps the snapshot")

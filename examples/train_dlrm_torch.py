@@ -21,7 +21,12 @@ import tempfile
 import time
 
 import numpy as np
-import torch
+
+try:
+    import torch
+except ImportError:  # an optional extra: say which
+    raise SystemExit("train_dlrm_torch.py needs PyTorch: pip install 'one_embedding[torch]' "
+                     "(or a torch build for your platform)") from None
 
 import one_embedding as oe
 from one_embedding.data import BatchLoader, SyntheticCriteo, resolve_cardinalities
@@ -34,7 +39,8 @@ p.add_argument("--data", nargs="+", help="Criteo TSV or Parquet files (default: 
 p.add_argument("--synthetic-scale", type=float, default=0.001, help="x Criteo 1TB cardinalities")
 p.add_argument("--engine", default="slots", choices=["slots", "rocksdb"], help="the SSD table")
 p.add_argument("--cache-mb", type=float, default=1.0, help="LRU cache in RAM above the SSD table")
-p.add_argument("--persistent-path", help="SSD table and snapshot folder (default: a temp dir)")
+p.add_argument("--persistent-path",
+               help="SSD table and snapshot folder (default: a temporary folder, removed at the end)")
 p.add_argument("--steps", type=int, default=200)
 p.add_argument("--batch-size", type=int, default=512)
 p.add_argument("--embedding-dim", type=int, default=16)
@@ -42,7 +48,10 @@ p.add_argument("--lr", type=float, default=0.5, help="SGD, for the rows and the 
 p.add_argument("--prefetch-depth", type=int, default=1, help="batches looked up ahead (0: off)")
 p.add_argument("--eval-every", type=int, default=50, help="steps between evaluations of 10 batches")
 args = p.parse_args()
-E, path = args.embedding_dim, args.persistent_path or tempfile.mkdtemp(prefix="dlrm_torch_")
+E = args.embedding_dim
+# without --persistent-path the table lives in a temporary folder, removed at the end
+scratch = None if args.persistent_path else tempfile.TemporaryDirectory(prefix="dlrm_torch_")
+path = args.persistent_path or scratch.name
 torch.manual_seed(0)
 
 # Data: dense (B, 13) log(x + 1), ids (B, 26) int64 unique across columns, labels (B,).
@@ -144,3 +153,6 @@ embedding.save_snapshot("final")
 print(f"trained {args.steps} steps, {samples:,} samples: {samples / seconds:,.0f} samples/s; "
       f"{len(embedding):,} rows stored ({args.engine} engine); snapshot 'final' in {path}")
 embedding.close()
+if scratch is not None:
+    scratch.cleanup()
+    print(f"{path} was a temporary folder and is removed: --persistent-path keeps the snapshot")

@@ -1,5 +1,7 @@
 """Training checkpoints: an embedding snapshot plus everything else a run needs to continue.
 
+::
+
     save_checkpoint("step-100", emb, model=model, optimizer=opt, lr_schedule=sched,
                     state={"step": 100, "epoch": 0, "batch": 100, ...}, config={...})
     state = load_checkpoint("step-100", emb, model=model, optimizer=opt, lr_schedule=sched)

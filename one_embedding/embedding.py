@@ -1,7 +1,7 @@
 """MultiTableEmbedding / MultiTableMultiColumnEmbedding: the front end.
 
-One key space for all tables; a table only picks the initializer of a key seen for the first time
-(REFERENCE.md "Semantics"). The front end validates ids, drops padding and forms keys; it reaches
+One key space for all tables; a table only picks the initializer of a key seen for the first time,
+as in OneFlow's OneEmbedding. The front end validates ids, drops padding and forms keys; it reaches
 rows only through the shuffles over its communicator and the owner ``EmbeddingShard`` (with one
 process the communicator is ``LocalComm`` and every exchange is the identity). A step::
 
@@ -73,7 +73,7 @@ def resolve_key_type(key_type) -> np.dtype:
 
 
 def keys_as_uint64(ids: np.ndarray, key_type: np.dtype) -> np.ndarray:
-    """Internal key: the raw id's bits as uint64; 32-bit keys are zero-extended (REFERENCE.md)."""
+    """Internal key: the raw id's bits as uint64; 32-bit keys are zero-extended."""
     ids = ids.astype(key_type, copy=False)
     if key_type.itemsize == 4:
         return ids.view(np.uint32).astype(np.uint64)
@@ -323,7 +323,7 @@ class MultiTableMultiColumnEmbedding:
         return StepState(tuple(ids.shape), keep, exchange, owner, on_gpu=True)
 
     def embed(self, state: StepState):
-        """The rows of a prepared step: (*ids.shape, embedding_dim) float32 (CuPy when the ids
+        """The rows of a prepared step: ``(*ids.shape, embedding_dim)`` float32 (CuPy when the ids
         were). Keeps ``state`` for the next ``backward``."""
         self._owner().refresh(state.owner)
         if self.launch is not None:

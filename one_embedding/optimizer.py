@@ -1,5 +1,7 @@
 """``one_embedding.Optimizer``: one row optimizer applied to embeddings and dense parameters.
 
+::
+
     opt = one_embedding.Optimizer(one_embedding.optim.Adagrad(lr=0.1), embeddings=[emb],
                                   parameters=model.parameters())
     loss.backward-equivalent ...; opt.step(); opt.zero_grad()

@@ -1,7 +1,7 @@
 """Options: initializers, tables and columns, store presets.
 
 Frozen dataclasses, each validated once in ``__post_init__``; the ``make_*`` builders on top carry
-OneEmbedding's names and defaults (REFERENCE.md, "Public names").
+OneEmbedding's names and defaults.
 """
 from __future__ import annotations
 
@@ -67,7 +67,7 @@ class ConstantInitializer:
 
 @dataclass(frozen=True)
 class TruncNormalInitializer:
-    """N(mean, std**2) restricted to [a, b] (absolute bounds, as in PyTorch's trunc_normal_)."""
+    """N(mean, std**2) restricted to [a, b] (absolute bounds, as in PyTorch's ``trunc_normal_``)."""
 
     mean: float = 0.0
     std: float = 1.0
@@ -87,25 +87,30 @@ class TruncNormalInitializer:
 Initializer = Union[UniformInitializer, NormalInitializer, ConstantInitializer, TruncNormalInitializer]
 _INITIALIZER_TYPES = (UniformInitializer, NormalInitializer, ConstantInitializer, TruncNormalInitializer)
 
-#: REFERENCE.md: the default when ``tables=None`` and no ``default_initializer`` is given.
+#: OneFlow's default when ``tables=None`` and no ``default_initializer`` is given.
 DEFAULT_INITIALIZER = NormalInitializer(0.0, 0.05)
 
 
 def make_uniform_initializer(low: float = 0.0, high: float = 1.0) -> UniformInitializer:
+    """Initial values uniform between low and high (OneFlow's arguments and defaults)."""
     return UniformInitializer(low, high)
 
 
 def make_normal_initializer(mean: float = 0.0, std: float = 1.0) -> NormalInitializer:
+    """Initial values drawn from N(mean, std**2)."""
     return NormalInitializer(mean, std)
 
 
 def make_constant_initializer(value: float) -> ConstantInitializer:
+    """Every initial value is ``value``."""
     return ConstantInitializer(value)
 
 
 def make_trunc_normal_initializer(
     mean: float = 0.0, std: float = 1.0, a: float = -2.0, b: float = 2.0
 ) -> TruncNormalInitializer:
+    """Initial values drawn from N(mean, std**2) restricted to [a, b] (absolute bounds, as in
+    PyTorch's ``trunc_normal_``)."""
     return TruncNormalInitializer(mean, std, a, b)
 
 
@@ -142,6 +147,8 @@ class TableOptions:
 
 
 def make_column_options(initializer: Initializer) -> ColumnOptions:
+    """One column of a multi-column table (``MultiTableMultiColumnEmbedding``) and its initializer;
+    a list of them goes to ``make_table_options``."""
     return ColumnOptions(check_initializer(initializer, "make_column_options(initializer)"))
 
 
@@ -284,7 +291,7 @@ class CacheOptions:
             raise ConfigError(f"ways={self.ways} must be >= 1")
 
     def rows(self, line_size: int) -> int:
-        """Rows that fit the budget: budget_mb * 2**20 / (4 * line_size) (REFERENCE.md)."""
+        """Rows that fit the budget: budget_mb * 2**20 / (4 * line_size), as OneFlow sizes a cache."""
         if self.budget_mb is None:
             raise ConfigError("a 'full' cache has no row budget")
         return int(self.budget_mb * 2**20 // (4 * line_size))

@@ -9,7 +9,7 @@ A background thread takes batches from the iterator in order and calls ``emb.pre
 ``depth`` batches ahead of the one the main thread uses. The compiled kernels behind ``prepare``
 release the GIL, so this work overlaps with the main thread's matrix products.
 
-Ordering (DESIGN.md decision 10): a row that step i updates must be read by step i+1 only after
+Ordering: a row that step i updates must be read by step i+1 only after
 step i's put. The mechanism is the shard's write version: every lookup records it, and
 ``emb.embed(state)`` first patches in each line put since (the shard keeps those puts in a short
 log while any prefetched lookup is outstanding). So a prefetched step uses exactly the rows a

@@ -1,5 +1,7 @@
 """OneFlow's persistent table reader and writer: rows in and out of snapshots, no embedding needed.
 
+::
+
     with make_persistent_table_writer(paths, "pretrained", np.int64, np.float32, 64) as w:
         w.write(keys, values)            # keys (n,) ids, values (n, 64) whole lines
     emb.load_snapshot("pretrained")      # an embedding with line_size 64 serves those rows
@@ -305,7 +307,8 @@ def make_persistent_table_writer(paths, snapshot_name, key_type, value_type, sto
     Example: 3 rows for an SGD embedding of dim 4, loaded by it.
 
     >>> import tempfile, numpy as np, one_embedding as oe
-    >>> path = tempfile.mkdtemp()
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> path = folder.name
     >>> with oe.make_persistent_table_writer([f"{path}/0-1"], "pre", np.int64, np.float32, 4) as w:
     ...     w.write(np.array([7, 8, 9]), np.ones((3, 4)))
     >>> store = oe.make_device_mem_store_options(path, capacity=10)
@@ -314,6 +317,7 @@ def make_persistent_table_writer(paths, snapshot_name, key_type, value_type, sto
     >>> emb(np.array([8]))
     array([[1., 1., 1., 1.]], dtype=float32)
     >>> emb.close()
+    >>> folder.cleanup()
     """
     return PersistentTableWriter(paths, snapshot_name, key_type, value_type, storage_dim,
                                  physical_block_size, engine=engine, embedding_dims=embedding_dims)
@@ -404,13 +408,15 @@ def make_persistent_table_reader(paths, snapshot_name, key_type, value_type, sto
     the manifests' when given.
 
     >>> import tempfile, numpy as np, one_embedding as oe
-    >>> paths = [f"{tempfile.mkdtemp()}/0-1"]
+    >>> folder = tempfile.TemporaryDirectory()
+    >>> paths = [f"{folder.name}/0-1"]
     >>> with oe.make_persistent_table_writer(paths, "s", np.int32, np.float32, 2) as w:
     ...     w.write(np.array([5, -1], np.int32), np.array([[1, 2], [3, 4]], np.float32))
     >>> with oe.make_persistent_table_reader(paths, "s", np.int32, np.float32, 2) as r:
     ...     for keys, values in r:
     ...         print(keys, values.tolist())
     [ 5 -1] [[1.0, 2.0], [3.0, 4.0]]
+    >>> folder.cleanup()
     """
     return PersistentTableReader(paths, snapshot_name, key_type, value_type, storage_dim,
                                  physical_block_size, engine=engine, batch_rows=batch_rows)

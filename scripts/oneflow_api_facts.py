@@ -1,6 +1,6 @@
 """Read OneFlow's public ``oneflow.one_embedding`` names out of its source, as facts: each name,
 its kind and, for a callable, its parameters with their defaults as written. The names table of
-the README ("Coming from OneFlow") is measured against this file by tests/unit/test_oneflow_names.py.
+docs/oneflow.md ("Coming from OneFlow") is measured against this file by tests/unit/test_oneflow_names.py.
 
     python scripts/oneflow_api_facts.py ONEFLOW_CHECKOUT [COMMIT] > tests/data/oneflow_one_embedding_api.json
 

@@ -141,3 +141,14 @@ def row_optimizer_cases() -> dict:
         "ftrl_tensorflow_l1_l2_beta": lambda: Ftrl(lr=0.05, lambda1=0.01, lambda2=0.1, beta=0.5,
                                                    weight_decay=0.01, convention="tensorflow"),
     }
+
+
+def write_criteo_tsv(path, rows: int, seed: int = 0) -> None:
+    """rows lines of raw Criteo: label, 13 integers (some missing), 26 hex categoricals."""
+    rng = np.random.default_rng(seed)
+    with open(path, "w") as f:
+        for _ in range(rows):
+            ints = ["" if rng.random() < 0.1 else str(rng.integers(0, 100)) for _ in range(13)]
+            cats = [f"{rng.integers(0, 50) * 2654435761 % 2**32:08x}" for _ in range(26)]
+            label = int(rng.random() < 0.3 + 0.4 * (cats[0] < "80000000"))
+            f.write("\t".join([str(label), *ints, *cats]) + "\n")

@@ -1,4 +1,4 @@
-"""Layers with explicit forward and backward (no autograd engine; DESIGN.md decision 3).
+"""Layers with explicit forward and backward (no autograd engine, by design).
 
 ``forward`` keeps what ``backward`` needs; ``backward`` returns input gradients and accumulates
 parameter gradients into ``Parameter.grad``. Layers take the array namespace from their inputs

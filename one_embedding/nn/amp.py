@@ -1,5 +1,7 @@
 """Mixed precision (AMP): the dense model's matrix products in fp16 or bf16, the rest in fp32.
 
+::
+
     with amp.autocast("fp16"):            # or "bf16"; "off" (the default) changes nothing
         logits = model(dense, ids)
         ...
@@ -18,6 +20,7 @@ fp16 (5 exponent bits) underflows small gradients: train it with a loss scale
 and needs none.
 
 How the products run:
+
 - CuPy, fp16: real float16 operands (``astype(float16)``), so cuBLAS runs the GEMM on tensor
   cores with fp32 accumulation and a float16 result, cast back to fp32.
 - numpy (and bf16 on CuPy, which has no bfloat16 dtype): the operands rounded to the half type's

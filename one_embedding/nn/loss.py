@@ -9,7 +9,7 @@ from .. import host_sync
 
 
 class BCEWithLogits(Module):
-    """loss = mean_b [max(z,0) - z*y + log(1 + exp(-|z|))]; ``backward()`` -> dlogits (B,).
+    """``loss = mean_b [max(z,0) - z*y + log(1 + exp(-|z|))]``; ``backward()`` -> dlogits (B,).
 
     logits: (B,) float; labels: (B,) with values in [0, 1] (cast to the logits' dtype).
     """

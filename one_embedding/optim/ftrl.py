@@ -123,7 +123,7 @@ class Ftrl(RowOptimizer):
 
     def kernel_constants(self) -> tuple[float, float, bool]:
         """(power applied to the accumulator, lambda2's coefficient q in the denominator, whether
-        |z| == lambda1 is in the dead zone) of this convention."""
+        ``|z| == lambda1`` is in the dead zone) of this convention."""
         if self.convention == "tensorflow":
             return -self.lr_power, 2.0 * self.lambda2, True
         return self.lr_power, self.lambda2, False

@@ -107,12 +107,12 @@ def _partition_on_device(keys, table_ids, world: int, launch) -> LocalIds:
 class IdExchange:
     """The plan of one step's exchanges, from both sides.
 
-    local: this rank's ids (``LocalIds``); ``local.counts_per_rank`` is what it sends each owner
-    recv_counts: (P,) int64 ids received from each rank, in source-rank order (r in total)
-    owner_keys: (v,) uint64 the keys this rank owns among those received, de-duplicated
-    owner_table_ids: (v,) int32
-    owner_inverse: (r,) int64 row of ``owner_keys`` per received id, or None when the received
-        ids were already unique (then it is the identity: always so with one rank)
+    - local: this rank's ids (``LocalIds``); ``local.counts_per_rank`` is what it sends each owner
+    - recv_counts: (P,) int64 ids received from each rank, in source-rank order (r in total)
+    - owner_keys: (v,) uint64 the keys this rank owns among those received, de-duplicated
+    - owner_table_ids: (v,) int32
+    - owner_inverse: (r,) int64 row of ``owner_keys`` per received id, or None when the received
+      ids were already unique (then it is the identity: always so with one rank)
     """
 
     local: LocalIds

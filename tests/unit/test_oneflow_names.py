@@ -1,8 +1,8 @@
 """OneFlow's public ``oneflow.one_embedding`` names, measured: every name read out of OneFlow's
 source (tests/data/oneflow_one_embedding_api.json, written by scripts/oneflow_api_facts.py from
 python/oneflow/one_embedding.py at the commit it records) is looked up here, and each callable's
-arguments and defaults are compared with OneFlow's. The README's names table ("Coming from
-OneFlow") is this measurement rendered; the test fails when the two differ. To rewrite it:
+arguments and defaults are compared with OneFlow's. The names table of docs/oneflow.md ("Coming
+from OneFlow") is this measurement rendered; the test fails when the two differ. To rewrite it:
 
     python tests/unit/test_oneflow_names.py
 """
@@ -26,7 +26,7 @@ if str(TESTS) not in sys.path:
 import helpers  # noqa: E402
 
 FACTS = json.loads((helpers.ROOT / "tests" / "data" / "oneflow_one_embedding_api.json").read_text())
-README = helpers.ROOT / "README.md"
+PAGE = helpers.ROOT / "docs" / "oneflow.md"
 START, END = "<!-- oneflow-names: start (tests/unit/test_oneflow_names.py) -->", "<!-- oneflow-names: end -->"
 EMBEDDINGS = ("Embedding", "MultiTableEmbedding", "MultiTableMultiColumnEmbedding")
 
@@ -155,15 +155,15 @@ def render(results) -> str:
                       "|---|---|---|---|", *rows, END])
 
 
-def readme_block() -> str:
-    text = README.read_text()
+def page_block() -> str:
+    text = PAGE.read_text()
     match = re.search(re.escape(START) + ".*?" + re.escape(END), text, re.S)
     return match.group(0) if match else ""
 
 
-def test_readme_names_table_is_the_measurement():
+def test_docs_names_table_is_the_measurement():
     want = render(measure_all())
-    assert readme_block() == want, ("README's OneFlow names table is stale: run "
+    assert page_block() == want, ("docs/oneflow.md's OneFlow names table is stale: run "
                                     "`python tests/unit/test_oneflow_names.py`")
 
 
@@ -213,9 +213,9 @@ def test_oneflow_attribute_names_and_to():
 
 
 if __name__ == "__main__":
-    text = README.read_text()
-    block = readme_block()
+    text = PAGE.read_text()
+    block = page_block()
     if not block:
-        sys.exit(f"README has no block between {START!r} and {END!r}")
-    README.write_text(text.replace(block, render(measure_all())))
-    print("README names table rewritten")
+        sys.exit(f"docs/oneflow.md has no block between {START!r} and {END!r}")
+    PAGE.write_text(text.replace(block, render(measure_all())))
+    print("docs/oneflow.md names table rewritten")

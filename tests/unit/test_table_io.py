@@ -374,9 +374,12 @@ def test_rank_folder_names_are_zero_padded_in_the_hint(tmp_path):
         writer(tmp_path, paths=paths[::-1])
 
 
-def test_docstring_examples_run():
+def test_docstring_examples_run_and_leave_no_folder(tmp_path, monkeypatch):
     import doctest
+    import tempfile
 
     import one_embedding.table_io as module
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the examples' folders go
     assert doctest.testmod(module).failed == 0
+    assert list(tmp_path.iterdir()) == []
