@@ -330,13 +330,13 @@ class Trainer:
 
     # --- one step ----------------------------------------------------------------------------
 
-    def train_step(self, batch, state=None) -> float:
+    def train_step(self, batch, state=None):
         """Forward, loss, backward, one update of the dense weights and the embedding rows.
 
         batch: this rank's block of a global batch: dense (b, 13) float32, ids (b, F) int64,
         labels (b,); state: the ``StepState`` of ``embedding.prepare(batch.ids)`` (prepared now
-        when None). Returns the global batch's mean loss: a float on several ranks, else a
-        0-d array of the model's backend, left on the device (read back by ``read_losses``)."""
+        when None). Returns the mean loss over this rank's block: a 0-d array of the model's
+        backend, left on the device (``read_losses`` reads it, averaged over the ranks)."""
         phases, clock = self.progress.phase_seconds, time.perf_counter
         t0 = clock()
         if state is None:
@@ -351,8 +351,6 @@ class Trainer:
             dlogits = self.loss_fn.backward()
             if self.comm.world > 1:  # the gradient of this rank's share of the global mean
                 dlogits = dlogits * np.float32(batch.labels.shape[0] / self.cfg.batch_size)
-                loss = float(host_sync.scalar(loss, "loss (several ranks)"))
-                loss = float(self.comm.allreduce_sum(np.array([loss]))[0]) / self.comm.world
             if scaler is not None:  # unscaled by Optimizer.step, which skips an overflowed step
                 dlogits = dlogits * np.float32(scaler.scale)
             _, dembedded = self.model.backward_to_embeddings(dlogits)
@@ -561,10 +559,8 @@ class Trainer:
                     if self.checks is not None:
                         self.checks.step = progress.step + 1
                     loss = self.train_step(batch, state)
-                    host_loss = loss if self.comm.world > 1 else None  # several ranks: a float
-                    if host_loss is None:
-                        pending.append(loss)
-                    progress.count(epoch, cfg.batch_size, host_loss,
+                    pending.append(loss)  # read (and averaged over the ranks) every few steps
+                    progress.count(epoch, cfg.batch_size, None,
                                    time.perf_counter() - t0, self.skip_steps)
                     step = progress.step
                     last = cfg.steps is not None and step >= cfg.steps
@@ -611,6 +607,8 @@ class Trainer:
                                        "losses")
         else:
             return
+        if self.comm.world > 1:  # each rank's mean over its block -> the global batch's mean
+            losses = self.comm.allreduce_sum(np.asarray(losses, np.float64)) / self.comm.world
         self.progress.losses.extend(float(x) for x in losses)
         pending.clear()
 
