@@ -17,6 +17,15 @@ constexpr u64 EMPTY = ~0ull;
 
 __device__ __forceinline__ i64 home(u64 key, i64 mask) { return (i64)(splitmix64(key) & (u64)mask); }
 
+// Inserts one key known to be absent with its slot: linear probing from the home bucket, an empty
+// bucket claimed by atomicCAS on its slot word. No reader runs in the inserting kernels (finds are
+// later launches), so the key may follow its slot.
+__device__ __forceinline__ void insert(u64* table, i64 mask, u64 key, i64 slot) {
+  i64 b = home(key, mask);
+  while (atomicCAS(&table[2 * b + 1], EMPTY, (u64)slot) != EMPTY) b = (b + 1) & mask;
+  table[2 * b] = key;
+}
+
 }  // namespace hashindex
 }  // namespace oe
 
@@ -64,22 +73,14 @@ __global__ void hashindex_find(const oe::u64* table, oe::i64 mask, const oe::u64
   }
 }
 
-// Inserts keys known to be absent (and unique) with their slots: thread per key, linear probing
-// from the home bucket, an empty bucket claimed by atomicCAS on its slot word. Threads race for
-// buckets, so which bucket a key lands in may vary from run to run, but the set of (key, slot)
+// Inserts keys known to be absent (and unique) with their slots, a thread per key. Threads race
+// for buckets, so which bucket a key lands in may vary from run to run, but the set of (key, slot)
 // pairs, and so every find, does not. keys, slots: (n,).
 template <typename T>
 __global__ void hashindex_insert(oe::u64* table, oe::i64 mask, const oe::u64* keys,
                                  const oe::i64* slots, oe::i64 n) {
   for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
-    const oe::u64 key = keys[i];
-    oe::i64 b = oe::hashindex::home(key, mask);
-    while (atomicCAS(&table[2 * b + 1], oe::hashindex::EMPTY, (oe::u64)slots[i]) !=
-           oe::hashindex::EMPTY) {
-      b = (b + 1) & mask;
-    }
-    // no reader runs in this kernel (finds are later launches), so the key may follow its slot
-    table[2 * b] = key;
+    oe::hashindex::insert(table, mask, keys[i], slots[i]);
   }
 }
 
@@ -90,14 +91,7 @@ __global__ void hashindex_insert_where(oe::u64* table, oe::i64 mask, const oe::u
                                        const oe::i64* slots, const unsigned char* is_new,
                                        oe::i64 n) {
   for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
-    if (!is_new[i]) continue;
-    const oe::u64 key = keys[i];
-    oe::i64 b = oe::hashindex::home(key, mask);
-    while (atomicCAS(&table[2 * b + 1], oe::hashindex::EMPTY, (oe::u64)slots[i]) !=
-           oe::hashindex::EMPTY) {
-      b = (b + 1) & mask;
-    }
-    table[2 * b] = key;
+    if (is_new[i]) oe::hashindex::insert(table, mask, keys[i], slots[i]);
   }
 }
 
