@@ -39,6 +39,14 @@ ENGINES = ("slots", "rocksdb")
 CROSS_KINDS = ("vector", "matrix")
 ON_BAD_LINE = ("error", "skip")
 DEVICES = ("cpu", "cuda")
+#: --optimizer left unset: each model's reference optimizer (the models' docstrings: OneFlow's zoo
+#: trains DCN and DeepFM with Adam 1e-3). Adagrad's first update of a weight is lr * sign(g)
+#: whatever |g| (its accumulator starts at 0), so at lr 0.05 every unit of a wide DNN moves by
+#: 0.05 * |x|_1 at once: DCN's and DeepFM's 429-wide input (26 embeddings and 13 log(x+1) dense
+#: features) gave losses of 15-19 at steps 2-3 (issue 31)
+MODEL_OPTIMIZERS = {"dlrm": "adagrad", "dcn": "adam", "deepfm": "adam"}
+#: --lr left unset: the optimizer's (Adam's is OneFlow's and PyTorch's default)
+DEFAULT_LRS = {"adagrad": 0.05, "adam": 0.001, "ftrl": 0.05, "sgd": 0.05}
 
 #: the range of every integer setting: they reach numpy as int64
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -98,8 +106,14 @@ class TrainConfig:
                                help="stop after this many steps")
     epochs: int = option(1, group="training", at_least=1,
                          help="passes over the data when --steps is not given")
-    optimizer: str = option("adagrad", group="training", choices=tuple(sorted(OPTIMIZERS)))
-    lr: float = option(0.05, group="training", at_least=0.0)
+    optimizer: str | None = option(
+        None, group="training", choices=tuple(sorted(OPTIMIZERS)),
+        help="row optimizer of the embeddings and the dense weights (default: the model's, "
+             "adagrad for dlrm, adam for dcn and deepfm; with --resume the checkpoint's)")
+    lr: float | None = option(
+        None, group="training", at_least=0.0,
+        help="learning rate (default: the optimizer's, 0.05 for adagrad, sgd and ftrl, 0.001 for "
+             "adam; with --resume the checkpoint's)")
     ftrl_convention: str | None = option(
         None, group="training", choices=optim.FTRL_CONVENTIONS,
         help="--optimizer ftrl: 'oneflow' (OneFlow's formula, accumulator ** lr_power; a new "
@@ -224,7 +238,7 @@ class TrainConfig:
                 "time-to-live sweeps, which only --steps-to-live > 0 runs (--max-rows sweeps "
                 "whenever the table is over its limit): add --steps-to-live N or drop "
                 "--evict-interval")
-        if self.optimizer == "ftrl" and self.warmup_steps:
+        if self.with_model_defaults().optimizer == "ftrl" and self.warmup_steps:
             raise ConfigError(f"warmup_steps={self.warmup_steps} with optimizer='ftrl': the "
                               "warmup gives the first update lr 0 (OneFlow's schedule), which "
                               "FTRL cannot take (it divides by lr): use --warmup-steps 0 with "
@@ -266,6 +280,15 @@ class TrainConfig:
                 f"caches live on CPU: use budgets that add up to less (e.g. --cache-mb "
                 f"{max(1, int(ram_mb) // 8)})"
             )
+
+    def with_model_defaults(self) -> "TrainConfig":
+        """This config with ``optimizer`` and ``lr`` filled in where unset: the model's optimizer
+        (``MODEL_OPTIMIZERS``) and its learning rate (``DEFAULT_LRS``)."""
+        optimizer = self.optimizer or MODEL_OPTIMIZERS[self.model]
+        lr = DEFAULT_LRS[optimizer] if self.lr is None else self.lr
+        if (optimizer, lr) == (self.optimizer, self.lr):
+            return self
+        return dataclasses.replace(self, optimizer=optimizer, lr=lr)
 
     # --- the command line, generated from the fields ---------------------------------------
 
@@ -401,8 +424,10 @@ def _check_bounds(f, value, name, what="use a value") -> None:
 
 
 def make_row_optimizer(cfg: TrainConfig):
-    """The row optimizer ``cfg`` names, at ``cfg.lr`` with the algorithm's defaults; Ftrl by
-    ``cfg.ftrl_convention`` (OneFlow's formula when unset)."""
+    """The row optimizer ``cfg`` names, at ``cfg.lr`` with the algorithm's defaults (the model's
+    optimizer and the optimizer's lr where unset); Ftrl by ``cfg.ftrl_convention`` (OneFlow's
+    formula when unset)."""
+    cfg = cfg.with_model_defaults()
     if cfg.optimizer == "ftrl":
         return optim.Ftrl(lr=cfg.lr, convention=cfg.ftrl_convention or "oneflow")
     return OPTIMIZERS[cfg.optimizer](lr=cfg.lr)

@@ -138,6 +138,7 @@ def make_lr_schedule(cfg: TrainConfig, optimizer) -> LRSchedule:
     """OneFlow's DLRM schedule: a linear warmup from 0 over cfg.warmup_steps updates (none when
     0; update t has lr * (t - 1) / warmup_steps), then, with cfg.decay_steps, the polynomial
     decay (power 2, to 0) once cfg.decay_start updates are done."""
+    cfg = cfg.with_model_defaults()
     if cfg.decay_steps:
         return WarmupPolynomialDecay(optimizer, cfg.lr, warmup_steps=cfg.warmup_steps,
                                      decay_start=cfg.decay_start, decay_steps=cfg.decay_steps)
@@ -459,6 +460,12 @@ class Trainer:
             # a field the checkpoint's version did not have yet had its default value then, or
             # the value LEGACY_CONFIG gives for what the code did before the field existed
             saved = {**asdict(TrainConfig()), **LEGACY_CONFIG, **(saved or {})}
+            if cfg.optimizer is None:  # unset: continue as the checkpoint's run did
+                cfg = self.cfg = replace(cfg, optimizer=saved["optimizer"])
+            if cfg.lr is None:
+                lr = saved["lr"] if cfg.optimizer == saved["optimizer"] else None
+                cfg = self.cfg = replace(cfg, lr=lr)
+            cfg = self.cfg = cfg.with_model_defaults()
             if cfg.ftrl_convention is None:  # unset: continue as the checkpoint's run did
                 cfg = self.cfg = replace(cfg, ftrl_convention=saved["ftrl_convention"])
             if cfg.admit_sketch_mb is None and cfg.admit_min_count > 1:  # the same
@@ -473,6 +480,7 @@ class Trainer:
                     f"changes results: {'; '.join(diffs)}. Use the checkpoint's values, or "
                     "--overwrite to start a new run")
             return name
+        cfg = self.cfg = cfg.with_model_defaults()  # a new run: the model's optimizer
         if cfg.ftrl_convention is None:  # a new run: OneFlow's formula
             self.cfg = replace(cfg, ftrl_convention="oneflow")
         if existing:
