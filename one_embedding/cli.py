@@ -50,7 +50,8 @@ def cmd_train(args) -> int:
     cfg = _config(args)
     _check_metrics_path(args.metrics)
     try:
-        final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress)
+        final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress,
+                      metrics_stdout=args.json)
     except KeyboardInterrupt as e:  # Ctrl-C: say what is saved and how to go on (main exits 130)
         rank = default_comm().rank
         if rank != 0:
@@ -62,10 +63,13 @@ def cmd_train(args) -> int:
         raise
     if default_comm().rank != 0:  # with several ranks, rank 0 alone reports (as it logs)
         return 0
-    print(f"final: AUC {final['auc']:.4f}, logloss {final['logloss']:.4f}, "
-          f"{final['samples_per_s']:,.0f} samples/s over {final['steps']} steps "
-          f"(loss {final['loss_first_10pct']:.4f} -> {final['loss_last_10pct']:.4f})",
-          file=sys.stderr)
+    from .run_summary import train_summary
+
+    where = (f"{cfg.snapshot_name!r} under {cfg.persistent_path}" if cfg.persistent_path
+             else None)
+    # stdout carries the JSON lines with --json: the summary goes beside the progress bar then
+    print(train_summary(final, args.metrics, where), file=sys.stderr if args.json else sys.stdout,
+          flush=True)
     return 0
 
 
@@ -198,7 +202,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("train", help="train DLRM / DCN / DeepFM on Criteo or synthetic Criteo")
     _add_train_args(p)
-    p.add_argument("--metrics", default=None, help="append JSON lines here (default: stdout)")
+    p.add_argument("--metrics", default=None,
+                   help="append the run's JSON lines to this file: the config, a train record "
+                        "every --log-interval steps (that step's loss, samples/s over all steps "
+                        "so far), eval records and the final record (default: none written)")
+    p.add_argument("--json", action="store_true",
+                   help="also write the JSON lines to stdout (the summary then goes to stderr)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=cmd_train)
 
