@@ -1,4 +1,7 @@
-"""``one-embedding train | bench | convert | inspect | plan | plot`` (also ``python -m one_embedding``)."""
+"""``one-embedding train | bench | convert | inspect | plan | serve | plot`` (also ``python -m
+one_embedding``): train DLRM / DCN / DeepFM over tiered embedding stores, benchmark the stores,
+convert Criteo TSV to Parquet, inspect a run's snapshots, plan a table's RAM and disk, serve a
+run's checkpoints over HTTP, and plot training curves."""
 from __future__ import annotations
 
 import argparse
@@ -158,6 +161,12 @@ def cmd_plan(args) -> int:
     """RAM per tier and disk of a table, from the constants the stores use."""
     from .plan import format_plan, plan_capacity, plan_json
 
+    if args.cache_mb is None:
+        if args.store != "device_mem":
+            raise ConfigError(f"--store {args.store} has a device cache: give its size per rank "
+                              "with --cache-mb MB (train's default is 64), e.g. --cache-mb 64")
+        args.cache_mb = 0.0  # device_mem: the whole table is the device tier
+
     p = plan_capacity(args.rows, args.embedding_dim, args.optimizer, args.store, args.cache_mb,
                       args.host_cache_mb, args.engine, args.keep_snapshots,
                       args.changed_per_snapshot, args.world, args.physical_block_size,
@@ -197,7 +206,12 @@ def cmd_plot(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .config import OPTIMIZERS
+
     ap = argparse.ArgumentParser(prog="one-embedding", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"one-embedding {__version__}",
+                    help="print the version of one_embedding and exit")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train DLRM / DCN / DeepFM on Criteo or synthetic Criteo")
@@ -222,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", nargs="+", help="raw Criteo TSV file(s)")
     p.add_argument("dst", help="output .parquet file or folder")
     p.add_argument("--no-label", action="store_true", help="Kaggle test.txt: no label column")
-    p.add_argument("--on-bad-line", choices=("error", "skip"), default="error")
+    p.add_argument("--on-bad-line", choices=("error", "skip"), default="error",
+                   help="a malformed line: stop with its file and line number (error), or skip "
+                        "it and count it (default: error)")
     p.add_argument("--layout", choices=("one_embedding", "oneflow"), default="one_embedding",
                    help="one_embedding: dense stored as log(x+1); oneflow: OneFlow's raw + 1 "
                         "(the log taken when read); both read back as the same batches")
@@ -232,7 +248,8 @@ def build_parser() -> argparse.ArgumentParser:
                                        "status 1 when one is damaged)")
     p.add_argument("path", help="the persistent_path (or its <rank>-<world> folder)")
     p.add_argument("--name", default=None, help="one snapshot (default: all)")
-    p.add_argument("--rows", type=int, default=3, help="rows to print per snapshot")
+    p.add_argument("--rows", type=int, default=3,
+                   help="sample rows per snapshot in the --json output (default: 3)")
     p.add_argument("--quick", action="store_true",
                    help="check the data a snapshot shares (SSTs, slot segments) by size and key "
                         "checksums, as a load does, instead of reading every byte")
@@ -241,27 +258,36 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("plan", help="RAM per tier and disk (live, steady, peak with K retained "
                                     "snapshots) of a table before it exists")
     p.add_argument("--rows", type=_count, required=True, help="keys over all ranks, e.g. 2e9")
-    p.add_argument("--embedding-dim", type=int, required=True)
-    p.add_argument("--optimizer", default="sgd",
-                   choices=("sgd", "momentum", "adagrad", "adam", "ftrl"),
-                   help="the row optimizer: its states make up the line (adam: 3x the dim)")
+    p.add_argument("--embedding-dim", type=int, required=True,
+                   help="floats per embedding (train's --embedding-dim)")
+    p.add_argument("--optimizer", default="sgd", choices=tuple(sorted(OPTIMIZERS)),
+                   help="the row optimizer, as train's --optimizer: its states make up the line "
+                        "(adagrad: 2x the dim, adam and ftrl: 3x) (default: sgd)")
     p.add_argument("--store", default="cached_ssd",
-                   choices=("device_mem", "cached_host_mem", "cached_ssd"))
-    p.add_argument("--engine", default="slots", choices=("slots", "rocksdb"))
-    p.add_argument("--cache-mb", type=float, default=0.0, help="device cache per rank")
-    p.add_argument("--host-cache-mb", type=float, default=0.0, help="host cache per rank")
-    p.add_argument("--keep-snapshots", type=int, default=0, help="retained snapshots")
+                   choices=("device_mem", "cached_host_mem", "cached_ssd"),
+                   help="the store preset, as train's --store (default: cached_ssd)")
+    p.add_argument("--engine", default="slots", choices=("slots", "rocksdb"),
+                   help="the SSD engine of cached_ssd (default: slots)")
+    p.add_argument("--cache-mb", type=float, default=None,
+                   help="device cache per rank, MB: required by cached_host_mem and cached_ssd "
+                        "(train's default is 64)")
+    p.add_argument("--host-cache-mb", type=float, default=0.0,
+                   help="host cache per rank under cached_ssd, MB (default: 0, none)")
+    p.add_argument("--keep-snapshots", type=int, default=0,
+                   help="retained snapshots (default: 0)")
     p.add_argument("--changed-per-snapshot", type=float, default=0.01,
-                   help="share of the rows changed between snapshots (default 0.01)")
-    p.add_argument("--world", type=int, default=1, help="ranks the table is spread over")
-    p.add_argument("--physical-block-size", type=int, default=4096)
+                   help="share of the rows changed between snapshots (default: 0.01)")
+    p.add_argument("--world", type=int, default=1,
+                   help="ranks the table is spread over (default: 1)")
+    p.add_argument("--physical-block-size", type=int, default=4096,
+                   help="bytes of the slot engine's disk blocks (default: 4096)")
     p.add_argument("--eviction", action="store_true",
                    help="rows carry the lifecycle's last-seen step and frequency (training with "
                         "--steps-to-live or --max-rows: 8 bytes more a line); give --rows the "
                         "--max-rows limit")
     p.add_argument("--admit-sketch-mb", type=float, default=0.0,
                    help="RAM of the admission sketch per rank (training with --admit-min-count "
-                        "> 1: its --admit-sketch-mb, default 32)")
+                        "> 1: its --admit-sketch-mb, 32 unless given) (default: 0, none)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(func=cmd_plan)
 
@@ -270,8 +296,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "following the run as it publishes new ones")
     p.add_argument("--persistent-path", required=True, help="the training run's --persistent-path")
     p.add_argument("--snapshot", default=None, help="serve this checkpoint (default: the newest)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1, "
+                        "this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     p.add_argument("--cache-mb", type=float, default=64.0,
                    help="RAM cache over the snapshot's rows (default 64)")
     p.add_argument("--poll-seconds", type=float, default=1.0,

@@ -29,6 +29,7 @@ from . import optim
 from .errors import ConfigError, OneEmbeddingError
 from .nn.amp import PRECISIONS
 from .parallel.codec import EXCHANGE_DTYPES
+from .data.schema import CRITEO_CARDINALITIES
 from .procstats import physical_memory_mb
 
 MODELS = ("dlrm", "dcn", "deepfm")
@@ -70,17 +71,29 @@ def option(default=dataclasses.MISSING, *, group: str, help: str = "", choices=N
 class TrainConfig:
     """What to train, on which data, through which store, for how long. See ``--help``."""
 
-    model: str = option("dlrm", group="model", choices=MODELS)
+    model: str = option("dlrm", group="model", choices=MODELS,
+                        help="the model: DLRM, Deep & Cross Network or DeepFM")
     data: tuple[str, ...] = option(group="data", default_factory=lambda: ("synthetic",),
                                    help="'synthetic', or Criteo TSV / Parquet files or folders")
-    synthetic_cardinalities: str = option("kaggle", group="data",
-                                          help="kaggle | mlperf40m | mlperf_v1 (REFERENCE.md lists)")
+    synthetic_cardinalities: str = option(
+        "kaggle", group="data", choices=tuple(sorted(CRITEO_CARDINALITIES)),
+        help="--data synthetic: the per-column cardinalities of C1..C26: kaggle (Criteo Kaggle's "
+             "train.txt), mlperf_v1 (Criteo 1TB as MLPerf v1 and OneFlow's DLRM count it), "
+             "mlperf40m (Criteo 1TB, every column capped at 40M)")
     synthetic_scale: float = option(0.01, group="data", above=0.0,
                                     help="multiplies every cardinality (1.0 = the real sizes)")
-    synthetic_rows: int = option(2_000_000, group="data", at_least=1)
-    zipf_alpha: float = option(1.05, group="data")
-    store: str = option("device_mem", group="store", choices=STORES)
-    engine: str = option("slots", group="store", choices=ENGINES)
+    synthetic_rows: int = option(2_000_000, group="data", at_least=1,
+                                 help="--data synthetic: rows in the source (train and eval "
+                                      "splits together)")
+    zipf_alpha: float = option(1.05, group="data",
+                               help="--data synthetic: the Zipf exponent of the ids' frequencies")
+    store: str = option("device_mem", group="store", choices=STORES,
+                        help="where the embedding rows live: the whole table in device memory, "
+                             "a device cache over a host-memory table, or a device cache over "
+                             "an SSD table (needs --persistent-path)")
+    engine: str = option("slots", group="store", choices=ENGINES,
+                         help="the SSD table's engine under cached_ssd: this library's slot "
+                              "files or RocksDB")
     cache_mb: float = option(64.0, group="store", at_least=0.0, help="device cache budget per rank")
     host_cache_mb: float = option(0.0, group="store", at_least=0.0, help="host LRU under cached_ssd")
     capacity: int | None = option(None, group="store", at_least=1,
@@ -89,7 +102,7 @@ class TrainConfig:
     persistent_path: str | None = option(None, group="store",
                                          help="table directory (snapshots go to "
                                               "<path>/<rank>-<world>/snapshots)")
-    embedding_dim: int = option(16, group="model", at_least=1)
+    embedding_dim: int = option(16, group="model", at_least=1, help="floats per embedding")
     bottom_mlp: tuple[int, ...] | None = option(
         None, group="model", at_least=1,
         help="DLRM bottom MLP sizes, ending in the embedding dim (default 64,32,E)")
@@ -101,7 +114,8 @@ class TrainConfig:
     cross: str = option("vector", group="model", choices=CROSS_KINDS,
                         help="DCN cross layer: vector (v1) or matrix (v2)")
     dropout: float = option(0.0, group="model", at_least=0.0, help="DCN / DeepFM DNN dropout")
-    batch_size: int = option(1024, group="training", at_least=1)
+    batch_size: int = option(1024, group="training", at_least=1,
+                             help="samples per step, over all ranks (the global batch)")
     steps: int | None = option(None, group="training", at_least=1,
                                help="stop after this many steps")
     epochs: int = option(1, group="training", at_least=1,
@@ -140,8 +154,12 @@ class TrainConfig:
                                          "--persistent-path; 0: only the final one)")
     snapshot_name: str = option("final", group="checkpoints",
                                 help="name of the final checkpoint")
-    seed: int = option(0, group="training", at_least=0)
-    on_bad_line: str = option("error", group="data", choices=ON_BAD_LINE)
+    seed: int = option(0, group="training", at_least=0,
+                       help="seeds the weights, the rows' initial values, the split and the "
+                            "synthetic data")
+    on_bad_line: str = option("error", group="data", choices=ON_BAD_LINE,
+                              help="a malformed line of a TSV file: stop naming it (error) or "
+                                   "skip and count it (skip)")
     read_ahead: int = option(4, group="data", at_least=0,
                              help="batches the loader's thread reads ahead (0: no thread)")
     decay_start: int = option(0, group="training", at_least=0,
@@ -155,7 +173,7 @@ class TrainConfig:
     amp: str = option("off", group="training", choices=PRECISIONS,
                       help="mixed precision: the dense model's matrix products in fp16 (with a "
                            "dynamic loss scale) or bf16, master weights and rows in fp32; on "
-                           "CPU it gives a GPU run's numerics, not its speed (default off)")
+                           "CPU it gives a GPU run's numerics, not its speed")
     prefetch_depth: int = option(1, group="training", at_least=0,
                                  help="batches whose ID shuffle and row lookups run ahead on a "
                                       "background thread while the current batch computes "
