@@ -134,12 +134,13 @@ def cmd_convert(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    """Prints every snapshot; a damaged one is listed as such (and named on stderr) and the
-    exit status is 1, so a script notices, while the intact ones are still shown."""
-    from .inspect_snapshot import inspect_path
+    """Prints every snapshot (one line each, or ``--json``); a damaged one is listed as such
+    (and named on stderr) and the exit status is 1, so a script notices, while the intact ones
+    are still shown."""
+    from .inspect_snapshot import format_inspection, inspect_path
 
     found = inspect_path(args.path, args.name, args.rows, quick=args.quick)
-    print(json.dumps(found, indent=1, default=str))
+    print(json.dumps(found, indent=1, default=str) if args.json else format_inspection(found))
     damaged = [s for s in found if s["status"] == "damaged"]
     for s in damaged:
         print(f"one-embedding inspect: damaged: {s['error']}", file=sys.stderr)
@@ -253,6 +254,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true",
                    help="check the data a snapshot shares (SSTs, slot segments) by size and key "
                         "checksums, as a load does, instead of reading every byte")
+    p.add_argument("--json", action="store_true",
+                   help="every field of every snapshot as JSON (manifest, store counters, "
+                        "sample rows) instead of one line per snapshot")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("plan", help="RAM per tier and disk (live, steady, peak with K retained "

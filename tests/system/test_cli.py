@@ -46,7 +46,7 @@ def test_train_on_synthetic_with_cached_ssd_learns(tmp_path, model, extra):
     assert tiers[0] == "device.lru" and tiers[-1].startswith("ssd.")
     assert final["store_stats"][0]["evictions"] > 0, "a 1 MB cache must spill to the SSD tier"
     # the final snapshot is there and inspect reads it back
-    r = run_cli("inspect", tmp_path / "table", "--rows", 2)
+    r = run_cli("inspect", tmp_path / "table", "--rows", 2, "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info[0]["snapshot"] == "final" and info[0]["row_count"] == final["rows_stored"]
