@@ -112,9 +112,10 @@ def test_trainer_takes_a_train_config_only():
 def test_docstring_examples_run():
     import doctest
 
-    from one_embedding import training
+    from one_embedding import run_summary, training
 
     assert doctest.testmod(training).failed == 0
+    assert doctest.testmod(run_summary).attempted and doctest.testmod(run_summary).failed == 0
 
 
 def test_ftrl_convention_oneflow_for_a_new_run_and_the_checkpoints_on_resume(tmp_path, monkeypatch):
