@@ -54,6 +54,7 @@ def run_bench(cfg: TrainConfig, out_dir: str, stores=None) -> list[dict]:
     from .training import train
 
     specs = parse_store_specs(stores)
+    cfg = cfg.with_model_defaults()  # the header names the optimizer and lr the runs use
     os.makedirs(out_dir, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="one_embedding_warmup_") as scratch:
         train(dataclasses.replace(cfg, store="cached_ssd", engine="slots", eval_interval=0,

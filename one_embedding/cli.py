@@ -1,4 +1,7 @@
-"""``one-embedding train | bench | convert | inspect | plan | plot`` (also ``python -m one_embedding``)."""
+"""``one-embedding train | bench | convert | inspect | plan | serve | plot`` (also ``python -m
+one_embedding``): train DLRM / DCN / DeepFM over tiered embedding stores, benchmark the stores,
+convert Criteo TSV to Parquet, inspect a run's snapshots, plan a table's RAM and disk, serve a
+run's checkpoints over HTTP, and plot training curves."""
 from __future__ import annotations
 
 import argparse
@@ -50,7 +53,8 @@ def cmd_train(args) -> int:
     cfg = _config(args)
     _check_metrics_path(args.metrics)
     try:
-        final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress)
+        final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress,
+                      metrics_stdout=args.json)
     except KeyboardInterrupt as e:  # Ctrl-C: say what is saved and how to go on (main exits 130)
         rank = default_comm().rank
         if rank != 0:
@@ -62,10 +66,13 @@ def cmd_train(args) -> int:
         raise
     if default_comm().rank != 0:  # with several ranks, rank 0 alone reports (as it logs)
         return 0
-    print(f"final: AUC {final['auc']:.4f}, logloss {final['logloss']:.4f}, "
-          f"{final['samples_per_s']:,.0f} samples/s over {final['steps']} steps "
-          f"(loss {final['loss_first_10pct']:.4f} -> {final['loss_last_10pct']:.4f})",
-          file=sys.stderr)
+    from .run_summary import train_summary
+
+    where = (f"{cfg.snapshot_name!r} under {cfg.persistent_path}" if cfg.persistent_path
+             else None)
+    # stdout carries the JSON lines with --json: the summary goes beside the progress bar then
+    print(train_summary(final, args.metrics, where), file=sys.stderr if args.json else sys.stdout,
+          flush=True)
     return 0
 
 
@@ -127,12 +134,13 @@ def cmd_convert(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    """Prints every snapshot; a damaged one is listed as such (and named on stderr) and the
-    exit status is 1, so a script notices, while the intact ones are still shown."""
-    from .inspect_snapshot import inspect_path
+    """Prints every snapshot (one line each, or ``--json``); a damaged one is listed as such
+    (and named on stderr) and the exit status is 1, so a script notices, while the intact ones
+    are still shown."""
+    from .inspect_snapshot import format_inspection, inspect_path
 
     found = inspect_path(args.path, args.name, args.rows, quick=args.quick)
-    print(json.dumps(found, indent=1, default=str))
+    print(json.dumps(found, indent=1, default=str) if args.json else format_inspection(found))
     damaged = [s for s in found if s["status"] == "damaged"]
     for s in damaged:
         print(f"one-embedding inspect: damaged: {s['error']}", file=sys.stderr)
@@ -153,6 +161,12 @@ def _count(text: str) -> int:
 def cmd_plan(args) -> int:
     """RAM per tier and disk of a table, from the constants the stores use."""
     from .plan import format_plan, plan_capacity, plan_json
+
+    if args.cache_mb is None:
+        if args.store != "device_mem":
+            raise ConfigError(f"--store {args.store} has a device cache: give its size per rank "
+                              "with --cache-mb MB (train's default is 64), e.g. --cache-mb 64")
+        args.cache_mb = 0.0  # device_mem: the whole table is the device tier
 
     p = plan_capacity(args.rows, args.embedding_dim, args.optimizer, args.store, args.cache_mb,
                       args.host_cache_mb, args.engine, args.keep_snapshots,
@@ -193,12 +207,22 @@ def cmd_plot(args) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .config import OPTIMIZERS
+
     ap = argparse.ArgumentParser(prog="one-embedding", description=__doc__)
+    ap.add_argument("--version", action="version", version=f"one-embedding {__version__}",
+                    help="print the version of one_embedding and exit")
     sub = ap.add_subparsers(dest="command", required=True)
 
     p = sub.add_parser("train", help="train DLRM / DCN / DeepFM on Criteo or synthetic Criteo")
     _add_train_args(p)
-    p.add_argument("--metrics", default=None, help="append JSON lines here (default: stdout)")
+    p.add_argument("--metrics", default=None,
+                   help="append the run's JSON lines to this file: the config, a train record "
+                        "every --log-interval steps (that step's loss, samples/s over all steps "
+                        "so far), eval records and the final record (default: none written)")
+    p.add_argument("--json", action="store_true",
+                   help="also write the JSON lines to stdout (the summary then goes to stderr)")
     p.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
     p.set_defaults(func=cmd_train)
 
@@ -213,7 +237,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("src", nargs="+", help="raw Criteo TSV file(s)")
     p.add_argument("dst", help="output .parquet file or folder")
     p.add_argument("--no-label", action="store_true", help="Kaggle test.txt: no label column")
-    p.add_argument("--on-bad-line", choices=("error", "skip"), default="error")
+    p.add_argument("--on-bad-line", choices=("error", "skip"), default="error",
+                   help="a malformed line: stop with its file and line number (error), or skip "
+                        "it and count it (default: error)")
     p.add_argument("--layout", choices=("one_embedding", "oneflow"), default="one_embedding",
                    help="one_embedding: dense stored as log(x+1); oneflow: OneFlow's raw + 1 "
                         "(the log taken when read); both read back as the same batches")
@@ -223,36 +249,49 @@ def build_parser() -> argparse.ArgumentParser:
                                        "status 1 when one is damaged)")
     p.add_argument("path", help="the persistent_path (or its <rank>-<world> folder)")
     p.add_argument("--name", default=None, help="one snapshot (default: all)")
-    p.add_argument("--rows", type=int, default=3, help="rows to print per snapshot")
+    p.add_argument("--rows", type=int, default=3,
+                   help="sample rows per snapshot in the --json output (default: 3)")
     p.add_argument("--quick", action="store_true",
                    help="check the data a snapshot shares (SSTs, slot segments) by size and key "
                         "checksums, as a load does, instead of reading every byte")
+    p.add_argument("--json", action="store_true",
+                   help="every field of every snapshot as JSON (manifest, store counters, "
+                        "sample rows) instead of one line per snapshot")
     p.set_defaults(func=cmd_inspect)
 
     p = sub.add_parser("plan", help="RAM per tier and disk (live, steady, peak with K retained "
                                     "snapshots) of a table before it exists")
     p.add_argument("--rows", type=_count, required=True, help="keys over all ranks, e.g. 2e9")
-    p.add_argument("--embedding-dim", type=int, required=True)
-    p.add_argument("--optimizer", default="sgd",
-                   choices=("sgd", "momentum", "adagrad", "adam", "ftrl"),
-                   help="the row optimizer: its states make up the line (adam: 3x the dim)")
+    p.add_argument("--embedding-dim", type=int, required=True,
+                   help="floats per embedding (train's --embedding-dim)")
+    p.add_argument("--optimizer", default="sgd", choices=tuple(sorted(OPTIMIZERS)),
+                   help="the row optimizer, as train's --optimizer: its states make up the line "
+                        "(adagrad: 2x the dim, adam and ftrl: 3x) (default: sgd)")
     p.add_argument("--store", default="cached_ssd",
-                   choices=("device_mem", "cached_host_mem", "cached_ssd"))
-    p.add_argument("--engine", default="slots", choices=("slots", "rocksdb"))
-    p.add_argument("--cache-mb", type=float, default=0.0, help="device cache per rank")
-    p.add_argument("--host-cache-mb", type=float, default=0.0, help="host cache per rank")
-    p.add_argument("--keep-snapshots", type=int, default=0, help="retained snapshots")
+                   choices=("device_mem", "cached_host_mem", "cached_ssd"),
+                   help="the store preset, as train's --store (default: cached_ssd)")
+    p.add_argument("--engine", default="slots", choices=("slots", "rocksdb"),
+                   help="the SSD engine of cached_ssd (default: slots)")
+    p.add_argument("--cache-mb", type=float, default=None,
+                   help="device cache per rank, MB: required by cached_host_mem and cached_ssd "
+                        "(train's default is 64)")
+    p.add_argument("--host-cache-mb", type=float, default=0.0,
+                   help="host cache per rank under cached_ssd, MB (default: 0, none)")
+    p.add_argument("--keep-snapshots", type=int, default=0,
+                   help="retained snapshots (default: 0)")
     p.add_argument("--changed-per-snapshot", type=float, default=0.01,
-                   help="share of the rows changed between snapshots (default 0.01)")
-    p.add_argument("--world", type=int, default=1, help="ranks the table is spread over")
-    p.add_argument("--physical-block-size", type=int, default=4096)
+                   help="share of the rows changed between snapshots (default: 0.01)")
+    p.add_argument("--world", type=int, default=1,
+                   help="ranks the table is spread over (default: 1)")
+    p.add_argument("--physical-block-size", type=int, default=4096,
+                   help="bytes of the slot engine's disk blocks (default: 4096)")
     p.add_argument("--eviction", action="store_true",
                    help="rows carry the lifecycle's last-seen step and frequency (training with "
                         "--steps-to-live or --max-rows: 8 bytes more a line); give --rows the "
                         "--max-rows limit")
     p.add_argument("--admit-sketch-mb", type=float, default=0.0,
                    help="RAM of the admission sketch per rank (training with --admit-min-count "
-                        "> 1: its --admit-sketch-mb, default 32)")
+                        "> 1: its --admit-sketch-mb, 32 unless given) (default: 0, none)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(func=cmd_plan)
 
@@ -261,8 +300,10 @@ def build_parser() -> argparse.ArgumentParser:
                                      "following the run as it publishes new ones")
     p.add_argument("--persistent-path", required=True, help="the training run's --persistent-path")
     p.add_argument("--snapshot", default=None, help="serve this checkpoint (default: the newest)")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1, "
+                        "this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     p.add_argument("--cache-mb", type=float, default=64.0,
                    help="RAM cache over the snapshot's rows (default 64)")
     p.add_argument("--poll-seconds", type=float, default=1.0,

@@ -29,6 +29,7 @@ from . import optim
 from .errors import ConfigError, OneEmbeddingError
 from .nn.amp import PRECISIONS
 from .parallel.codec import EXCHANGE_DTYPES
+from .data.schema import CRITEO_CARDINALITIES
 from .procstats import physical_memory_mb
 
 MODELS = ("dlrm", "dcn", "deepfm")
@@ -39,6 +40,14 @@ ENGINES = ("slots", "rocksdb")
 CROSS_KINDS = ("vector", "matrix")
 ON_BAD_LINE = ("error", "skip")
 DEVICES = ("cpu", "cuda")
+#: --optimizer left unset: each model's reference optimizer (the models' docstrings: OneFlow's zoo
+#: trains DCN and DeepFM with Adam 1e-3). Adagrad's first update of a weight is lr * sign(g)
+#: whatever |g| (its accumulator starts at 0), so at lr 0.05 every unit of a wide DNN moves by
+#: 0.05 * |x|_1 at once: DCN's and DeepFM's 429-wide input (26 embeddings and 13 log(x+1) dense
+#: features) gave losses of 15-19 at steps 2-3 (issue 31)
+MODEL_OPTIMIZERS = {"dlrm": "adagrad", "dcn": "adam", "deepfm": "adam"}
+#: --lr left unset: the optimizer's (Adam's is OneFlow's and PyTorch's default)
+DEFAULT_LRS = {"adagrad": 0.05, "adam": 0.001, "ftrl": 0.05, "sgd": 0.05}
 
 #: the range of every integer setting: they reach numpy as int64
 INT64_MIN, INT64_MAX = -(1 << 63), (1 << 63) - 1
@@ -62,17 +71,29 @@ def option(default=dataclasses.MISSING, *, group: str, help: str = "", choices=N
 class TrainConfig:
     """What to train, on which data, through which store, for how long. See ``--help``."""
 
-    model: str = option("dlrm", group="model", choices=MODELS)
+    model: str = option("dlrm", group="model", choices=MODELS,
+                        help="the model: DLRM, Deep & Cross Network or DeepFM")
     data: tuple[str, ...] = option(group="data", default_factory=lambda: ("synthetic",),
                                    help="'synthetic', or Criteo TSV / Parquet files or folders")
-    synthetic_cardinalities: str = option("kaggle", group="data",
-                                          help="kaggle | mlperf40m | mlperf_v1 (REFERENCE.md lists)")
+    synthetic_cardinalities: str = option(
+        "kaggle", group="data", choices=tuple(sorted(CRITEO_CARDINALITIES)),
+        help="--data synthetic: the per-column cardinalities of C1..C26: kaggle (Criteo Kaggle's "
+             "train.txt), mlperf_v1 (Criteo 1TB as MLPerf v1 and OneFlow's DLRM count it), "
+             "mlperf40m (Criteo 1TB, every column capped at 40M)")
     synthetic_scale: float = option(0.01, group="data", above=0.0,
                                     help="multiplies every cardinality (1.0 = the real sizes)")
-    synthetic_rows: int = option(2_000_000, group="data", at_least=1)
-    zipf_alpha: float = option(1.05, group="data")
-    store: str = option("device_mem", group="store", choices=STORES)
-    engine: str = option("slots", group="store", choices=ENGINES)
+    synthetic_rows: int = option(2_000_000, group="data", at_least=1,
+                                 help="--data synthetic: rows in the source (train and eval "
+                                      "splits together)")
+    zipf_alpha: float = option(1.05, group="data",
+                               help="--data synthetic: the Zipf exponent of the ids' frequencies")
+    store: str = option("device_mem", group="store", choices=STORES,
+                        help="where the embedding rows live: the whole table in device memory, "
+                             "a device cache over a host-memory table, or a device cache over "
+                             "an SSD table (needs --persistent-path)")
+    engine: str = option("slots", group="store", choices=ENGINES,
+                         help="the SSD table's engine under cached_ssd: this library's slot "
+                              "files or RocksDB")
     cache_mb: float = option(64.0, group="store", at_least=0.0, help="device cache budget per rank")
     host_cache_mb: float = option(0.0, group="store", at_least=0.0, help="host LRU under cached_ssd")
     capacity: int | None = option(None, group="store", at_least=1,
@@ -81,7 +102,7 @@ class TrainConfig:
     persistent_path: str | None = option(None, group="store",
                                          help="table directory (snapshots go to "
                                               "<path>/<rank>-<world>/snapshots)")
-    embedding_dim: int = option(16, group="model", at_least=1)
+    embedding_dim: int = option(16, group="model", at_least=1, help="floats per embedding")
     bottom_mlp: tuple[int, ...] | None = option(
         None, group="model", at_least=1,
         help="DLRM bottom MLP sizes, ending in the embedding dim (default 64,32,E)")
@@ -93,13 +114,20 @@ class TrainConfig:
     cross: str = option("vector", group="model", choices=CROSS_KINDS,
                         help="DCN cross layer: vector (v1) or matrix (v2)")
     dropout: float = option(0.0, group="model", at_least=0.0, help="DCN / DeepFM DNN dropout")
-    batch_size: int = option(1024, group="training", at_least=1)
+    batch_size: int = option(1024, group="training", at_least=1,
+                             help="samples per step, over all ranks (the global batch)")
     steps: int | None = option(None, group="training", at_least=1,
                                help="stop after this many steps")
     epochs: int = option(1, group="training", at_least=1,
                          help="passes over the data when --steps is not given")
-    optimizer: str = option("adagrad", group="training", choices=tuple(sorted(OPTIMIZERS)))
-    lr: float = option(0.05, group="training", at_least=0.0)
+    optimizer: str | None = option(
+        None, group="training", choices=tuple(sorted(OPTIMIZERS)),
+        help="row optimizer of the embeddings and the dense weights (default: the model's, "
+             "adagrad for dlrm, adam for dcn and deepfm; with --resume the checkpoint's)")
+    lr: float | None = option(
+        None, group="training", at_least=0.0,
+        help="learning rate (default: the optimizer's, 0.05 for adagrad, sgd and ftrl, 0.001 for "
+             "adam; with --resume the checkpoint's)")
     ftrl_convention: str | None = option(
         None, group="training", choices=optim.FTRL_CONVENTIONS,
         help="--optimizer ftrl: 'oneflow' (OneFlow's formula, accumulator ** lr_power; a new "
@@ -126,8 +154,12 @@ class TrainConfig:
                                          "--persistent-path; 0: only the final one)")
     snapshot_name: str = option("final", group="checkpoints",
                                 help="name of the final checkpoint")
-    seed: int = option(0, group="training", at_least=0)
-    on_bad_line: str = option("error", group="data", choices=ON_BAD_LINE)
+    seed: int = option(0, group="training", at_least=0,
+                       help="seeds the weights, the rows' initial values, the split and the "
+                            "synthetic data")
+    on_bad_line: str = option("error", group="data", choices=ON_BAD_LINE,
+                              help="a malformed line of a TSV file: stop naming it (error) or "
+                                   "skip and count it (skip)")
     read_ahead: int = option(4, group="data", at_least=0,
                              help="batches the loader's thread reads ahead (0: no thread)")
     decay_start: int = option(0, group="training", at_least=0,
@@ -141,7 +173,7 @@ class TrainConfig:
     amp: str = option("off", group="training", choices=PRECISIONS,
                       help="mixed precision: the dense model's matrix products in fp16 (with a "
                            "dynamic loss scale) or bf16, master weights and rows in fp32; on "
-                           "CPU it gives a GPU run's numerics, not its speed (default off)")
+                           "CPU it gives a GPU run's numerics, not its speed")
     prefetch_depth: int = option(1, group="training", at_least=0,
                                  help="batches whose ID shuffle and row lookups run ahead on a "
                                       "background thread while the current batch computes "
@@ -224,7 +256,7 @@ class TrainConfig:
                 "time-to-live sweeps, which only --steps-to-live > 0 runs (--max-rows sweeps "
                 "whenever the table is over its limit): add --steps-to-live N or drop "
                 "--evict-interval")
-        if self.optimizer == "ftrl" and self.warmup_steps:
+        if self.with_model_defaults().optimizer == "ftrl" and self.warmup_steps:
             raise ConfigError(f"warmup_steps={self.warmup_steps} with optimizer='ftrl': the "
                               "warmup gives the first update lr 0 (OneFlow's schedule), which "
                               "FTRL cannot take (it divides by lr): use --warmup-steps 0 with "
@@ -266,6 +298,15 @@ class TrainConfig:
                 f"caches live on CPU: use budgets that add up to less (e.g. --cache-mb "
                 f"{max(1, int(ram_mb) // 8)})"
             )
+
+    def with_model_defaults(self) -> "TrainConfig":
+        """This config with ``optimizer`` and ``lr`` filled in where unset: the model's optimizer
+        (``MODEL_OPTIMIZERS``) and its learning rate (``DEFAULT_LRS``)."""
+        optimizer = self.optimizer or MODEL_OPTIMIZERS[self.model]
+        lr = DEFAULT_LRS[optimizer] if self.lr is None else self.lr
+        if (optimizer, lr) == (self.optimizer, self.lr):
+            return self
+        return dataclasses.replace(self, optimizer=optimizer, lr=lr)
 
     # --- the command line, generated from the fields ---------------------------------------
 
@@ -401,8 +442,10 @@ def _check_bounds(f, value, name, what="use a value") -> None:
 
 
 def make_row_optimizer(cfg: TrainConfig):
-    """The row optimizer ``cfg`` names, at ``cfg.lr`` with the algorithm's defaults; Ftrl by
-    ``cfg.ftrl_convention`` (OneFlow's formula when unset)."""
+    """The row optimizer ``cfg`` names, at ``cfg.lr`` with the algorithm's defaults (the model's
+    optimizer and the optimizer's lr where unset); Ftrl by ``cfg.ftrl_convention`` (OneFlow's
+    formula when unset)."""
+    cfg = cfg.with_model_defaults()
     if cfg.optimizer == "ftrl":
         return optim.Ftrl(lr=cfg.lr, convention=cfg.ftrl_convention or "oneflow")
     return OPTIMIZERS[cfg.optimizer](lr=cfg.lr)

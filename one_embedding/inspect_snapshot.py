@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import textwrap
 
 import numpy as np
 
@@ -95,3 +96,69 @@ def _inspect_one(root: str, snaps: SnapshotDirectory, snap: str, rows: int, quic
 
 def _tree_bytes(folder: str) -> int:
     return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:,.0f} {unit}" if unit == "B" else f"{n:,.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} TiB"  # not reached
+
+
+def _ram_bytes(snapshot: dict) -> int | None:
+    """The training store's RAM when the snapshot was taken: every tier's memory_bytes."""
+    stats = snapshot.get("store_stats") or []
+    values = [t.get("memory_bytes") for t in stats if isinstance(t, dict)]
+    return int(sum(values)) if values and all(v is not None for v in values) else None
+
+
+def format_inspection(found: list[dict]) -> str:
+    """``inspect_path``'s result for a person: per folder one line per snapshot (status, rows,
+    bytes on disk and per row, the store's RAM per key when it was taken, engine, time), then
+    what a line holds and what the RAM per key counts. ``--json`` prints ``found`` itself."""
+    import datetime
+
+    header = ("snapshot", "status", "rows", "on disk", "disk/row", "RAM/key", "engine",
+              "created (UTC)")
+    lines, lines_of, ram_shown = [], {}, False
+    for path in dict.fromkeys(s["path"] for s in found):
+        table = [header]
+        errors = []
+        for s in (s for s in found if s["path"] == path):
+            if s["status"] != "ok":
+                table.append((s["snapshot"], s["status"], "-", "-", "-", "-", "-", "-"))
+                errors.append(f"  {s['snapshot']}: {s['error']}")
+                continue
+            rows = int(s.get("row_count") or 0)
+            ram = _ram_bytes(s)
+            ram_shown |= ram is not None and rows > 0
+            created = s.get("created_unix")
+            when = (datetime.datetime.fromtimestamp(created, datetime.timezone.utc)
+                    .strftime("%Y-%m-%d %H:%M:%S") if created else "-")
+            table.append((s["snapshot"], "ok", f"{rows:,}", _size(s["bytes_on_disk"]),
+                          _size(s["bytes_on_disk"] / rows) if rows else "-",
+                          _size(ram / rows) if ram is not None and rows else "-",
+                          str(s.get("engine") or "-"), when))
+            dims = s.get("embedding_dims") or []
+            lines_of[(sum(dims) if dims else None, s["line_size"])] = s.get("store_kind")
+        widths = [max(len(row[i]) for row in table) for i in range(len(header))]
+        count = len(table) - 1
+        lines.append(f"{path}: {count} snapshot{'s' if count != 1 else ''}")
+        lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
+                  for row in table]
+        lines += errors
+    for (embedding, line), _ in lines_of.items():
+        if embedding is None or embedding == line:
+            lines.append(f"A key's line: {line} floats ({4 * line} B).")
+        else:
+            lines.append(f"A key's line: {line} floats ({4 * line} B): the {embedding}-float "
+                         f"embedding and {line - embedding} floats of optimizer state.")
+    if ram_shown:
+        lines.append("RAM/key: the training store's memory (every tier: caches, index, I/O "
+                     "buffers) when the snapshot was taken, divided by its rows; fixed buffers "
+                     "dominate a small table (`one-embedding plan` separates them).")
+    lines.append("disk/row: the snapshot's files, shared ones included, divided by its rows. "
+                 "--json prints every field and sample rows.")
+    return "\n".join(textwrap.fill(line, 100, subsequent_indent="  ", break_on_hyphens=False)
+                     if len(line) > 100 else line for line in lines)

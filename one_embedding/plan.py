@@ -75,10 +75,14 @@ class CapacityPlan:
         return asdict(self)
 
 
-def _cache(name: str, budget_mb: float, line_size: int, rows: int, ways: int = 32) -> TierPlan:
+def _cache(name: str, budget_mb: float, line_size: int, rows: int, ways: int = 32,
+           setting: str = "cache_mb") -> TierPlan:
     cache_rows = int(budget_mb * 2**20 // (4 * line_size))
     if cache_rows < 1:
-        raise ConfigError(f"{name}: {budget_mb} MB holds no line of {4 * line_size} bytes: raise it")
+        flag = "--" + setting.replace("_", "-")
+        raise ConfigError(f"{setting}={budget_mb:g} ({flag}, the {name} cache per rank): {budget_mb:g} "
+                          f"MB holds no line of {4 * line_size} bytes: give {flag} MB, e.g. "
+                          f"{flag} 64")
     held = min(cache_rows, rows)
     return TierPlan(name, held, SetAssociativeCache.bytes_for(cache_rows, ways, line_size),
                     note=f"{cache_rows:,} lines reserved")
@@ -147,7 +151,8 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
     elif store == "cached_ssd":
         out.tiers.append(_cache("device.lru", cache_mb, line_size, per_rank))
         if host_cache_mb:
-            out.tiers.append(_cache("host.lru", host_cache_mb, line_size, per_rank))
+            out.tiers.append(_cache("host.lru", host_cache_mb, line_size, per_rank,
+                                    setting="host_cache_mb"))
         if engine == "slots":
             tier, live = _slots(per_rank, line_size, physical_block_size)
             steady = live / (1 - slot_file.GARBAGE_RATIO)

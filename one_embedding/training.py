@@ -139,6 +139,7 @@ def make_lr_schedule(cfg: TrainConfig, optimizer) -> LRSchedule:
     """OneFlow's DLRM schedule: a linear warmup from 0 over cfg.warmup_steps updates (none when
     0; update t has lr * (t - 1) / warmup_steps), then, with cfg.decay_steps, the polynomial
     decay (power 2, to 0) once cfg.decay_start updates are done."""
+    cfg = cfg.with_model_defaults()
     if cfg.decay_steps:
         return WarmupPolynomialDecay(optimizer, cfg.lr, warmup_steps=cfg.warmup_steps,
                                      decay_start=cfg.decay_start, decay_steps=cfg.decay_steps)
@@ -202,17 +203,23 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
 
 
 class MetricsWriter:
-    """JSON lines: to a file when given, else to stdout."""
+    """JSON lines: appended to the file ``path`` when given, and to stdout when ``stdout`` (None:
+    stdout when there is no file, the Python API's default).
 
-    def __init__(self, path: str | None):
+    Records (``"event"``): ``config`` (every TrainConfig field), ``resume``, ``train`` every
+    ``log_interval`` steps (``loss``: that step's loss; ``samples_per_s``: over every step so far),
+    ``eval`` and ``final`` (``Trainer.finish``)."""
+
+    def __init__(self, path: str | None, stdout: bool | None = None):
         self._file = open(path, "a") if path else None
+        self._stdout = (not path) if stdout is None else bool(stdout)
 
     def write(self, record: dict) -> None:
         line = json.dumps(record, default=float)
         if self._file:
             self._file.write(line + "\n")
             self._file.flush()
-        else:
+        if self._stdout:
             print(line, flush=True)
 
     def close(self) -> None:
@@ -283,7 +290,8 @@ class Trainer:
         (5, 1280)
     """
 
-    def __init__(self, cfg: TrainConfig, metrics_path: str | None = None, progress: bool = True):
+    def __init__(self, cfg: TrainConfig, metrics_path: str | None = None, progress: bool = True,
+                 metrics_stdout: bool | None = None):
         if not isinstance(cfg, TrainConfig):
             raise ConfigError(f"cfg is a {type(cfg).__name__}; pass a TrainConfig(...)")
         if cfg.snapshot_interval and not cfg.persistent_path:
@@ -326,7 +334,7 @@ class Trainer:
             self._restore(resume_from)
         self.is_chief = self.comm.rank == 0  # rank 0 alone writes metrics and the progress bar
         self.show_progress = progress and self.is_chief
-        self.writer = MetricsWriter(metrics_path) if self.is_chief else None
+        self.writer = MetricsWriter(metrics_path, metrics_stdout) if self.is_chief else None
 
     # --- one step ----------------------------------------------------------------------------
 
@@ -460,6 +468,12 @@ class Trainer:
             # a field the checkpoint's version did not have yet had its default value then, or
             # the value LEGACY_CONFIG gives for what the code did before the field existed
             saved = {**asdict(TrainConfig()), **LEGACY_CONFIG, **(saved or {})}
+            if cfg.optimizer is None:  # unset: continue as the checkpoint's run did
+                cfg = self.cfg = replace(cfg, optimizer=saved["optimizer"])
+            if cfg.lr is None:
+                lr = saved["lr"] if cfg.optimizer == saved["optimizer"] else None
+                cfg = self.cfg = replace(cfg, lr=lr)
+            cfg = self.cfg = cfg.with_model_defaults()
             if cfg.ftrl_convention is None:  # unset: continue as the checkpoint's run did
                 cfg = self.cfg = replace(cfg, ftrl_convention=saved["ftrl_convention"])
             if cfg.admit_sketch_mb is None and cfg.admit_min_count > 1:  # the same
@@ -474,6 +488,7 @@ class Trainer:
                     f"changes results: {'; '.join(diffs)}. Use the checkpoint's values, or "
                     "--overwrite to start a new run")
             return name
+        cfg = self.cfg = cfg.with_model_defaults()  # a new run: the model's optimizer
         if cfg.ftrl_convention is None:  # a new run: OneFlow's formula
             self.cfg = replace(cfg, ftrl_convention="oneflow")
         if existing:
@@ -570,9 +585,7 @@ class Trainer:
                             self._reads_progress(step):
                         self.read_losses(pending)
                         if bar is not None:
-                            bar.set_postfix(
-                                loss=f"{np.mean(progress.losses[-20:]):.4f}",
-                                samples_s=f"{progress.samples / progress.train_seconds:,.0f}")
+                            bar.set_postfix_str(progress_postfix(progress))
                     if step % cfg.log_interval == 0 or step == 1:
                         self.write({"event": "train", "step": step, "loss": progress.losses[-1],
                                     "samples_per_s": progress.samples / progress.train_seconds})
@@ -639,12 +652,14 @@ class Trainer:
         top = stats[0]
         lookups = top["hits"] + top["misses"]
         return {
-            "event": "final", "model": cfg.model, "store": cfg.store,
+            "event": "final", "model": cfg.model, "optimizer": cfg.optimizer, "lr": cfg.lr,
+            "store": cfg.store,
             "engine": cfg.engine if cfg.store == "cached_ssd" else None,
             "steps": p.step, "samples": p.samples, "train_seconds": p.train_seconds,
             "samples_per_s": (p.steady_samples / p.steady_seconds if p.steady_seconds
                               else p.samples / p.train_seconds if p.train_seconds else float("nan")),
             "samples_per_s_all": p.samples / p.train_seconds if p.train_seconds else float("nan"),
+            "steady_after_steps": self.skip_steps if p.steady_seconds else 0,
             "loss_first_10pct": head, "loss_last_10pct": tail, **final,
             "top_tier_hit_rate": top["hits"] / lookups if lookups else float("nan"),
             "rows_stored": rows_stored, **lifecycle, "store_stats": stats,
@@ -663,7 +678,17 @@ class Trainer:
         self.embedding.close()
 
 
-def train(cfg: TrainConfig, metrics_path: str | None = None, progress: bool = True) -> dict:
+def progress_postfix(progress: TrainProgress, window: int = 20) -> str:
+    """The progress bar's figures, each named: the mean step loss of the last ``window`` steps
+    read back, and samples/s over every step so far."""
+    recent = progress.losses[-window:]
+    return (f"loss {np.mean(recent):.4f} (mean of last {len(recent)} steps), "
+            f"{progress.samples / progress.train_seconds:,.0f} samples/s (all steps)")
+
+
+def train(cfg: TrainConfig, metrics_path: str | None = None, progress: bool = True,
+          metrics_stdout: bool | None = None) -> dict:
     """Run a training as configured; returns the final record (also written as JSON lines to
-    ``metrics_path``, or stdout)."""
-    return Trainer(cfg, metrics_path=metrics_path, progress=progress).run()
+    ``metrics_path`` and, when ``metrics_stdout`` (default: when there is no path), stdout)."""
+    return Trainer(cfg, metrics_path=metrics_path, progress=progress,
+                   metrics_stdout=metrics_stdout).run()

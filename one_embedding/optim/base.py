@@ -1,4 +1,4 @@
-"""The row-optimizer base class and the argument checks every optimizer shares.
+"""The row-optimizer base class (the argument checks every optimizer shares live in ``checks``).
 
 Arguments follow OneFlow's and PyTorch's optimizers (``params`` first, then ``lr`` and the
 algorithm's own), so ``SGD(model.parameters(), lr=0.1, momentum=0.9)`` reads as in either
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import math
 import numbers
 import warnings
 from abc import ABC, abstractmethod
@@ -27,6 +26,7 @@ import numpy as np
 
 from one_embedding.backend import array_namespace
 from one_embedding.errors import ConfigError, ConventionWarning, InputError
+from one_embedding.optim.checks import check_bool, check_real
 from one_embedding.optim.groups import ParamGroup, build_groups, check_repeated, clip_coefficient
 from .. import host_sync
 
@@ -41,31 +41,6 @@ WEIGHT_DECAY_MODES = ("l2", "decoupled")
 DEFAULT_WEIGHT_DECAY_MODE = "l2"
 #: the modes of a checkpoint that records none (written before issue 23 changed the defaults)
 LEGACY_MODES = {"weight_decay_mode": "decoupled", "convention": "tensorflow"}
-
-
-def check_real(owner: str, name: str, value, low: float = -math.inf, high: float = math.inf,
-               low_open: bool = False, high_open: bool = False, hint: str = "") -> float:
-    """``float(value)`` after checking it is a finite real number in the given interval.
-
-    Raises ConfigError naming ``owner``, the parameter, the bad value and the valid range.
-    """
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ConfigError(f"{owner}: {name}={value!r} is not a real number; pass a float{hint}")
-    v = float(value)
-    too_low = v <= low if low_open else v < low
-    too_high = v >= high if high_open else v > high
-    if not math.isfinite(v) or too_low or too_high:
-        left = "(" if low_open or low == -math.inf else "["
-        right = ")" if high_open or high == math.inf else "]"
-        raise ConfigError(f"{owner}: {name}={value!r} is outside the valid range "
-                          f"{left}{low:g}, {high:g}{right} (finite){hint}")
-    return v
-
-
-def check_bool(owner: str, name: str, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ConfigError(f"{owner}: {name}={value!r} must be True or False")
-    return bool(value)
 
 
 def as_f64(xp, a):

@@ -31,6 +31,7 @@ import numpy as np
 
 from one_embedding.backend import array_namespace
 from one_embedding.errors import ConfigError
+from one_embedding.optim.checks import check_real
 
 __all__ = ["ParamGroup", "GROUP_KEYS", "build_groups", "clip_coefficient"]
 
@@ -118,8 +119,6 @@ class ParamGroup(MutableMapping):
         if key == "lr":
             self._values["lr"] = value
         elif key == "weight_decay":
-            from one_embedding.optim.base import check_real
-
             self._values[key] = check_real(self._owner, key, value, low=0.0)
         elif key == "clip_grad_max_norm":
             self._values[key] = _check_clip_norm(self._owner, value)

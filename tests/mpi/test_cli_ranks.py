@@ -42,8 +42,8 @@ def test_two_and_four_ranks_train_like_one(tmp_path):
     sgd = ["--optimizer", "sgd", "--lr", "0.1", "--steps", "30", "--eval-interval", "15"]
     procs = {p: train(tmp_path, p, *sgd) for p in (1, 2, 4)}
     runs = {p: records for p, (_, records) in procs.items()}
-    for p, (proc, _) in procs.items():  # rank 0 alone prints the summary line
-        assert proc.stderr.count("final: AUC") == 1, (p, proc.stderr[-2000:])
+    for p, (proc, _) in procs.items():  # rank 0 alone prints the summary
+        assert proc.stdout.count("  eval:       AUC") == 1, (p, proc.stdout[-2000:])
     base = losses(runs[1])
     assert len(base) == 4  # steps 1, 10, 20, 30
     for p in (2, 4):

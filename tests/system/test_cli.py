@@ -46,7 +46,7 @@ def test_train_on_synthetic_with_cached_ssd_learns(tmp_path, model, extra):
     assert tiers[0] == "device.lru" and tiers[-1].startswith("ssd.")
     assert final["store_stats"][0]["evictions"] > 0, "a 1 MB cache must spill to the SSD tier"
     # the final snapshot is there and inspect reads it back
-    r = run_cli("inspect", tmp_path / "table", "--rows", 2)
+    r = run_cli("inspect", tmp_path / "table", "--rows", 2, "--json")
     assert r.returncode == 0, r.stderr
     info = json.loads(r.stdout)
     assert info[0]["snapshot"] == "final" and info[0]["row_count"] == final["rows_stored"]
@@ -133,3 +133,37 @@ def test_bad_numbers_are_an_error_line_not_a_traceback(argv, message):
     assert r.returncode == 2, r.stderr
     assert "one-embedding train: error: " in r.stderr and message in r.stderr, r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+QUICK = ["--synthetic-rows", 20000, "--batch-size", 256, "--steps", 20, "--eval-batches", 2]
+
+
+def test_train_prints_a_short_named_summary_and_json_only_where_asked(tmp_path):
+    """issue 31: a terminal gets the progress bar and a few named lines; the JSON lines go to
+    --metrics, and to stdout only with --json (the summary then moves to stderr)."""
+    r = run_cli("train", *QUICK)
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = r.stdout.splitlines()
+    assert 3 <= len(lines) <= 8 and not any(line.startswith("{") for line in lines), r.stdout
+    assert "{" not in r.stderr  # the bar alone: no config or records
+    text = r.stdout
+    assert "AUC" in text and "logloss" in text and "held-out samples" in text
+    assert "steady state (steps after the first 2)" in text and "all steps" in text
+    assert "mean step loss of the first 10% of steps" in text
+    assert "samples/s (all steps)" in r.stderr and "(mean of last" in r.stderr  # the bar
+
+    metrics = tmp_path / "m.jsonl"
+    r = run_cli("train", *QUICK, "--metrics", metrics, "--no-progress")
+    assert r.returncode == 0 and "AUC" in r.stdout and "{" not in r.stdout + r.stderr
+    assert f"metrics:    {metrics}" in r.stdout
+    final = records(metrics)[-1]
+    assert final["event"] == "final" and final["steady_after_steps"] == 2
+    assert final["samples_per_s"] > 0 and final["samples_per_s_all"] > 0
+    assert (final["optimizer"], final["lr"]) == ("adagrad", 0.05)
+
+    r = run_cli("train", *QUICK, "--json", "--no-progress")
+    assert r.returncode == 0, r.stderr[-2000:]
+    streamed = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [x["event"] for x in streamed][:2] == ["config", "train"]
+    assert streamed[-1]["event"] == "final" and streamed[-1]["auc"] == final["auc"]
+    assert "AUC" in r.stderr

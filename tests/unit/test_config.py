@@ -85,7 +85,8 @@ def test_config_is_frozen_and_replace_validates_again():
     (dict(batch_size=8.5), r"batch_size=8.5 \(--batch-size\): pass an integer"),
     (dict(lr=float("nan")), r"lr=nan \(--lr\): pass a finite number"),
     (dict(lr=-1.0), r"lr=-1.0 \(--lr\): use a value >= 0.0"),
-    (dict(lr=None), r"lr=None \(--lr\): this setting cannot be unset; its default is 0.05"),
+    (dict(batch_size=None), r"batch_size=None \(--batch-size\): this setting cannot be unset; its "
+                            r"default is 1024"),  # lr=None is "the optimizer's" since issue 31
     (dict(eval_fraction=1.5), r"eval_fraction=1.5 \(--eval-fraction\): use a value <= 1.0"),
     (dict(synthetic_scale=0.0), r"synthetic_scale=0.0 .*: use a value > 0.0"),
     (dict(dnn=(64, 0)), r"dnn=\(64, 0\) \(--dnn\): every entry >= 1"),

@@ -65,7 +65,7 @@ def test_inspect_lists_intact_snapshots_and_reports_the_damaged_one(tmp_path, en
 def test_inspect_command_prints_all_and_exits_1_naming_the_damage(tmp_path):
     damage(table(tmp_path, "slots"), "manifest_garbage")
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "one_embedding", "inspect", str(tmp_path)],
+    r = subprocess.run([sys.executable, "-m", "one_embedding", "inspect", str(tmp_path), "--json"],
                        capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert r.returncode == 1, r.stderr
     listed = json.loads(r.stdout)
@@ -75,8 +75,8 @@ def test_inspect_command_prints_all_and_exits_1_naming_the_damage(tmp_path):
     assert "manifest.json" in r.stderr and "Traceback" not in r.stderr
     # one named damaged snapshot: reported the same way; a missing name stays a usage error
     one = subprocess.run([sys.executable, "-m", "one_embedding", "inspect", str(tmp_path),
-                          "--name", "b"], capture_output=True, text=True, timeout=120, env=env,
-                         cwd=ROOT)
+                          "--name", "b", "--json"], capture_output=True, text=True, timeout=120,
+                         env=env, cwd=ROOT)
     assert one.returncode == 1 and json.loads(one.stdout)[0]["status"] == "damaged"
     missing = subprocess.run([sys.executable, "-m", "one_embedding", "inspect", str(tmp_path),
                               "--name", "zz"], capture_output=True, text=True, timeout=120,
@@ -109,3 +109,24 @@ def test_damage_in_data_that_snapshots_share_is_reported_in_each_of_them(tmp_pat
     found = {s["snapshot"]: s for s in inspect_path(str(tmp_path), rows=2)}
     assert all(found[n]["status"] == "damaged" for n in "abc")
     assert all(target.name in found[n]["error"] for n in "abc")
+
+
+def test_inspect_prints_one_line_per_snapshot_by_default(tmp_path):
+    """issue 31: a human summary by default (it printed hundreds of lines of JSON): one line per
+    snapshot with its status, rows and sizes, the damage named under the table, and what a line
+    and the RAM per key hold; --json keeps the full record."""
+    damage(table(tmp_path, "slots"), "manifest_garbage")
+    env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-m", "one_embedding", "inspect", str(tmp_path)],
+                       capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert r.returncode == 1, r.stderr
+    lines = r.stdout.splitlines()
+    assert lines[0] == f"{tmp_path / '0-1'}: 3 snapshots"
+    assert lines[1].split()[:4] == ["snapshot", "status", "rows", "on"]
+    rows = {line.split()[0]: line.split() for line in lines[2:5]}
+    assert rows["a"][1:3] == ["ok", "200"] and rows["c"][1:3] == ["ok", "200"]
+    assert rows["b"][1] == "damaged" and "ssd.slots" in rows["a"]
+    assert any(line.startswith("  b: snapshot 'b'") for line in lines)  # the reason
+    assert "A key's line: 4 floats (16 B)." in r.stdout  # SGD: the embedding alone
+    assert "RAM/key: the training store's memory" in r.stdout
+    assert len(lines) < 15 and "{" not in r.stdout

@@ -103,8 +103,16 @@ def test_plan_command_prints_a_table_or_json_and_refuses_bad_input():
     assert plan["line_size"] == 96 and plan["tiers"][-1]["tier"] == "ssd.rocksdb"
     bad = run("--rows", "-5", "--embedding-dim", "8", "--cache-mb", "1")
     assert bad.returncode == 2 and "--rows" in bad.stderr and "Traceback" not in bad.stderr
+    # issue 31: the message names the flag (it said "device.lru: 0.0 MB ...: raise it")
     no_cache = run("--rows", "10", "--embedding-dim", "8")
-    assert no_cache.returncode == 2 and "raise it" in no_cache.stderr
+    assert no_cache.returncode == 2 and "give its size per rank with --cache-mb" in no_cache.stderr
+    tiny = run("--rows", "10", "--embedding-dim", "8", "--cache-mb", "1e-6")
+    assert tiny.returncode == 2 and "cache_mb=1e-06 (--cache-mb" in tiny.stderr
+    assert run("--rows", "10", "--embedding-dim", "8", "--store", "device_mem").returncode == 0
+    # the optimizers train takes, no other (momentum SGD has no train flag)
+    momentum = run("--rows", "10", "--embedding-dim", "8", "--cache-mb", "1", "--optimizer",
+                   "momentum")
+    assert momentum.returncode == 2 and "invalid choice: 'momentum'" in momentum.stderr
 
 
 def test_plan_counts_the_lifecycle_columns_and_the_admission_sketch():
