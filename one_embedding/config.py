@@ -42,9 +42,9 @@ ON_BAD_LINE = ("error", "skip")
 DEVICES = ("cpu", "cuda")
 #: --optimizer left unset: each model's reference optimizer (the models' docstrings: OneFlow's zoo
 #: trains DCN and DeepFM with Adam 1e-3). Adagrad's first update of a weight is lr * sign(g)
-#: whatever |g| (its accumulator starts at 0), so at lr 0.05 every unit of a wide DNN moves by
-#: 0.05 * |x|_1 at once: DCN's and DeepFM's 429-wide input (26 embeddings and 13 log(x+1) dense
-#: features) gave losses of 15-19 at steps 2-3 (issue 31)
+#: whatever the size of g (its accumulator starts at 0), so at lr 0.05 every unit of a wide DNN
+#: moves by 0.05 * sum(abs(x)) at once: DCN's and DeepFM's 429-wide input (26 embeddings and 13
+#: log(x+1) dense features) gave losses of 15-19 at steps 2-3 (issue 31)
 MODEL_OPTIMIZERS = {"dlrm": "adagrad", "dcn": "adam", "deepfm": "adam"}
 #: --lr left unset: the optimizer's (Adam's is OneFlow's and PyTorch's default)
 DEFAULT_LRS = {"adagrad": 0.05, "adam": 0.001, "ftrl": 0.05, "sgd": 0.05}
