@@ -69,9 +69,10 @@ class Linear(Module):
         check_features(dy, "Linear output gradient", 2, self.out_features, self.weight.data.dtype)
         w, x = self.weight.data, self._x
         xp = array_namespace(dy, w)
-        if amp.active():  # both products in half precision; the weight gradient adds up in fp32
+        if amp.active():  # both products on tensor cores; the weight gradient keeps an fp32
+            # result (a sum over the batch: in fp16 it overflowed under the loss scale, nn.amp)
             dh, db = (cpu_ops if xp is np else ops_for(xp)).bias_act_backward(dy, self._mask)
-            self.weight.grad += amp.matmul(dh.T, x)
+            self.weight.grad += amp.matmul(dh.T, x, fp32_result=True)
             dx = amp.matmul(dh, w)
         elif xp is np:
             dh, db = cpu_ops.bias_act_backward(dy, self._mask)
