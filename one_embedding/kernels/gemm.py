@@ -104,7 +104,7 @@ def matmul(a, b, precision: str, *, fp32_result: bool = False):
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
     handle = device.get_cublas_handle()
     mode = cublas.getPointerMode(handle)
-    cublas.setPointerMode(handle, cublas.CUBLAS_POINTER_MODE_HOST)
+    cublas.setPointerMode(handle, getattr(cublas, "CUBLAS_POINTER_MODE_HOST", 0))
     try:
         # column-major cuBLAS: Cᵀ (n, m) = Bᵀ Aᵀ, with each row-major operand read as its
         # column-major transpose (and a transposed view as the matrix itself, flag T)
