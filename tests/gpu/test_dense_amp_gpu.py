@@ -124,3 +124,29 @@ def test_bias_act_cast_on_the_device(precision):
     elif precision == "bf16":
         want = (amp.round_to(y_ref, "bf16").view(np.uint32) >> 16).astype(np.uint16)
         np.testing.assert_array_equal(cupy.asnumpy(bits), want)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
+def test_interaction_layer_on_the_device_equals_numpy(precision):
+    """DotInteraction on CuPy under AMP runs dense.cu's one-kernel path: same numerics as the
+    numpy path (DLRM's [bottom, embeddings] layout, concat, padding)."""
+    import cupy
+
+    from one_embedding.nn import DotInteraction
+
+    rng = np.random.default_rng(4)
+    bottom = rng.standard_normal((512, 128)).astype(np.float32)
+    emb = rng.standard_normal((512, 26, 128)).astype(np.float32)
+    host, device = DotInteraction(output_padding=1), DotInteraction(output_padding=1)
+    with amp.autocast(precision):
+        want = host([bottom, emb], bottom)
+        b_d, e_d = cupy.asarray(bottom), cupy.asarray(emb)
+        got = device([b_d, e_d], b_d)
+        assert device._fused is not None
+        dout = rng.standard_normal(want.shape).astype(np.float32)
+        (wb, we), wc = host.backward(dout)
+        (gb, ge), gc = device.backward(cupy.asarray(dout))
+    _close(cupy.asnumpy(got), want, precision, atol=1e-3)
+    _close(cupy.asnumpy(gb), wb, precision, atol=1e-3)
+    _close(cupy.asnumpy(ge), we, precision, atol=1e-3)
+    np.testing.assert_array_equal(cupy.asnumpy(gc), wc)
