@@ -63,19 +63,23 @@ def cast(x, precision: str, *, bits: bool = True, rounded: bool = False, launch=
     return (out_bits if want_bits else None), (out_rounded if rounded else None)
 
 
-def _operand(x, precision):
-    """-> (device pointer owner, transposed, leading dim, batch stride) of one operand."""
+def _operand(x, precision, bits=None):
+    """-> (device pointer owner, transposed, leading dim, batch stride) of one operand;
+    ``bits``: x's 16-bit pattern when already cast (x C-contiguous, same shape)."""
     base, transposed = _layout(x)
     if precision != "tf32":
-        base, _ = cast(base, precision)
+        usable = (bits is not None and not transposed and bits.shape == base.shape
+                  and bits.dtype == np.uint16 and bits.flags.c_contiguous)
+        base = bits if usable else cast(base, precision)[0]
     rows, cols = base.shape[-2:]
     stride = rows * cols if base.ndim == 3 else 0
     return base, transposed, cols, stride
 
 
-def matmul(a, b, precision: str, *, fp32_result: bool = False):
+def matmul(a, b, precision: str, *, fp32_result: bool = False, a_bits=None, b_bits=None):
     """``a @ b`` on tensor cores. a: (M, K) or (N, M, K); b: (K, N') or (N, K, N'), float32
-    cupy arrays -> float32 (..., M, N') (see the module docstring)."""
+    cupy arrays -> float32 (..., M, N') (see the module docstring). ``a_bits`` / ``b_bits``:
+    an operand's fp16 / bf16 bits when already cast (used when they fit, else cast here)."""
     import cupy
     from cupy.cuda import cublas, device
 
@@ -97,8 +101,8 @@ def matmul(a, b, precision: str, *, fp32_result: bool = False):
     if k == 0:
         out.fill(0)
         return out
-    a_base, a_t, lda, stride_a = _operand(a, precision)
-    b_base, b_t, ldb, stride_b = _operand(b, precision)
+    a_base, a_t, lda, stride_a = _operand(a, precision, a_bits)
+    b_base, b_t, ldb, stride_b = _operand(b, precision, b_bits)
     data_type = _DATA_TYPES[precision]
     compute = CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "tf32" else CUBLAS_COMPUTE_32F
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)

@@ -111,14 +111,17 @@ def round_to(x, precision: str | None = None):
     return _round_bits(x, xp, 16 if precision == "bf16" else 13)
 
 
-def matmul(a, b, *, fp32_result: bool = False):
+def matmul(a, b, *, fp32_result: bool = False, a_bits=None, b_bits=None):
     """``a @ b`` with the current precision's operands and result (see the module docstring);
     exactly ``a @ b`` when AMP is off. a: (..., M, K), b: (..., K, N) -> (..., M, N) in a's
     dtype (float32 or float64).
 
     ``fp32_result``: under fp16 / bf16 the result keeps the fp32 accumulator's value instead of
     being rounded to the half type (the weight gradients: sums over the batch that would
-    overflow fp16). tf32 results are always fp32."""
+    overflow fp16; Linear's forward, whose fp32 result goes straight into bias + ReLU). tf32
+    results are always fp32. ``a_bits`` / ``b_bits``: on CuPy under fp16 / bf16, an operand
+    already cast to its 16-bit pattern (uint16, the shape of the C-contiguous operand), e.g.
+    the previous layer's ``out_bits``; ignored elsewhere."""
     precision = current()
     if precision == "off":
         return a @ b
@@ -126,7 +129,8 @@ def matmul(a, b, *, fp32_result: bool = False):
     if xp is not np:
         from ..kernels import gemm  # imports cupy: only on the GPU path
 
-        return gemm.matmul(a, b, precision, fp32_result=fp32_result)
+        return gemm.matmul(a, b, precision, fp32_result=fp32_result, a_bits=a_bits,
+                           b_bits=b_bits)
     product = round_to(a, precision) @ round_to(b, precision)
     if precision == "tf32" or fp32_result:
         return product

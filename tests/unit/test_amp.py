@@ -243,11 +243,13 @@ def test_short_amp_run_follows_fp32_step_for_step(tmp_path, short_fp32_run, prec
     fp32's by a step (step 3: 1.2196 against 0.8020) and it ended at AUC 0.6018 against fp32's
     0.6096 (logloss 0.6584 against 0.5638).
 
-    Measured after the fix: AUC / logloss fp32 0.6096 / 0.5638, fp16 0.6155 / 0.5580, bf16
-    0.6174 / 0.5595, tf32 0.6047 / 0.5554. After 7 steps the run is chaotic: from step 5 on
-    any rounding moves single losses by up to 12%, and the AUC of 15- or 31-step runs by
-    ±0.02 between any two precisions (AMP above fp32 as often as below). So the losses are
-    compared over the first 4 steps, and the AUC one-sided where the lag showed."""
+    Measured after the fix (Linear's forward and weight-gradient products keeping their fp32
+    accumulator): AUC / logloss fp32 0.6096 / 0.5638, fp16 0.6117 / 0.5572, bf16 0.6205 /
+    0.5578, tf32 0.6018 / 0.5560. After 7 steps the run is chaotic: from step 5 on any rounding
+    moves single losses by up to 12%, and the AUC of 15- or 31-step runs by ±0.02 between any
+    two precisions (AMP above fp32 as often as below; tf32's logloss is better than fp32's
+    while its AUC is 0.008 lower). So the losses are compared over the first 4 steps, and the
+    AUC and logloss one-sided for fp16, where the lag showed."""
     want, want_losses = short_fp32_run
     got, losses = short_run(tmp_path / f"{precision}.jsonl", precision)
     assert got["steps"] == want["steps"] == 7 and got["amp"] == precision
