@@ -34,6 +34,26 @@ def _kind(precision: str) -> int:
     return 0 if precision == "off" else KINDS[precision]
 
 
+#: dense.cu's shared-memory capacity of the one-block-per-sample interaction kernels (elements of
+#: T): a sample whose features (rows padded to D + 1) and pair gradients fit takes them
+TILE_ELEMENTS = 4352
+TILE_PAIRS = 1024
+
+
+def fits_tile(f: int, dim: int, self_interaction: bool) -> bool:
+    """True when one sample of F features of ``dim`` fits the ``_tile`` kernels' shared memory."""
+    return f * (dim + 1) <= TILE_ELEMENTS and _n_pairs(f, self_interaction) <= TILE_PAIRS
+
+
+def _pick_tile(tile, f, dim, self_interaction) -> bool:
+    fits = fits_tile(f, dim, self_interaction)
+    if tile and not fits:
+        raise InputError(f"tile=True: a sample of {f} features of dim {dim} does not fit the "
+                         f"shared memory of the tile kernels ({TILE_ELEMENTS} elements, "
+                         f"{TILE_PAIRS} pairs); pass tile=None")
+    return fits if tile is None else bool(tile)
+
+
 def _n_pairs(f: int, self_interaction: bool) -> int:
     return f * (f + 1) // 2 if self_interaction else f * (f - 1) // 2
 
@@ -88,9 +108,12 @@ def _parts(first, rest):
 
 
 def interaction_forward(first, rest, concat, self_interaction: bool, pad: int, precision: str,
-                        launch=None):
+                        launch=None, tile: bool | None = None):
     """first: (B, F1, D), rest: (B, F2, D) (the features, F = F1 + F2, read in place); concat:
-    (B, C) or None -> out (B, C + P + pad) = [concat | x_r . x_c over pair_table(F) | zeros]."""
+    (B, C) or None -> out (B, C + P + pad) = [concat | x_r . x_c over pair_table(F) | zeros].
+
+    ``tile``: the one-block-per-sample kernel (features in shared memory) or the one-thread-per-
+    output one; None picks the first where the sample fits (``fits_tile``). Same results."""
     launch = resolve(launch)
     xp = launch.xp
     first, rest = _parts(first, rest)
@@ -107,9 +130,12 @@ def interaction_forward(first, rest, concat, self_interaction: bool, pad: int, p
     n_pairs = _n_pairs(f1 + f2, bool(self_interaction))
     width = n_concat + n_pairs + int(pad)
     out = xp.empty((batch, width), dtype=first.dtype)
+    tile = _pick_tile(tile, f1 + f2, dim, bool(self_interaction))
     if out.size:
-        blocks = cm.grid_stride_blocks(out.size, launch.n_sms, launch.block)
-        launch.run("dense", "interaction_forward", first.dtype, (blocks,), (launch.block,),
+        blocks = cm.grid_stride_blocks(batch * launch.block if tile else out.size,
+                                       launch.n_sms, launch.block)
+        launch.run("dense", "interaction_forward_tile" if tile else "interaction_forward",
+                   first.dtype, (blocks,), (launch.block,),
                    (first, rest, first if concat is None else concat, np.int64(batch),
                     np.int32(f1), np.int32(f2), np.int32(dim), np.int32(bool(self_interaction)),
                     np.int32(_kind(precision)), np.int32(n_concat), np.int32(n_pairs),
@@ -118,8 +144,9 @@ def interaction_forward(first, rest, concat, self_interaction: bool, pad: int, p
 
 
 def interaction_backward(dout, first, rest, n_concat: int, self_interaction: bool,
-                         precision: str, launch=None):
-    """dout: (B, C + P + pad) -> (dfirst (B, F1, D), drest (B, F2, D), dconcat (B, C) or None)."""
+                         precision: str, launch=None, tile: bool | None = None):
+    """dout: (B, C + P + pad) -> (dfirst (B, F1, D), drest (B, F2, D), dconcat (B, C) or None);
+    ``tile`` as in ``interaction_forward``."""
     launch = resolve(launch)
     xp = launch.xp
     first, rest = _parts(first, rest)
@@ -136,9 +163,12 @@ def interaction_backward(dout, first, rest, n_concat: int, self_interaction: boo
     drest = xp.empty_like(rest)
     dconcat = xp.empty((batch, n_concat), dtype=first.dtype) if n_concat else None
     n = batch * ((f1 + f2) * dim + n_concat)
+    tile = _pick_tile(tile, f1 + f2, dim, bool(self_interaction))
     if n:
-        blocks = cm.grid_stride_blocks(n, launch.n_sms, launch.block)
-        launch.run("dense", "interaction_backward", first.dtype, (blocks,), (launch.block,),
+        blocks = cm.grid_stride_blocks(batch * launch.block if tile else n, launch.n_sms,
+                                       launch.block)
+        launch.run("dense", "interaction_backward_tile" if tile else "interaction_backward",
+                   first.dtype, (blocks,), (launch.block,),
                    (dout, first, rest, np.int64(batch), np.int32(f1), np.int32(f2), np.int32(dim),
                     np.int32(bool(self_interaction)), np.int32(_kind(precision)),
                     np.int32(n_concat), np.int32(width), dfirst, drest,

@@ -82,10 +82,17 @@ def test_interaction_and_loss_kernels_on_the_device_match_float64(precision):
     concat = np.ascontiguousarray(first[:, 0])
     d = [cupy.asarray(v) for v in (first, rest, concat)]
     out = cupy.asnumpy(dense_ops.interaction_forward(*d, False, 1, precision))
+    assert dense_ops.fits_tile(27, 64, False)   # the shared-memory kernel ran; the other agrees
+    np.testing.assert_array_equal(
+        out, cupy.asnumpy(dense_ops.interaction_forward(*d, False, 1, precision, tile=False)))
     _close(out, dense_ops.interaction_forward_reference(first, rest, concat, False, 1, precision),
            precision, atol=1e-4 * 8)
     dout = rng.standard_normal(out.shape).astype(np.float32)
     got = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision)
+    other = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision,
+                                           tile=False)
+    for g, o in zip(got, other):
+        np.testing.assert_array_equal(cupy.asnumpy(g), cupy.asnumpy(o))
     want = dense_ops.interaction_backward_reference(dout, first, rest, 64, False, precision)
     for g, w in zip(got, want):
         _close(cupy.asnumpy(g), w, precision, atol=1e-4 * 27 * 4)

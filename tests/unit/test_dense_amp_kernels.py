@@ -100,16 +100,17 @@ CASES = [  # (batch, F1, F2, D, self_interaction, with_concat, pad)
 
 
 @pytest.mark.stress_seeds
+@pytest.mark.parametrize("tile", [True, False])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", CASES)
-def test_interaction_forward_and_backward_match_float64(launch, precision, case):
+def test_interaction_forward_and_backward_match_float64(launch, precision, case, tile):
     batch, f1, f2, dim, self_interaction, with_concat, pad = case
     rng = np.random.default_rng(batch * 100 + dim)
     first = rng.standard_normal((batch, f1, dim)).astype(np.float32)
     rest = rng.standard_normal((batch, f2, dim)).astype(np.float32)
     concat = rng.standard_normal((batch, dim)).astype(np.float32) if with_concat else None
     out = dense_ops.interaction_forward(first, rest, concat, self_interaction, pad, precision,
-                                        launch=launch)
+                                        launch=launch, tile=tile)
     want = dense_ops.interaction_forward_reference(first, rest, concat, self_interaction, pad,
                                                    precision)
     assert out.shape == want.shape and out.dtype == np.float32
@@ -124,7 +125,7 @@ def test_interaction_forward_and_backward_match_float64(launch, precision, case)
     dout = rng.standard_normal(out.shape).astype(np.float32)
     dfirst, drest, dconcat = dense_ops.interaction_backward(dout, first, rest, n_concat,
                                                             self_interaction, precision,
-                                                            launch=launch)
+                                                            launch=launch, tile=tile)
     wf, wr, wc = dense_ops.interaction_backward_reference(dout, first, rest, n_concat,
                                                           self_interaction, precision)
     atol = 1e-5 * (f1 + f2) * 4
@@ -134,6 +135,31 @@ def test_interaction_forward_and_backward_match_float64(launch, precision, case)
         np.testing.assert_array_equal(dconcat, dout[:, :n_concat])
     else:
         assert dconcat is None
+
+
+@pytest.mark.parametrize("precision", PRECISIONS)
+def test_the_two_interaction_kernels_agree_bit_for_bit(launch, precision):
+    """One block per sample (shared memory) and one thread per output: the same sums in the same
+    order, so the same bits; and the tile kernel's fit rule matches dense.cu's capacity."""
+    import re
+
+    rng = np.random.default_rng(5)
+    first = rng.standard_normal((9, 1, 128)).astype(np.float32)   # DLRM: 27 features of 128
+    rest = rng.standard_normal((9, 26, 128)).astype(np.float32)
+    concat = np.ascontiguousarray(first[:, 0])
+    outs = [dense_ops.interaction_forward(first, rest, concat, False, 1, precision, launch=launch,
+                                          tile=tile) for tile in (True, False)]
+    np.testing.assert_array_equal(outs[0], outs[1])
+    dout = rng.standard_normal(outs[0].shape).astype(np.float32)
+    grads = [dense_ops.interaction_backward(dout, first, rest, 128, False, precision,
+                                            launch=launch, tile=tile) for tile in (True, False)]
+    for a, b in zip(*grads):
+        np.testing.assert_array_equal(a, b)
+    source = cm.source_path("dense").read_text()
+    assert int(re.search(r"TILE_ELEMENTS = (\d+);", source)[1]) == dense_ops.TILE_ELEMENTS
+    assert int(re.search(r"TILE_PAIRS = (\d+);", source)[1]) == dense_ops.TILE_PAIRS
+    assert dense_ops.fits_tile(27, 128, False) and not dense_ops.fits_tile(27, 256, False)
+    assert not dense_ops.fits_tile(46, 64, True)          # 1081 pairs
 
 
 def test_interaction_forward_in_fp32_equals_the_existing_reference(launch):
@@ -203,6 +229,9 @@ def test_bad_inputs_name_the_value(launch):
                                       launch=launch)
     with pytest.raises(ConfigError, match="amp='fp8'"):
         dense_ops.interaction_forward(x, x, None, False, 0, "fp8", launch=launch)
+    big = np.zeros((1, 40, 128), np.float32)
+    with pytest.raises(InputError, match="tile=True.*does not fit"):
+        dense_ops.interaction_forward(big, big, None, False, 0, "off", launch=launch, tile=True)
     with pytest.raises(InputError, match="empty batch"):
         z = np.zeros(0, np.float32)
         dense_ops.bce_last_layer(z, z, np.zeros((0, 3), np.float32), np.zeros(3, np.float32), 1.0,

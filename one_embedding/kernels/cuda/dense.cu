@@ -18,6 +18,12 @@ __device__ __forceinline__ T rounded(T v, int kind) {
   return kind == precision::NONE ? v : T(precision::round_to((float)v, kind));
 }
 
+// Shared-memory capacity of the one-block-per-sample interaction kernels (in elements of T): the
+// sample's features with rows padded to D + 1, and its pair gradients. DLRM's 27 x 128 features
+// take 27 x 129 = 3483; 4352 doubles are 34 KiB, under the 48 KiB of static shared memory.
+constexpr int TILE_ELEMENTS = 4352;
+constexpr int TILE_PAIRS = 1024;
+
 // Pair index of (r, c), c < r (c <= r with the diagonal), in cuda_module.pair_table's order.
 __device__ __forceinline__ int pair_index(int r, int c, int self_interaction) {
   return (self_interaction ? r * (r + 1) / 2 : r * (r - 1) / 2) + c;
@@ -155,6 +161,94 @@ __global__ void dense_interaction_backward(const T* dout, const T* first, const 
   }
 }
 
+// The same two kernels, one block per sample (grid-stride over samples), for a sample that fits
+// shared memory (F (D + 1) <= TILE_ELEMENTS, P <= TILE_PAIRS; kernels/dense_ops.py checks): the
+// sample's rounded features are loaded once (rows padded to D + 1, so the lanes of a warp
+// reading one column of different rows hit different banks) and every dot reads them there.
+// Same arguments, same results, bit for bit, as the kernels above.
+template <typename T>
+__global__ void dense_interaction_forward_tile(const T* first, const T* rest, const T* concat,
+                                               oe::i64 batch, int f1, int f2, int dim,
+                                               int self_interaction, int kind, int n_concat,
+                                               int n_pairs, int width, T* out) {
+  __shared__ T xs[oe::dense::TILE_ELEMENTS];
+  const int f = f1 + f2;
+  const int stride = dim + 1;
+  const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
+  for (oe::i64 s = blockIdx.x; s < batch; s += gridDim.x) {
+    for (int k = threadIdx.x; k < f * dim; k += blockDim.x) {
+      const int row = k / dim;
+      const int d = k - row * dim;
+      xs[row * stride + d] =
+          oe::dense::rounded(oe::dense::feature(first, rest, s, row, f1, f2, dim)[d], kind);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+      T v = T(0);
+      if (j < n_concat) {
+        v = concat[s * n_concat + j];
+      } else if (j < n_concat + n_pairs) {
+        const int p = j - n_concat;
+        int r = 0;
+        while (oe::dense::pair_index(r + 1, 0, self_interaction) <= p) ++r;
+        const int c = p - oe::dense::pair_index(r, 0, self_interaction);
+        T acc = T(0);
+        for (int d = 0; d < dim; ++d) acc += xs[r * stride + d] * xs[c * stride + d];
+        v = oe::dense::rounded(acc, out_kind);
+      }
+      out[s * (oe::i64)width + j] = v;
+    }
+    __syncthreads();  // the next sample overwrites xs
+  }
+}
+
+template <typename T>
+__global__ void dense_interaction_backward_tile(const T* dout, const T* first, const T* rest,
+                                                oe::i64 batch, int f1, int f2, int dim,
+                                                int self_interaction, int kind, int n_concat,
+                                                int width, T* dfirst, T* drest, T* dconcat) {
+  __shared__ T xs[oe::dense::TILE_ELEMENTS];
+  __shared__ T gs[oe::dense::TILE_PAIRS];
+  const int f = f1 + f2;
+  const int stride = dim + 1;
+  const int n_pairs = self_interaction ? f * (f + 1) / 2 : f * (f - 1) / 2;
+  const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
+  for (oe::i64 s = blockIdx.x; s < batch; s += gridDim.x) {
+    const T* g = dout + s * width;
+    for (int k = threadIdx.x; k < f * dim; k += blockDim.x) {
+      const int row = k / dim;
+      const int d = k - row * dim;
+      xs[row * stride + d] =
+          oe::dense::rounded(oe::dense::feature(first, rest, s, row, f1, f2, dim)[d], kind);
+    }
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+      gs[p] = oe::dense::rounded(g[n_concat + p], kind);
+    }
+    for (int c = threadIdx.x; c < n_concat; c += blockDim.x) dconcat[s * n_concat + c] = g[c];
+    __syncthreads();
+    for (int k = threadIdx.x; k < f * dim; k += blockDim.x) {
+      const int row = k / dim;
+      const int d = k - row * dim;
+      T acc = T(0);
+      for (int other = 0; other < f; ++other) {
+        if (other == row && !self_interaction) continue;
+        const int r = other > row ? other : row;
+        const int c = other > row ? row : other;
+        T grad = gs[oe::dense::pair_index(r, c, self_interaction)];
+        if (other == row) grad = grad + grad;
+        acc += grad * xs[other * stride + d];
+      }
+      const T v = oe::dense::rounded(acc, out_kind);
+      if (row < f1) {
+        dfirst[(s * f1 + row) * (oe::i64)dim + d] = v;
+      } else {
+        drest[(s * f2 + (row - f1)) * (oe::i64)dim + d] = v;
+      }
+    }
+    __syncthreads();  // the next sample overwrites xs and gs
+  }
+}
+
 // The BCE loss fused with the backward of the last layer (logits = x w + b, one output):
 //   dz_i = (sigmoid(z_i) - y_i) / B * scale          (scale: the loss scale, 1 without)
 //   dx[i, k] = round(round(dz_i) * round(w_k))        (the input gradient, nn.amp's dh w)
@@ -213,5 +307,7 @@ ONE_EMBEDDING_KERNEL(dense_cast)
 ONE_EMBEDDING_KERNEL(dense_bias_act_cast)
 ONE_EMBEDDING_KERNEL(dense_interaction_forward)
 ONE_EMBEDDING_KERNEL(dense_interaction_backward)
+ONE_EMBEDDING_KERNEL(dense_interaction_forward_tile)
+ONE_EMBEDDING_KERNEL(dense_interaction_backward_tile)
 ONE_EMBEDDING_KERNEL(dense_bce_last_layer)
 #endif
