@@ -179,14 +179,11 @@ def interaction_backward(dout, first, rest, n_concat: int, self_interaction: boo
 # ---------------------------------------------------------------- loss + last layer
 
 
-def bce_last_layer(logits, labels, x, w, scale: float, precision: str, launch=None):
-    """The mean BCE of ``logits`` (B,) against ``labels`` (B,) and the backward of the layer
-    ``logits = x w + b`` (x: (B, K), w: (K,)) for the loss times ``scale`` ->
-    (loss 0-d float64 device array (unscaled), dz (B,), dx (B, K), dw (K,), db 0-d)."""
+def _last_layer(logits, labels, x, w, scale, precision, launch, has_loss):
     launch = resolve(launch)
     xp = launch.xp
     logits = _float("logits", logits, 1)
-    labels = _float("labels", labels, 1, like=logits)
+    labels = _float("labels", labels, 1, like=logits) if has_loss else logits
     x = _float("x", x, 2, like=logits)
     w = _float("w", w, 1, like=logits)
     rows, k_cols = x.shape
@@ -204,10 +201,24 @@ def bce_last_layer(logits, labels, x, w, scale: float, precision: str, launch=No
     grid = (max(1, -(-k_cols // 32)), n_chunks)
     launch.run("dense", "bce_last_layer", x.dtype, grid, (32, cm.COLUMN_BLOCK_ROWS),
                (logits, labels, x, w, np.int64(rows), np.int32(k_cols), x.dtype.type(scale),
-                np.int32(_kind(precision)), np.int64(rows_per_chunk), dz, dx, dw_partial,
-                db_partial, loss_partial))
+                np.int32(_kind(precision)), np.int32(bool(has_loss)), np.int64(rows_per_chunk),
+                dz, dx, dw_partial, db_partial, loss_partial))
     return (loss_partial.sum() / rows, dz, dx, dw_partial[:, :k_cols].sum(axis=0),
             db_partial.sum())
+
+
+def bce_last_layer(logits, labels, x, w, scale: float, precision: str, launch=None):
+    """The mean BCE of ``logits`` (B,) against ``labels`` (B,) and the backward of the layer
+    ``logits = x w + b`` (x: (B, K), w: (K,)) for the loss times ``scale`` ->
+    (loss 0-d float64 device array (unscaled), dz (B,), dx (B, K), dw (K,), db 0-d)."""
+    return _last_layer(logits, labels, x, w, scale, precision, launch, has_loss=True)
+
+
+def last_layer_backward(dz, x, w, precision: str, launch=None):
+    """The backward of a one-output layer ``z = x w + b`` alone, one pass: dz (B,), x (B, K),
+    w (K,) -> (dx (B, K), dw (K,), db 0-d), rounded as nn.amp's Linear backward."""
+    _, _, dx, dw, db = _last_layer(dz, None, x, w, 1.0, precision, launch, has_loss=False)
+    return dx, dw, db
 
 
 # ---------------------------------------------------------------- float64 references

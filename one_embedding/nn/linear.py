@@ -86,6 +86,9 @@ class Linear(Module):
         check_features(dy, "Linear output gradient", 2, self.out_features, self.weight.data.dtype)
         w, x = self.weight.data, self._x
         xp = array_namespace(dy, w)
+        if amp.active() and xp is not np and self.out_features == 1 and not self.relu \
+                and dy.dtype == np.float32:
+            return self._backward_last_fused(dy)
         if amp.active():  # both products on tensor cores; the weight gradient keeps an fp32
             # result (a sum over the batch: in fp16 it overflowed under the loss scale, nn.amp)
             dh, db = (cpu_ops if xp is np else ops_for(xp)).bias_act_backward(dy, self._mask)
@@ -103,6 +106,23 @@ class Linear(Module):
             dh, db = ops_for(xp).bias_act_backward(dy, self._mask)
             self.weight.grad += dh.T @ x
             dx = dh @ w
+        self.bias.grad += db
+        self._x = self._mask = self._x_bits = None
+        return dx
+
+
+    def _backward_last_fused(self, dy):
+        """A one-output layer's backward under AMP on CuPy as one kernel
+        (``dense_ops.last_layer_backward``): dx = dy ⊗ w, the weight gradient's column sums and
+        the bias gradient in one pass, rounded as the general path rounds them (a k = 1 GEMM, a
+        skinny GEMM and a column reduction before)."""
+        from ..kernels import dense_ops
+
+        xp = array_namespace(dy)
+        dx, dw, db = dense_ops.last_layer_backward(
+            xp.ascontiguousarray(dy.reshape(-1)), xp.ascontiguousarray(self._x),
+            xp.ascontiguousarray(self.weight.data[0]), amp.current())
+        self.weight.grad[0] += dw
         self.bias.grad += db
         self._x = self._mask = self._x_bits = None
         return dx

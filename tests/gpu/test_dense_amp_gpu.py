@@ -157,3 +157,28 @@ def test_interaction_layer_on_the_device_equals_numpy(precision):
     _close(cupy.asnumpy(gb), wb, precision, atol=1e-3)
     _close(cupy.asnumpy(ge), we, precision, atol=1e-3)
     np.testing.assert_array_equal(cupy.asnumpy(gc), wc)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
+def test_one_output_layer_backward_on_the_device_equals_numpy(precision):
+    """Linear(K, 1) on CuPy under AMP: the forward's GEMM + epilogue and the one-kernel backward
+    (dense_ops.last_layer_backward) against the numpy layer."""
+    import cupy
+
+    from one_embedding.nn import Linear
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4096, 256)).astype(np.float32)
+    dy = (rng.standard_normal((4096, 1)) * 64).astype(np.float32)
+    host, device = Linear(256, 1, seed=1), Linear(256, 1, seed=1)
+    device.to(cupy)
+    with amp.autocast(precision):
+        y = host(x)
+        y_d = cupy.asnumpy(device(cupy.asarray(x)))
+        dx = host.backward(dy)
+        dx_d = cupy.asnumpy(device.backward(cupy.asarray(dy)))
+    _close(y_d, y, precision, atol=1e-3)
+    np.testing.assert_array_equal(dx_d, dx)
+    np.testing.assert_allclose(cupy.asnumpy(device.weight.grad), host.weight.grad, rtol=1e-4,
+                               atol=1e-2)
+    np.testing.assert_allclose(cupy.asnumpy(device.bias.grad), host.bias.grad, rtol=1e-4, atol=1e-3)

@@ -276,3 +276,27 @@ def test_interaction_layer_fused_path_equals_its_numpy_path(launch, monkeypatch,
         assert got_dc is None and want_dc is None
     else:
         np.testing.assert_array_equal(got_dc, want_dc)
+
+
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
+def test_last_layer_backward_in_one_pass_equals_linear_backward(launch, monkeypatch, precision):
+    """Linear(K, 1)'s CuPy AMP backward (one kernel: dx = dz ⊗ w, dw, db) run on the emulator
+    through the layer's own glue, against the numpy layer's three products and reduction."""
+    from one_embedding.nn import Linear
+
+    monkeypatch.setattr(dense_ops, "resolve", lambda _: launch)
+    rng = np.random.default_rng(12)
+    x = rng.standard_normal((300, 40)).astype(np.float32)
+    dy = (rng.standard_normal((300, 1)) * 64).astype(np.float32)       # a scaled logit gradient
+    numpy_layer, fused_layer = Linear(40, 1, seed=3), Linear(40, 1, seed=3)
+    with amp.autocast(precision):
+        numpy_layer(x)
+        fused_layer(x)
+        want_dx = numpy_layer.backward(dy)
+        got_dx = fused_layer._backward_last_fused(dy)
+    assert got_dx.shape == want_dx.shape == (300, 40)
+    np.testing.assert_array_equal(got_dx, want_dx)        # one product each: the same bits
+    np.testing.assert_allclose(fused_layer.weight.grad, numpy_layer.weight.grad, rtol=1e-5)
+    np.testing.assert_allclose(fused_layer.bias.grad, numpy_layer.bias.grad, rtol=1e-5)
+    assert fused_layer._x is None

@@ -258,9 +258,13 @@ __global__ void dense_interaction_backward_tile(const T* dout, const T* first, c
 // the column reductions of mlp.cu; the column blocks with blockIdx.x == 0 also write dz, db and
 // the loss. logits, labels, dz: (B,); x, dx: (B, K); w: (K,); dw_partial: (n_chunks, K);
 // db_partial, loss_partial: (n_chunks,) (loss in double).
+//
+// has_loss == 0 is the last layer's backward alone (Linear.backward of a one-output layer): then
+// ``logits`` holds the logit gradient dz itself, g = dz_i * scale, labels is not read and the
+// loss partials are 0.
 template <typename T>
 __global__ void dense_bce_last_layer(const T* logits, const T* labels, const T* x, const T* w,
-                                     oe::i64 rows, int k_cols, T scale, int kind,
+                                     oe::i64 rows, int k_cols, T scale, int kind, int has_loss,
                                      oe::i64 rows_per_chunk, T* dz, T* dx, T* dw_partial,
                                      T* db_partial, double* loss_partial) {
   const int col = blockIdx.x * 32 + threadIdx.x;
@@ -275,14 +279,17 @@ __global__ void dense_bce_last_layer(const T* logits, const T* labels, const T* 
   double acc_loss = 0.0;
   for (oe::i64 r = row_begin + threadIdx.y; r < row_end; r += blockDim.y) {
     const T z = logits[r];
-    const T y = labels[r];
-    const T e = oe::exp_t(z < T(0) ? z : -z);
-    const T sig = z >= T(0) ? T(1) / (T(1) + e) : e / (T(1) + e);
-    const T g = ((sig - y) / count) * scale;
+    T g = z * scale;
+    if (has_loss) {
+      const T y = labels[r];
+      const T e = oe::exp_t(z < T(0) ? z : -z);
+      const T sig = z >= T(0) ? T(1) / (T(1) + e) : e / (T(1) + e);
+      g = ((sig - y) / count) * scale;
+      if (row_owner) acc_loss += (double)((z > T(0) ? z : T(0)) - z * y + oe::log1p_t(e));
+    }
     if (row_owner) {
       dz[r] = g;
       acc_b += g;
-      acc_loss += (double)((z > T(0) ? z : T(0)) - z * y + oe::log1p_t(e));  // e = exp(-|z|)
     }
     if (col < k_cols) {
       const T g_r = oe::dense::rounded(g, kind);
