@@ -77,8 +77,8 @@ def test_interaction_and_loss_kernels_on_the_device_match_float64(precision):
     from one_embedding.kernels import dense_ops
 
     rng = np.random.default_rng(2)
-    first = rng.standard_normal((2048, 1, 64)).astype(np.float32)
-    rest = rng.standard_normal((2048, 26, 64)).astype(np.float32)
+    first = rng.standard_normal((512, 1, 64)).astype(np.float32)
+    rest = rng.standard_normal((512, 26, 64)).astype(np.float32)
     concat = np.ascontiguousarray(first[:, 0])
     d = [cupy.asarray(v) for v in (first, rest, concat)]
     out = cupy.asnumpy(dense_ops.interaction_forward(*d, False, 1, precision))
@@ -120,7 +120,7 @@ def test_bias_act_cast_on_the_device(precision):
     from one_embedding.kernels import dense_ops, reference
 
     rng = np.random.default_rng(3)
-    h = rng.standard_normal((4099, 257)).astype(np.float32)
+    h = rng.standard_normal((1027, 257)).astype(np.float32)
     b = rng.standard_normal(257).astype(np.float32)
     y_ref, mask_ref = reference.bias_act_forward(h.copy(), b, True)
     y, mask, bits = dense_ops.bias_act_cast_forward(cupy.asarray(h), cupy.asarray(b), True, precision)
