@@ -107,6 +107,8 @@ def matmul(a, b, precision: str, *, fp32_result: bool = False, a_bits=None, b_bi
     compute = CUBLAS_COMPUTE_32F_FAST_TF32 if precision == "tf32" else CUBLAS_COMPUTE_32F
     one, zero = np.ones(1, np.float32), np.zeros(1, np.float32)
     handle = device.get_cublas_handle()
+    # on the current stream (the prefetch thread's work has its own), as cupy.matmul does
+    cublas.setStream(handle, cupy.cuda.get_current_stream().ptr)
     mode = cublas.getPointerMode(handle)
     cublas.setPointerMode(handle, getattr(cublas, "CUBLAS_POINTER_MODE_HOST", 0))
     try:
