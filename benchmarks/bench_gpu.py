@@ -22,6 +22,11 @@
    metrics records, prefetch) against part 2's pre-built batches, measured in the same run. Goal
    (issue 30): within 10% of part 2's samples/s, the ``wait`` phase (the step waiting for its
    batch) under 5% of the step; the host reads per step (``host_sync``) are counted and printed.
+4. Tensor cores (issue 32): the CLI's path again, a few steps (``--amp-steps``) for each of
+   ``--amp off / tf32 / fp16 / bf16``, beside a one-table PyTorch DLRM under bf16 autocast on
+   part 2's shapes and batches (the 26 tables concatenated into one, rows gathered with
+   ``index_select`` and updated with ``index_add_``: PyTorch's fastest plain form) and, for scale,
+   HugeCTR's published 7.4 M. Goal: the fastest mode >= 1.0x the PyTorch AMP baseline (2x the aim).
 
 The header names the GPU, CUDA, CuPy and torch; results go to ``benchmarks/results/bench_gpu.json``
 (or ``$ONE_EMBEDDING_BENCH_RESULTS``); the last line printed is a one-line summary.
@@ -262,28 +267,112 @@ def run_torch(dev: Device, table_rows, batches, args) -> dict:
             "final_loss": float(loss), "torch": torch.__version__}
 
 
-def bench_cli(dev: Device, args) -> dict:
-    """Part 3: the Trainer, as ``one-embedding train`` runs it, on part 2's model shapes."""
+def bench_cli(dev: Device, args, amp: str = "off", steps: int | None = None) -> dict:
+    """Part 3: the Trainer, as ``one-embedding train`` runs it, on part 2's model shapes
+    (``--amp amp``; ``steps`` timed steps after the warmup, default ``--steps``)."""
     from one_embedding import host_sync
     from one_embedding.config import TrainConfig
     from one_embedding.training import Trainer
 
-    steps = args.warmup + args.steps
+    steps = args.warmup + (args.steps if steps is None else steps)
     cfg = TrainConfig(
         model="dlrm", data=("synthetic",), synthetic_cardinalities="mlperf40m",
         synthetic_scale=args.cli_scale, synthetic_rows=max(steps + 2, 4) * args.batch_size * 2,
         embedding_dim=args.dim, bottom_mlp=tuple(args.bottom_mlp), top_mlp=tuple(args.top_mlp),
         batch_size=args.batch_size, steps=steps, optimizer="sgd", lr=args.lr, eval_batches=1,
-        prefetch_depth=args.prefetch_depth, device="cpu" if dev.dry_run else "cuda")
+        prefetch_depth=args.prefetch_depth, device="cpu" if dev.dry_run else "cuda", amp=amp)
     trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
     with host_sync.counting() as reads:
         record = trainer.run()
     phases = record["phase_seconds"]
     step_seconds = sum(phases.values())
     return {"samples_per_s": record["samples_per_s"], "steps": steps,
+            "skipped_steps": record.get("skipped_steps", 0), "final_loss": record.get("loss_last_10pct"),
             "wait_share": phases["wait"] / step_seconds if step_seconds else float("nan"),
             "phase_seconds": phases, "host_reads": reads.total,
             "host_reads_per_step": reads.total / steps, "host_reads_by_reason": dict(reads.by_reason)}
+
+
+def run_torch_one_table(dev: Device, table_rows, batches, args, autocast: bool) -> dict:
+    """A plain PyTorch DLRM with the 26 tables as one (sum of rows, dim) tensor: the rows of a
+    batch gathered with ``index_select`` into a leaf, SGD applied with ``index_add_`` of the
+    leaf's gradient; MLPs and interaction as ``run_torch``; under ``torch.autocast`` (bf16) when
+    ``autocast``."""
+    import torch
+    from torch import nn
+
+    from .peers.torch_dlrm import _mlp
+
+    device = torch.device("cpu" if dev.dry_run else "cuda")
+    torch.manual_seed(0)
+    bounds = torch.cat([torch.full((r,), 1 / math.sqrt(r)) for r in table_rows]).to(device)
+    table = (torch.rand(sum(table_rows), args.dim, device=device) * 2 - 1) * bounds[:, None]
+    offsets = torch.as_tensor(np.cumsum([0] + list(table_rows[:-1])), device=device)[None, :]
+    bottom = _mlp(13, args.bottom_mlp, relu_last=True).to(device)
+    top = _mlp(args.dim + 27 * 26 // 2, args.top_mlp, relu_last=False).to(device)
+    lower = torch.tril_indices(27, 27, offset=-1, device=device)
+    dense_opt = torch.optim.SGD(list(bottom.parameters()) + list(top.parameters()), lr=args.lr)
+    loss_fn = nn.BCEWithLogitsLoss()
+    inputs = [(torch.as_tensor(b["dense"], device=device),
+               (torch.as_tensor(b["ids"], device=device) + offsets).reshape(-1),
+               torch.as_tensor(b["labels"], device=device)) for b in batches]
+
+    def step(i):
+        dense, ids, labels = inputs[i % len(inputs)]
+        dense_opt.zero_grad(set_to_none=True)
+        rows = table.index_select(0, ids).requires_grad_(True)              # (B * 26, D) leaf
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
+            z = bottom(torch.log1p(dense))
+            x = torch.cat([z[:, None, :], rows.view(-1, 26, args.dim)], dim=1)   # (B, 27, D)
+            pairs = torch.bmm(x, x.transpose(1, 2))[:, lower[0], lower[1]]
+            logits = top(torch.cat([z, pairs], dim=1)).squeeze(1)
+            loss = loss_fn(logits.float(), labels)
+        loss.backward()
+        dense_opt.step()
+        with torch.no_grad():
+            table.index_add_(0, ids, rows.grad, alpha=-args.lr)
+        return loss.detach()
+
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i in range(args.warmup):
+        step(i)
+    sync()
+    start = time.perf_counter()
+    for i in range(args.warmup, args.warmup + args.amp_steps):
+        loss = step(i)
+    sync()
+    seconds = time.perf_counter() - start
+    return {"samples_per_s": args.amp_steps * args.batch_size / seconds, "seconds": seconds,
+            "final_loss": float(loss), "torch": torch.__version__}
+
+
+def bench_amp(dev: Device, args, batches=None) -> dict:
+    """Part 4: the CLI's path under each --amp mode, and the PyTorch bf16 autocast baseline."""
+    from one_embedding.nn.amp import PRECISIONS
+
+    table_rows = criteo_shapes(args.max_rows)
+    rows = []
+    for mode in PRECISIONS:
+        run = bench_cli(dev, args, amp=mode, steps=args.amp_steps)
+        rows.append({"what": f"one-embedding train --amp {mode}", "amp": mode, **run})
+    try:
+        if batches is None:
+            batches = dlrm_batches(dev, table_rows, args, args.batches)
+        peer = run_torch_one_table(dev, table_rows, batches, args, autocast=True)
+        rows.append({"what": "PyTorch DLRM, one table, bf16 autocast (same GPU, shapes)", **peer})
+        baseline = peer["samples_per_s"]
+    except ImportError as e:
+        peer, baseline = {"error": str(e)}, float("nan")
+    rows.append({"what": "HugeCTR, published (fp16, anchor, not run)",
+                 "samples_per_s": HUGECTR_H100_SAMPLES_PER_S})
+    for r in rows:
+        r["x PyTorch bf16"] = r["samples_per_s"] / baseline
+        r["x HugeCTR"] = r["samples_per_s"] / HUGECTR_H100_SAMPLES_PER_S
+    modes = [r for r in rows if "amp" in r]
+    fastest = max(modes, key=lambda r: r["samples_per_s"])
+    return {"rows": rows, "torch_bf16": peer, "fastest": fastest["amp"],
+            "fastest_samples_per_s": fastest["samples_per_s"],
+            "speedup_vs_torch_bf16": fastest["samples_per_s"] / baseline}
 
 
 def bench_dlrm(dev: Device, args) -> dict:
@@ -302,7 +391,7 @@ def bench_dlrm(dev: Device, args) -> dict:
     for r in rows:
         r["x HugeCTR"] = r["samples_per_s"] / HUGECTR_H100_SAMPLES_PER_S
     return {"table_rows": table_rows, "ours": ours, "torch": peer, "speedup_vs_torch": speedup,
-            "rows": rows}
+            "rows": rows, "batches": batches}
 
 
 def main(argv=None):
@@ -325,10 +414,13 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=10, help="timed calls per lookup measurement")
     ap.add_argument("--cli-scale", type=float, default=0.05,
                     help="part 3: mlperf40m cardinalities times this (the issue's x0.05)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["lookup", "dlrm", "cli"])
+    ap.add_argument("--amp-steps", type=int, default=5,
+                    help="part 4: timed steps per --amp mode (after --warmup)")
+    ap.add_argument("--skip", nargs="*", default=[], choices=["lookup", "dlrm", "cli", "amp"])
     args = ap.parse_args(argv)
     if args.dry_run:
         args.batch_size, args.steps, args.warmup, args.batches = 256, 2, 1, 2
+        args.amp_steps = 2
         args.max_rows, args.dim, args.lookup_keys, args.lookup_dim, args.repeats = 5000, 16, 20_000, 16, 2
         args.bottom_mlp, args.top_mlp, args.cli_scale = [32, 16], [32, 1], 0.001
     dev = Device(args.dry_run)
@@ -378,6 +470,19 @@ def main(argv=None):
         summary.append(f"CLI {cli['samples_per_s'] / 1e6:.2f} M samples/s = {ratio:.2f}x pre-built, "
                        f"wait {cli['wait_share']:.0%}, {cli['host_reads_per_step']:.1f} host "
                        f"reads/step (goal >=0.9x, wait <5%: {verdict})")
+    if "amp" not in args.skip:
+        amp = bench_amp(dev, args, payload.get("dlrm", {}).get("batches"))
+        payload["amp"] = amp
+        print(f"\n## tensor cores: the CLI's path under --amp, {args.amp_steps} timed steps each, "
+              f"beside PyTorch with bf16 autocast")
+        print(markdown_table(amp["rows"], ["what", "samples_per_s", "x PyTorch bf16", "x HugeCTR",
+                                           "skipped_steps", "final_loss"]))
+        ratio = amp["speedup_vs_torch_bf16"]
+        verdict = ("met" if ratio >= 1 else "not met") if math.isfinite(ratio) else "no torch"
+        summary.append(f"AMP fastest --amp {amp['fastest']} {amp['fastest_samples_per_s'] / 1e6:.2f} M "
+                       f"samples/s = {ratio:.2f}x PyTorch bf16 autocast (goal >=1x: {verdict}), "
+                       f"{amp['fastest_samples_per_s'] / HUGECTR_H100_SAMPLES_PER_S:.2f}x HugeCTR")
+    payload.get("dlrm", {}).pop("batches", None)
     payload["summary"] = "; ".join(summary)
     print(f"\nwrote {save_result('bench_gpu', payload)}")
     print(f"summary ({'dry run, ' if args.dry_run else ''}{dev.name.split(' (')[0]}): "

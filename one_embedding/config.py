@@ -171,9 +171,10 @@ class TrainConfig:
     device: str = option("cpu", group="training", choices=DEVICES,
                          help="where the model and loss run: cpu (numpy) or cuda (CuPy on a GPU)")
     amp: str = option("off", group="training", choices=PRECISIONS,
-                      help="mixed precision: the dense model's matrix products in fp16 (with a "
-                           "dynamic loss scale) or bf16, master weights and rows in fp32; on "
-                           "CPU it gives a GPU run's numerics, not its speed")
+                      help="mixed precision: the dense model's matrix products on tensor "
+                           "cores in tf32, fp16 (with a dynamic loss scale) or bf16, master "
+                           "weights and rows in fp32; on CPU it gives a GPU run's numerics, not "
+                           "its speed")
     prefetch_depth: int = option(1, group="training", at_least=0,
                                  help="batches whose ID shuffle and row lookups run ahead on a "
                                       "background thread while the current batch computes "

@@ -30,7 +30,10 @@ DENSE_FAMILIES = ("mlp", "interaction", "cross", "fm", "loss")
 EMBEDDING_FAMILIES = ("hashindex", "cache", "embedding", "optim", "codec")
 #: The data side's: the synthetic source's generator (data/device.py).
 DATA_FAMILIES = ("synthetic",)
-FAMILIES = DENSE_FAMILIES + EMBEDDING_FAMILIES + DATA_FAMILIES
+#: The AMP path's fused dense kernels (kernels/dense_ops.py, kernels/gemm.py): launched through a
+#: ``device_ops.Launcher``, so the tests run them on the host emulator.
+AMP_FAMILIES = ("dense",)
+FAMILIES = DENSE_FAMILIES + EMBEDDING_FAMILIES + DATA_FAMILIES + AMP_FAMILIES
 #: NVRTC options. --fmad=false keeps a*b+c two roundings, as in numpy, so elementwise results
 #: match the reference bit for bit; these kernels are memory-bound, so FMA contraction buys nothing.
 #: (CuPy appends -ftz=true: float32 subnormal results flush to zero, the one place where an

@@ -59,6 +59,7 @@ class DotInteraction(Module):
         self._x = None
         self._n_concat = 0
         self._split = None
+        self._fused = None
 
     def output_width(self, num_features: int, concat_width: int = 0, dim: int | None = None) -> int:
         """Columns of the output for F features and a C-wide output_concat (D for pooling="sum")."""
@@ -89,16 +90,64 @@ class DotInteraction(Module):
         return array_namespace(*parts).concatenate(parts, axis=1)
 
     def forward(self, features, output_concat=None):
+        self._fused = None
         if amp.active() and self.pooling == "none":
+            listed = isinstance(features, (list, tuple))
+            xp = array_namespace(*(features if listed else [features]))
+            if xp is not np and (features[0] if listed else features).dtype == np.float32:
+                return self._forward_fused(features, output_concat)
             # half precision (nn.amp): the features rounded as they enter the pairwise products,
-            # and the products as they leave; output_concat passes through unchanged
-            features = ([amp.round_to(f) for f in features]
-                        if isinstance(features, (list, tuple)) else amp.round_to(features))
+            # and the products as they leave (fp16 / bf16; tf32 results stay fp32);
+            # output_concat passes through unchanged
+            features = ([amp.round_to(f) for f in features] if listed else amp.round_to(features))
             out = self._forward(features, output_concat)
-            n = 0 if output_concat is None else output_concat.shape[1]
-            out[:, n:] = amp.round_to(out[:, n:])
+            if amp.current() in amp.HALF_PRECISIONS:
+                n = 0 if output_concat is None else output_concat.shape[1]
+                out[:, n:] = amp.round_to(out[:, n:])
             return out
         return self._forward(features, output_concat)
+
+    def _forward_fused(self, features, output_concat):
+        """The CuPy AMP path: one kernel (kernels/dense_ops.py) reads the parts in place, rounds
+        the operands in registers, and writes concat | products | padding: the numerics of the
+        numpy path above, without its rounding passes, batched GEMM and (B, F, F) buffer."""
+        from ..kernels import dense_ops
+
+        parts = self._stack(features, concatenate=False)
+        parts = parts if isinstance(parts, list) else [parts]
+        xp = array_namespace(*parts)
+        first = xp.ascontiguousarray(parts[0])
+        rest = (xp.ascontiguousarray(parts[1]) if len(parts) == 2 else
+                xp.concatenate(parts[1:], axis=1) if len(parts) > 2 else
+                xp.empty((first.shape[0], 0, first.shape[2]), dtype=first.dtype))
+        if output_concat is not None:
+            check_features(output_concat, "output_concat", 2, dtype=first.dtype)
+            if output_concat.shape[0] != first.shape[0]:
+                raise InputError(f"output_concat has batch {output_concat.shape[0]} but the "
+                                 f"features have {first.shape[0]}")
+            output_concat = xp.ascontiguousarray(output_concat)
+        self._n_concat = 0 if output_concat is None else output_concat.shape[1]
+        self._fused = ([p.shape[1] for p in parts], first, rest)
+        self._x = [first, rest]
+        return dense_ops.interaction_forward(first, rest, output_concat, self.self_interaction,
+                                             self.output_padding, amp.current())
+
+    def _backward_fused(self, dout):
+        from ..kernels import dense_ops
+
+        widths, first, rest = self._fused
+        xp = array_namespace(dout, first)
+        dfirst, drest, dconcat = dense_ops.interaction_backward(
+            xp.ascontiguousarray(dout), first, rest, self._n_concat, self.self_interaction,
+            amp.current())
+        grads, start = [dfirst], 0
+        for width in widths[1:]:
+            grads.append(drest if len(widths) == 2 else drest[:, start:start + width])
+            start += width
+        self._x = self._fused = None
+        if self._split is None:
+            return grads[0], dconcat
+        return [g[:, 0] if was_2d else g for g, (_, was_2d) in zip(grads, self._split)], dconcat
 
     def _forward(self, features, output_concat):
         listed = isinstance(features, (list, tuple))
@@ -137,6 +186,8 @@ class DotInteraction(Module):
         x = self._x
         if x is None:
             raise InputError("DotInteraction.backward() without a forward(): run forward first")
+        if getattr(self, "_fused", None) is not None:
+            return self._backward_fused(dout)
         parts = x if isinstance(x, list) else [x]
         xp = array_namespace(dout, *parts)
         if self.pooling == "sum":
@@ -156,7 +207,7 @@ class DotInteraction(Module):
             dx, dconcat = ops.dot_interaction_backward(
                 xp.ascontiguousarray(dout), x, self._n_concat, self.self_interaction
             )
-            if amp.active():  # ... and leaves it so
+            if amp.current() in amp.HALF_PRECISIONS:  # ... and leaves it so (fp16 / bf16)
                 dx = [amp.round_to(g) for g in dx] if isinstance(dx, list) else amp.round_to(dx)
         self._x = None
         if self._split is None:

@@ -43,16 +43,33 @@ class Linear(Module):
         w, b = linear_weights(make_rng(seed), self.in_features, self.out_features, init, self.dtype)
         self.weight = Parameter(w, f"{name}.weight")
         self.bias = Parameter(b, f"{name}.bias")
-        self._x = self._mask = None
+        self._x = self._mask = self._x_bits = self.out_bits = None
 
-    def forward(self, x):
-        """x: (B, in_features) -> (B, out_features)."""
+    def forward(self, x, x_bits=None):
+        """x: (B, in_features) -> (B, out_features).
+
+        Under AMP the product takes x and W rounded to the precision and keeps its fp32
+        accumulator (``amp.matmul(..., fp32_result=True)``), and bias + ReLU run in fp32. On
+        CuPy with fp16 / bf16 the GEMM's epilogue is one pass (``dense_ops.bias_act_cast_forward``)
+        that also writes y's 16-bit copy, kept as ``out_bits`` for the next layer's GEMM
+        (``x_bits``: this layer's input as such bits, from the layer before; then x is not cast
+        again, neither here nor for the weight gradient)."""
         check_features(x, "Linear input", 2, self.in_features, self.weight.data.dtype)
         w = self.weight.data
         xp = array_namespace(x, w)
-        if amp.active():  # the product in half precision (nn.amp), bias + ReLU in fp32
+        self.out_bits = self._x_bits = None
+        if amp.active() and xp is not np and amp.current() in amp.HALF_PRECISIONS \
+                and x.dtype == np.float32:
+            from ..kernels import dense_ops
+
+            h = amp.matmul(x, w.T, fp32_result=True, a_bits=x_bits)
+            y, self._mask, self.out_bits = dense_ops.bias_act_cast_forward(
+                h, self.bias.data, self.relu, amp.current())
+            self._x_bits = x_bits
+        elif amp.active():  # the product on tensor cores (nn.amp), bias + ReLU in fp32
             ops = cpu_ops if xp is np else ops_for(xp)
-            y, self._mask = ops.bias_act_forward(amp.matmul(x, w.T), self.bias.data, self.relu)
+            y, self._mask = ops.bias_act_forward(amp.matmul(x, w.T, fp32_result=True),
+                                                 self.bias.data, self.relu)
         elif xp is np:
             # a single output: one matrix-vector product, (B,) viewed as (B, 1)
             h = (x @ w[0])[:, None] if self.out_features == 1 else x @ w.T
@@ -69,9 +86,13 @@ class Linear(Module):
         check_features(dy, "Linear output gradient", 2, self.out_features, self.weight.data.dtype)
         w, x = self.weight.data, self._x
         xp = array_namespace(dy, w)
-        if amp.active():  # both products in half precision; the weight gradient adds up in fp32
+        if amp.active() and xp is not np and self.out_features == 1 and not self.relu \
+                and dy.dtype == np.float32:
+            return self._backward_last_fused(dy)
+        if amp.active():  # both products on tensor cores; the weight gradient keeps an fp32
+            # result (a sum over the batch: in fp16 it overflowed under the loss scale, nn.amp)
             dh, db = (cpu_ops if xp is np else ops_for(xp)).bias_act_backward(dy, self._mask)
-            self.weight.grad += amp.matmul(dh.T, x)
+            self.weight.grad += amp.matmul(dh.T, x, fp32_result=True, b_bits=self._x_bits)
             dx = amp.matmul(dh, w)
         elif xp is np:
             dh, db = cpu_ops.bias_act_backward(dy, self._mask)
@@ -86,7 +107,24 @@ class Linear(Module):
             self.weight.grad += dh.T @ x
             dx = dh @ w
         self.bias.grad += db
-        self._x = self._mask = None
+        self._x = self._mask = self._x_bits = None
+        return dx
+
+
+    def _backward_last_fused(self, dy):
+        """A one-output layer's backward under AMP on CuPy as one kernel
+        (``dense_ops.last_layer_backward``): dx = dy ⊗ w, the weight gradient's column sums and
+        the bias gradient in one pass, rounded as the general path rounds them (a k = 1 GEMM, a
+        skinny GEMM and a column reduction before)."""
+        from ..kernels import dense_ops
+
+        xp = array_namespace(dy)
+        dx, dw, db = dense_ops.last_layer_backward(
+            xp.ascontiguousarray(dy.reshape(-1)), xp.ascontiguousarray(self._x),
+            xp.ascontiguousarray(self.weight.data[0]), amp.current())
+        self.weight.grad[0] += dw
+        self.bias.grad += db
+        self._x = self._mask = self._x_bits = None
         return dx
 
 
@@ -168,9 +206,12 @@ class MLP(Module):
 
     def forward(self, x):
         """x: (B, in_features) -> (B, sizes[-1])."""
+        bits = None
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x)
+            x = layer.forward(x, x_bits=bits)
+            bits, layer.out_bits = getattr(layer, "out_bits", None), None  # the next layer's now
             if self.dropouts[i] is not None:
+                bits = None  # dropout changes x: the next layer casts it itself
                 x = self.dropouts[i].forward(x)
         return x
 

@@ -1,6 +1,7 @@
-"""Mixed precision on CuPy: fp16 products are real float16 GEMMs (tensor cores, fp32
-accumulation), bf16 products the rounded fp32 ones; both against the numpy emulation, which
-differs only in summation order: within one unit of the half type (2^-10 fp16, 2^-7 bf16)."""
+"""Mixed precision on CuPy: fp16 and bf16 products are cuBLAS gemmEx calls on tensor cores
+(16-bit operands from dense.cu's cast, fp32 accumulation; kernels/gemm.py), against the numpy
+emulation, which differs only in summation order: within one unit of the half type (2^-10 fp16,
+2^-7 bf16). tests/gpu/test_dense_amp_gpu.py covers tf32 and the fused kernels."""
 from __future__ import annotations
 
 import numpy as np

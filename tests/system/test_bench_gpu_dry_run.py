@@ -36,13 +36,20 @@ def test_bench_gpu_dry_run_measures_both_parts_and_summarises(tmp_path):
     # part 3, the CLI's path beside part 2's pre-built batches, with its wait share and host reads
     assert "x pre-built" in last and data["cli"]["samples_per_s"] > 0
     assert 0 <= data["cli"]["wait_share"] < 1 and data["cli"]["host_reads_per_step"] >= 0
+    # part 4: the CLI's path under every --amp mode beside PyTorch's bf16 autocast and HugeCTR
+    assert "AMP fastest --amp" in last and "x PyTorch bf16 autocast" in last
+    modes = [r["amp"] for r in data["amp"]["rows"] if "amp" in r]
+    assert modes == ["off", "tf32", "fp16", "bf16"]
+    assert all(r["samples_per_s"] > 0 for r in data["amp"]["rows"])
+    assert data["amp"]["torch_bf16"]["samples_per_s"] > 0 and "one table, bf16 autocast" in out
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA device")
 def test_bench_gpu_small_run_on_the_gpu(tmp_path):
     out, data = _run(tmp_path, "--batch-size", "2048", "--steps", "2", "--warmup", "1",
-                     "--max-rows", "20000", "--lookup-keys", "100000", "--repeats", "2")
+                     "--max-rows", "20000", "--lookup-keys", "100000", "--repeats", "2", "--amp-steps", "2")
     assert data["lookup"]["copy_GBps"] > 0 and data["lookup"]["parts_s"]
     assert data["dlrm"]["ours"]["samples_per_s"] > 0
+    assert {r["amp"] for r in data["amp"]["rows"] if "amp" in r} == {"off", "tf32", "fp16", "bf16"}
     assert out.strip().splitlines()[-1].startswith("summary (")

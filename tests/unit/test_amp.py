@@ -61,7 +61,7 @@ def test_off_changes_nothing_and_the_setting_is_scoped():
             np.testing.assert_array_equal(amp.matmul(a, b), a @ b)
         assert amp.current() == "fp16"
     assert amp.current() == "off"
-    with pytest.raises(ConfigError, match="amp='fp8'.*off, fp16, bf16"):
+    with pytest.raises(ConfigError, match="amp='fp8'.*off, tf32, fp16, bf16"):
         with amp.autocast("fp8"):
             pass
 
@@ -154,8 +154,8 @@ def test_training_in_half_precision_follows_fp32(tmp_path, fp32_run, amp_mode):
     (want, want_losses), (got, losses) = fp32_run, run(tmp_path, amp_mode)
     assert got["amp"] == amp_mode and want["amp"] == "off"
     assert not np.array_equal(losses, want_losses)  # the products really ran in half precision
-    # the trained models agree (measured: AUC 0.8151 fp32, 0.8171 fp16, 0.8179 bf16; logloss
-    # 0.4316, 0.4300, 0.4290); single batches' losses are too noisy to compare step by step
+    # the trained models agree (measured 2026-11-26: AUC 0.8204 fp32, 0.8206 fp16, 0.8196 bf16;
+    # logloss 0.4289, 0.4282, 0.4281); single batches' losses are too noisy to compare step by step
     assert abs(got["auc"] - want["auc"]) < 0.005
     assert abs(got["logloss"] - want["logloss"]) < 0.005
     assert abs(got["loss_last_10pct"] - want["loss_last_10pct"]) < 0.02 * want["loss_last_10pct"]
@@ -199,3 +199,85 @@ def test_bad_amp_values_are_refused():
     proc = subprocess.run([sys.executable, "-m", "one_embedding", "train", "--amp", "fp8"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "--amp" in proc.stderr and "Traceback" not in proc.stderr
+
+
+# ---------------------------------------------------------------- the fp16 AUC gap (issue 32)
+
+
+def test_weight_gradient_keeps_an_fp32_result_where_fp16_would_overflow():
+    """dhᵀ x sums over the batch: 1024 rows of 64 x 10 (a scaled last-layer gradient) make
+    655,360, past fp16's 65,504. The weight gradient keeps the fp32 accumulator's value; the
+    input gradient (a sum over the layer's outputs) stays half-typed."""
+    layer = Linear(32, 1, seed=0)
+    x = np.full((1024, 32), 10.0, np.float32)
+    dy = np.full((1024, 1), 64.0, np.float32)
+    with amp.autocast("fp16"):
+        layer(x)
+        dx = layer.backward(dy)
+    assert np.isfinite(layer.weight.grad).all()
+    np.testing.assert_allclose(layer.weight.grad, np.full((1, 32), 655360.0), rtol=1e-6)
+    np.testing.assert_array_equal(amp.round_to(dx, "fp16"), dx)
+
+
+#: the issue's setting at a CPU's scale: 10,000 rows, --eval-fraction 0.2, one epoch of 1024-row
+#: batches (7 steps), a loss logged every step
+SHORT = dict(synthetic_rows=10_000, eval_fraction=0.2, batch_size=1024, epochs=1, log_interval=1)
+
+
+def short_run(path, precision):
+    final = train(TrainConfig(amp=precision, **SHORT), metrics_path=str(path), progress=False)
+    losses = [json.loads(line)["loss"] for line in path.read_text().splitlines()
+              if json.loads(line)["event"] == "train"]
+    return final, np.array(losses)
+
+
+@pytest.fixture(scope="module")
+def short_fp32_run(tmp_path_factory):
+    return short_run(tmp_path_factory.mktemp("short") / "off.jsonl", "off")
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "tf32"])
+def test_short_amp_run_follows_fp32_step_for_step(tmp_path, short_fp32_run, precision):
+    """Before the weight gradients kept an fp32 result, the fp16 run's second step overflowed
+    under the 2**16 loss-scale start and was skipped (1/7 of the training): its losses lagged
+    fp32's by a step (step 3: 1.2196 against 0.8020) and it ended at AUC 0.6018 against fp32's
+    0.6096 (logloss 0.6584 against 0.5638).
+
+    Measured after the fix (Linear's forward and weight-gradient products keeping their fp32
+    accumulator): AUC / logloss fp32 0.6096 / 0.5638, fp16 0.6117 / 0.5572, bf16 0.6205 /
+    0.5578, tf32 0.6018 / 0.5560. After 7 steps the run is chaotic: from step 5 on any rounding
+    moves single losses by up to 12%, and the AUC of 15- or 31-step runs by ±0.02 between any
+    two precisions (AMP above fp32 as often as below; tf32's logloss is better than fp32's
+    while its AUC is 0.008 lower). So the losses are compared over the first 4 steps, and the
+    AUC and logloss one-sided for fp16, where the lag showed."""
+    want, want_losses = short_fp32_run
+    got, losses = short_run(tmp_path / f"{precision}.jsonl", precision)
+    assert got["steps"] == want["steps"] == 7 and got["amp"] == precision
+    assert len(losses) == len(want_losses) == 7
+    np.testing.assert_allclose(losses[:4], want_losses[:4], rtol=0.03)
+    assert not np.array_equal(losses, want_losses)  # the products really were rounded
+    if precision == "fp16":
+        assert got["skipped_steps"] == 0 and got["loss_scale"] == 2.0 ** 16
+        assert got["auc"] > want["auc"] - 0.005
+        assert got["logloss"] < want["logloss"] + 0.005
+    else:
+        assert "loss_scale" not in got
+
+
+REAL_FILES = ("criteo1tb_day0_head1000.tsv", "kaggle_train_sample_a_100.tsv",
+              "kaggle_train_sample_b_100_stripped.tsv", "kaggle_train_sample_c_100_stripped.tsv")
+
+
+def test_amp_reaches_the_fp32_auc_on_real_criteo_rows(tmp_path, criteo_dir):
+    """The issue's criterion on the real rows at hand (1,300: Criteo 1TB's first 1,000 and 300
+    Kaggle rows), --eval-fraction 0.2, one epoch of 128-row batches (8 steps, 252 held out).
+    Measured: fp32 AUC 0.7705; before the fix (main 05a5ee6) fp16 0.7647 (-0.0058) and bf16
+    0.7682; after it tf32 0.7702, fp16 0.7713, bf16 0.7705."""
+    files = tuple(str(criteo_dir / name) for name in REAL_FILES)
+    common = dict(data=files, eval_fraction=0.2, batch_size=128, epochs=1)
+    finals = {p: train(TrainConfig(amp=p, **common), metrics_path=str(tmp_path / f"{p}.jsonl"),
+                       progress=False) for p in ("off", "tf32", "fp16", "bf16")}
+    assert finals["off"]["eval_samples"] == 252 and finals["off"]["steps"] == 8
+    for precision in ("tf32", "fp16", "bf16"):
+        assert abs(finals[precision]["auc"] - finals["off"]["auc"]) < 0.005, precision
+    assert finals["fp16"]["skipped_steps"] == 0

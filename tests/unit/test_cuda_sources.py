@@ -136,15 +136,21 @@ def test_sources_include_no_host_headers():
 
 
 def test_source_code_carries_a_digest_of_its_headers():
-    # CuPy's disk cache keys on the code string: an edit of common.cuh must change it
+    # CuPy's disk cache keys on the code string: an edit of an included header must change it
     import hashlib
 
-    header = (cm.CUDA_DIR / "common.cuh").read_bytes()
-    digest = hashlib.sha256(b"common.cuh\0" + header).hexdigest()
     for family in cm.FAMILIES:
+        text = cm.source_path(family).read_text()
+        headers = sorted(set(re.findall(r'^\s*#include\s+"([\w.]+)"', text, re.MULTILINE)))
+        assert "common.cuh" in headers
+        digest = hashlib.sha256()
+        for header in headers:
+            digest.update(header.encode() + b"\0" + (cm.CUDA_DIR / header).read_bytes())
         code = cm.source_code(family)
-        assert code.splitlines()[0] == f"// headers sha256 {digest}"
-        assert code.endswith(cm.source_path(family).read_text())
+        assert code.splitlines()[0] == f"// headers sha256 {digest.hexdigest()}"
+        assert code.endswith(text)
+    # and the digest moves with a header's bytes: precision.cuh is in dense.cu's
+    assert "precision.cuh" in cm.source_path("dense").read_text()
 
 
 # ---------------------------------------------------------------- the device hash, run on the host

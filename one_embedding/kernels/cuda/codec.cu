@@ -10,6 +10,7 @@
 //
 // Rows arrive as T and are rounded to float32 first, as codec.encode does with any input.
 #include "common.cuh"
+#include "precision.cuh"
 
 namespace oe {
 namespace codec {
@@ -22,55 +23,9 @@ __device__ __forceinline__ float warp_max(float v) {
   return v;
 }
 
-// float32 bits -> binary16 bits, round to nearest even; NaN stays NaN (quiet), overflow -> inf.
-__device__ __forceinline__ unsigned short float_to_half_bits(float value) {
-  const unsigned x = __float_as_uint(value);
-  const unsigned sign = (x >> 16) & 0x8000u;
-  const unsigned a = x & 0x7fffffffu;
-  if (a > 0x7f800000u) return (unsigned short)(sign | 0x7e00u | ((a >> 13) & 0x3ffu));  // NaN
-  if (a >= 0x477ff000u) return (unsigned short)(sign | 0x7c00u);  // |x| >= 65520 rounds to inf
-  if (a >= 0x38800000u) {
-    // normal half: rebias the exponent (127 -> 15) and round the 13 dropped mantissa bits; a
-    // carry out of the mantissa correctly bumps the exponent
-    unsigned r = a - 0x38000000u;
-    r += 0x0fffu + ((r >> 13) & 1u);
-    return (unsigned short)(sign | (r >> 13));
-  }
-  if (a <= 0x33000000u) return (unsigned short)sign;  // |x| <= 2^-25 (a tie at 2^-25 goes to 0)
-  // subnormal half: the value in units of 2^-24 is m * 2^(e - 126) with m the 24-bit significand
-  const unsigned e = a >> 23;
-  const unsigned m = (a & 0x7fffffu) | 0x800000u;
-  const unsigned shift = 126u - e;  // 14..24
-  unsigned q = m >> shift;
-  const unsigned rest = m & ((1u << shift) - 1u);
-  const unsigned half = 1u << (shift - 1u);
-  if (rest > half || (rest == half && (q & 1u))) ++q;  // q == 0x400 is the smallest normal: right
-  return (unsigned short)(sign | q);
-}
-
-// binary16 bits -> float32 bits (exact: every half is a float).
-__device__ __forceinline__ float half_bits_to_float(unsigned short h) {
-  const unsigned sign = ((unsigned)h & 0x8000u) << 16;
-  const unsigned e = ((unsigned)h >> 10) & 0x1fu;
-  unsigned m = (unsigned)h & 0x3ffu;
-  unsigned bits;
-  if (e == 0x1fu) {
-    bits = sign | 0x7f800000u | (m << 13);
-  } else if (e != 0u) {
-    bits = sign | ((e + 112u) << 23) | (m << 13);
-  } else if (m == 0u) {
-    bits = sign;
-  } else {
-    // subnormal half m * 2^-24: shift the leading one up to the implicit bit
-    unsigned exponent = 113u;  // the float exponent of 2^-14, lowered once per shift
-    while ((m & 0x400u) == 0u) {
-      m <<= 1;
-      --exponent;
-    }
-    bits = sign | (exponent << 23) | ((m & 0x3ffu) << 13);
-  }
-  return __uint_as_float(bits);
-}
+// the fp16 conversions live in precision.cuh (shared with dense.cu's AMP casts)
+using oe::precision::float_to_half_bits;
+using oe::precision::half_bits_to_float;
 
 }  // namespace codec
 }  // namespace oe

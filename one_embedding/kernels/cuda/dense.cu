@@ -1,0 +1,320 @@
+// Fused dense kernels of the AMP path (nn.amp, kernels/dense_ops.py): the operand cast of the
+// tensor-core GEMMs, bias + activation + cast as one pass after a GEMM, the DLRM dot interaction
+// as one kernel each way (no batched GEMM, no (B, F, F) buffer, no concatenation), and the BCE
+// loss fused with the gradient of the last (one-output) layer.
+//
+// ``kind`` (precision.cuh): 0 fp32, 1 fp16, 2 bf16, 3 tf32. Products take operands rounded to
+// ``kind`` and accumulate in T; the interaction's products and input gradient leave rounded to
+// the half type (fp16 / bf16; tf32 results stay fp32), as nn.amp defines them. The float64
+// instantiations round through float (gradient checks run with kind 0).
+#include "common.cuh"
+#include "precision.cuh"
+
+namespace oe {
+namespace dense {
+
+template <typename T>
+__device__ __forceinline__ T rounded(T v, int kind) {
+  return kind == precision::NONE ? v : T(precision::round_to((float)v, kind));
+}
+
+// Shared-memory capacity of the one-block-per-sample interaction kernels (in elements of T): the
+// sample's features with rows padded to D + 1, and its pair gradients. DLRM's 27 x 128 features
+// take 27 x 129 = 3483; 4352 doubles are 34 KiB, under the 48 KiB of static shared memory.
+constexpr int TILE_ELEMENTS = 4352;
+constexpr int TILE_PAIRS = 1024;
+
+// Pair index of (r, c), c < r (c <= r with the diagonal), in cuda_module.pair_table's order.
+__device__ __forceinline__ int pair_index(int r, int c, int self_interaction) {
+  return (self_interaction ? r * (r + 1) / 2 : r * (r - 1) / 2) + c;
+}
+
+// Feature f of sample s: the first f1 features live in ``first`` (B, f1, dim), the rest in
+// ``rest`` (B, f2, dim): DLRM's [bottom output, embeddings] read in place.
+template <typename T>
+__device__ __forceinline__ const T* feature(const T* first, const T* rest, i64 s, int f, int f1,
+                                            int f2, int dim) {
+  return f < f1 ? first + (s * f1 + f) * (i64)dim : rest + (s * f2 + (f - f1)) * (i64)dim;
+}
+
+}  // namespace dense
+}  // namespace oe
+
+// x (n,) -> bits (n,) u16 of its fp16 / bf16 values (want_bits, kind 1 or 2) and / or rounded
+// (n,) T = x rounded to ``kind`` (want_rounded). Unwanted outputs are never touched.
+template <typename T>
+__global__ void dense_cast(const T* x, oe::i64 n, int kind, int want_bits, unsigned short* bits,
+                           int want_rounded, T* rounded) {
+  for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
+    const float v = (float)x[i];
+    if (want_bits) bits[i] = oe::precision::to_bits(v, kind);
+    if (want_rounded) rounded[i] = T(oe::precision::round_to(v, kind));
+  }
+}
+
+// y = relu(h + b) (or h + b) in T, its bit-packed ReLU mask (as mlp_bias_act_forward), and with
+// kind 1 / 2 the 16-bit copy of y that the next layer's GEMM reads: one pass after the GEMM.
+// h, y: (rows, cols), y may alias h; b: (cols,); relu_mask: (ceil(rows * cols / 32),) when relu;
+// y_bits: (rows, cols) u16 when kind is 1 or 2. Grid-stride over mask words, whole warps.
+template <typename T>
+__global__ void dense_bias_act_cast(const T* h, const T* b, oe::i64 rows, int cols, int relu,
+                                    int kind, T* y, unsigned* relu_mask, unsigned short* y_bits) {
+  const oe::i64 n = rows * (oe::i64)cols;
+  const oe::i64 n_words = (n + 31) >> 5;
+  const int lane = threadIdx.x & 31;
+  const bool cast = kind == oe::precision::FP16 || kind == oe::precision::BF16;
+  for (oe::i64 word = oe::grid_warp(); word < n_words; word += oe::grid_warps()) {
+    const oe::i64 i = (word << 5) + lane;
+    bool positive = false;
+    if (i < n) {
+      T v = h[i] + b[i % cols];
+      if (relu) {
+        v = v < T(0) ? T(0) : v;  // numpy.maximum(v, 0): NaN and -0.0 pass through
+        positive = v > T(0);
+      }
+      y[i] = v;
+      if (cast) y_bits[i] = oe::precision::to_bits((float)v, kind);
+    }
+    if (relu) {
+      const unsigned bits = __ballot_sync(oe::FULL_WARP, positive);
+      if (lane == 0) relu_mask[word] = bits;
+    }
+  }
+}
+
+// out (batch, width) = [concat | x_r . x_c for the pairs | zero padding], one thread per output
+// element; each dot reads the sample's two rows (cached) and accumulates in T over operands
+// rounded to ``kind``; the dot leaves rounded to the half type (kind 1 / 2). The concat columns
+// pass through unrounded. concat: (batch, n_concat), unused when n_concat == 0.
+template <typename T>
+__global__ void dense_interaction_forward(const T* first, const T* rest, const T* concat,
+                                          oe::i64 batch, int f1, int f2, int dim,
+                                          int self_interaction, int kind, int n_concat,
+                                          int n_pairs, int width, T* out) {
+  const oe::i64 n = batch * (oe::i64)width;
+  const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
+  for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
+    const oe::i64 s = i / width;
+    const int j = (int)(i - s * width);
+    T v = T(0);
+    if (j < n_concat) {
+      v = concat[s * n_concat + j];
+    } else if (j < n_concat + n_pairs) {
+      // invert pair_index: the row r whose pairs hold p
+      const int p = j - n_concat;
+      int r = 0;
+      while (oe::dense::pair_index(r + 1, 0, self_interaction) <= p) ++r;
+      const int c = p - oe::dense::pair_index(r, 0, self_interaction);
+      const T* xr = oe::dense::feature(first, rest, s, r, f1, f2, dim);
+      const T* xc = oe::dense::feature(first, rest, s, c, f1, f2, dim);
+      T acc = T(0);
+      for (int d = 0; d < dim; ++d) {
+        acc += oe::dense::rounded(xr[d], kind) * oe::dense::rounded(xc[d], kind);
+      }
+      v = oe::dense::rounded(acc, out_kind);
+    }
+    out[i] = v;
+  }
+}
+
+// The gradient of dense_interaction_forward, one thread per (sample, feature f, d) and per
+// concat column: dx_f[d] = sum over f's pairs (f, g) of dout[pair] * x_g[d] (2 dout x_f[d] on the
+// diagonal), the pair gradients and x rounded to ``kind``, accumulated in T, the result rounded
+// to the half type. dfirst / drest have the shapes of first / rest; dconcat: (batch, n_concat),
+// = dout's first n_concat columns, unused when n_concat == 0. Padding columns get no gradient.
+template <typename T>
+__global__ void dense_interaction_backward(const T* dout, const T* first, const T* rest,
+                                           oe::i64 batch, int f1, int f2, int dim,
+                                           int self_interaction, int kind, int n_concat,
+                                           int width, T* dfirst, T* drest, T* dconcat) {
+  const int f = f1 + f2;
+  const oe::i64 per_sample = (oe::i64)f * dim + n_concat;
+  const oe::i64 n = batch * per_sample;
+  const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
+  for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
+    const oe::i64 s = i / per_sample;
+    const oe::i64 k = i - s * per_sample;
+    const T* g = dout + s * width;
+    if (k >= (oe::i64)f * dim) {
+      const int c = (int)(k - (oe::i64)f * dim);
+      dconcat[s * n_concat + c] = g[c];
+      continue;
+    }
+    const int row = (int)(k / dim);
+    const int d = (int)(k - (oe::i64)row * dim);
+    T acc = T(0);
+    for (int other = 0; other < f; ++other) {
+      if (other == row && !self_interaction) continue;
+      const int r = other > row ? other : row;
+      const int c = other > row ? row : other;
+      T grad = oe::dense::rounded(g[n_concat + oe::dense::pair_index(r, c, self_interaction)], kind);
+      if (other == row) grad = grad + grad;
+      const T x = oe::dense::rounded(oe::dense::feature(first, rest, s, other, f1, f2, dim)[d], kind);
+      acc += grad * x;
+    }
+    const T v = oe::dense::rounded(acc, out_kind);
+    if (row < f1) {
+      dfirst[(s * f1 + row) * (oe::i64)dim + d] = v;
+    } else {
+      drest[(s * f2 + (row - f1)) * (oe::i64)dim + d] = v;
+    }
+  }
+}
+
+// The same two kernels, one block per sample (grid-stride over samples), for a sample that fits
+// shared memory (F (D + 1) <= TILE_ELEMENTS, P <= TILE_PAIRS; kernels/dense_ops.py checks): the
+// sample's rounded features are loaded once (rows padded to D + 1, so the lanes of a warp
+// reading one column of different rows hit different banks) and every dot reads them there.
+// Same arguments, same results, bit for bit, as the kernels above.
+template <typename T>
+__global__ void dense_interaction_forward_tile(const T* first, const T* rest, const T* concat,
+                                               oe::i64 batch, int f1, int f2, int dim,
+                                               int self_interaction, int kind, int n_concat,
+                                               int n_pairs, int width, T* out) {
+  __shared__ T xs[oe::dense::TILE_ELEMENTS];
+  const int f = f1 + f2;
+  const int stride = dim + 1;
+  const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
+  for (oe::i64 s = blockIdx.x; s < batch; s += gridDim.x) {
+    for (int k = threadIdx.x; k < f * dim; k += blockDim.x) {
+      const int row = k / dim;
+      const int d = k - row * dim;
+      xs[row * stride + d] =
+          oe::dense::rounded(oe::dense::feature(first, rest, s, row, f1, f2, dim)[d], kind);
+    }
+    __syncthreads();
+    for (int j = threadIdx.x; j < width; j += blockDim.x) {
+      T v = T(0);
+      if (j < n_concat) {
+        v = concat[s * n_concat + j];
+      } else if (j < n_concat + n_pairs) {
+        const int p = j - n_concat;
+        int r = 0;
+        while (oe::dense::pair_index(r + 1, 0, self_interaction) <= p) ++r;
+        const int c = p - oe::dense::pair_index(r, 0, self_interaction);
+        T acc = T(0);
+        for (int d = 0; d < dim; ++d) acc += xs[r * stride + d] * xs[c * stride + d];
+        v = oe::dense::rounded(acc, out_kind);
+      }
+      out[s * (oe::i64)width + j] = v;
+    }
+    __syncthreads();  // the next sample overwrites xs
+  }
+}
+
+template <typename T>
+__global__ void dense_interaction_backward_tile(const T* dout, const T* first, const T* rest,
+                                                oe::i64 batch, int f1, int f2, int dim,
+                                                int self_interaction, int kind, int n_concat,
+                                                int width, T* dfirst, T* drest, T* dconcat) {
+  __shared__ T xs[oe::dense::TILE_ELEMENTS];
+  __shared__ T gs[oe::dense::TILE_PAIRS];
+  const int f = f1 + f2;
+  const int stride = dim + 1;
+  const int n_pairs = self_interaction ? f * (f + 1) / 2 : f * (f - 1) / 2;
+  const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
+  for (oe::i64 s = blockIdx.x; s < batch; s += gridDim.x) {
+    const T* g = dout + s * width;
+    for (int k = threadIdx.x; k < f * dim; k += blockDim.x) {
+      const int row = k / dim;
+      const int d = k - row * dim;
+      xs[row * stride + d] =
+          oe::dense::rounded(oe::dense::feature(first, rest, s, row, f1, f2, dim)[d], kind);
+    }
+    for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+      gs[p] = oe::dense::rounded(g[n_concat + p], kind);
+    }
+    for (int c = threadIdx.x; c < n_concat; c += blockDim.x) dconcat[s * n_concat + c] = g[c];
+    __syncthreads();
+    for (int k = threadIdx.x; k < f * dim; k += blockDim.x) {
+      const int row = k / dim;
+      const int d = k - row * dim;
+      T acc = T(0);
+      for (int other = 0; other < f; ++other) {
+        if (other == row && !self_interaction) continue;
+        const int r = other > row ? other : row;
+        const int c = other > row ? row : other;
+        T grad = gs[oe::dense::pair_index(r, c, self_interaction)];
+        if (other == row) grad = grad + grad;
+        acc += grad * xs[other * stride + d];
+      }
+      const T v = oe::dense::rounded(acc, out_kind);
+      if (row < f1) {
+        dfirst[(s * f1 + row) * (oe::i64)dim + d] = v;
+      } else {
+        drest[(s * f2 + (row - f1)) * (oe::i64)dim + d] = v;
+      }
+    }
+    __syncthreads();  // the next sample overwrites xs and gs
+  }
+}
+
+// The BCE loss fused with the backward of the last layer (logits = x w + b, one output):
+//   dz_i = (sigmoid(z_i) - y_i) / B * scale          (scale: the loss scale, 1 without)
+//   dx[i, k] = round(round(dz_i) * round(w_k))        (the input gradient, nn.amp's dh w)
+//   dw[k] = sum_i round(dz_i) * round(x[i, k])        (fp32 result, per-chunk partials)
+//   db = sum_i dz_i;  loss = sum_i max(z, 0) - z y + log1p(exp(-|z|))   (per-chunk partials)
+// rounding to ``kind`` (0: none). Grid (ceil(K / 32), n_chunks), block (32, COLUMN_BLOCK_ROWS) as
+// the column reductions of mlp.cu; the column blocks with blockIdx.x == 0 also write dz, db and
+// the loss. logits, labels, dz: (B,); x, dx: (B, K); w: (K,); dw_partial: (n_chunks, K);
+// db_partial, loss_partial: (n_chunks,) (loss in double).
+//
+// has_loss == 0 is the last layer's backward alone (Linear.backward of a one-output layer): then
+// ``logits`` holds the logit gradient dz itself, g = dz_i * scale, labels is not read and the
+// loss partials are 0.
+template <typename T>
+__global__ void dense_bce_last_layer(const T* logits, const T* labels, const T* x, const T* w,
+                                     oe::i64 rows, int k_cols, T scale, int kind, int has_loss,
+                                     oe::i64 rows_per_chunk, T* dz, T* dx, T* dw_partial,
+                                     T* db_partial, double* loss_partial) {
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  const oe::i64 row_begin = (oe::i64)blockIdx.y * rows_per_chunk;
+  const oe::i64 row_end = min(row_begin + rows_per_chunk, rows);
+  const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
+  const bool row_owner = blockIdx.x == 0 && threadIdx.x == 0;
+  const T count = T(rows);
+  const T w_col = col < k_cols ? oe::dense::rounded(w[col], kind) : T(0);
+  T acc_w = T(0);
+  T acc_b = T(0);
+  double acc_loss = 0.0;
+  for (oe::i64 r = row_begin + threadIdx.y; r < row_end; r += blockDim.y) {
+    const T z = logits[r];
+    T g = z * scale;
+    if (has_loss) {
+      const T y = labels[r];
+      const T e = oe::exp_t(z < T(0) ? z : -z);
+      const T sig = z >= T(0) ? T(1) / (T(1) + e) : e / (T(1) + e);
+      g = ((sig - y) / count) * scale;
+      if (row_owner) acc_loss += (double)((z > T(0) ? z : T(0)) - z * y + oe::log1p_t(e));
+    }
+    if (row_owner) {
+      dz[r] = g;
+      acc_b += g;
+    }
+    if (col < k_cols) {
+      const T g_r = oe::dense::rounded(g, kind);
+      dx[r * k_cols + col] = oe::dense::rounded(g_r * w_col, out_kind);
+      acc_w += g_r * oe::dense::rounded(x[r * k_cols + col], kind);
+    }
+  }
+  const T total_w = oe::column_block_sum(acc_w);
+  if (threadIdx.y == 0 && col < k_cols) dw_partial[(oe::i64)blockIdx.y * k_cols + col] = total_w;
+  if (blockIdx.x == 0) {
+    const T total_b = oe::column_block_sum(acc_b);
+    const double total_loss = oe::column_block_sum(acc_loss);
+    if (threadIdx.y == 0 && threadIdx.x == 0) {
+      db_partial[blockIdx.y] = total_b;
+      loss_partial[blockIdx.y] = total_loss;
+    }
+  }
+}
+
+#ifdef ONE_EMBEDDING_INSTANTIATE
+ONE_EMBEDDING_KERNEL(dense_cast)
+ONE_EMBEDDING_KERNEL(dense_bias_act_cast)
+ONE_EMBEDDING_KERNEL(dense_interaction_forward)
+ONE_EMBEDDING_KERNEL(dense_interaction_backward)
+ONE_EMBEDDING_KERNEL(dense_interaction_forward_tile)
+ONE_EMBEDDING_KERNEL(dense_interaction_backward_tile)
+ONE_EMBEDDING_KERNEL(dense_bce_last_layer)
+#endif

@@ -1,0 +1,274 @@
+"""The AMP path's fused dense kernels (``kernels/cuda/dense.cu``) on device arrays, and their
+float64 numpy references (the ``*_reference`` functions: the spec the kernels are tested against).
+
+Every launching function takes ``launch``, a ``device_ops.Launcher`` (None: the CuPy launcher of
+the current device), so the same glue runs the kernels on a GPU and, in the tests, on numpy arrays
+through the host emulator (``tests/cuda_emulation.py``).
+
+``precision`` is one of ``nn.amp.PRECISIONS``: products take operands rounded to it and
+accumulate in the arrays' float type; under fp16 / bf16 the interaction's dot products and its
+input gradient leave rounded to the half type (nn.amp's contract; tf32 results stay fp32).
+
+- ``bias_act_cast_forward``: y = relu(h + b), its bit-packed mask, and the 16-bit copy of y
+  that the next layer's GEMM reads: the GEMM's epilogue as one pass.
+- ``interaction_forward`` / ``interaction_backward``: the DLRM dot interaction, one kernel each
+  way, reading the features as two parts in place ([bottom (B, F1, D), embeddings (B, F2, D)]):
+  no concatenation, no batched GEMM, no (B, F, F) buffer.
+- ``bce_last_layer``: the mean BCE loss fused with the backward of the one-output last layer:
+  the logit gradient, the input gradient (an outer product), the weight and bias gradients.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from ..errors import InputError
+from . import cuda_module as cm
+from .device_ops import resolve
+from .gemm import KINDS
+from .precision import HALF_PRECISIONS, check_precision, round_to
+
+
+def _kind(precision: str) -> int:
+    check_precision(precision)
+    return 0 if precision == "off" else KINDS[precision]
+
+
+#: dense.cu's shared-memory capacity of the one-block-per-sample interaction kernels (elements of
+#: T): a sample whose features (rows padded to D + 1) and pair gradients fit takes them
+TILE_ELEMENTS = 4352
+TILE_PAIRS = 1024
+
+
+def fits_tile(f: int, dim: int, self_interaction: bool) -> bool:
+    """True when one sample of F features of ``dim`` fits the ``_tile`` kernels' shared memory."""
+    return f * (dim + 1) <= TILE_ELEMENTS and _n_pairs(f, self_interaction) <= TILE_PAIRS
+
+
+def _pick_tile(tile, f, dim, self_interaction) -> bool:
+    fits = fits_tile(f, dim, self_interaction)
+    if tile and not fits:
+        raise InputError(f"tile=True: a sample of {f} features of dim {dim} does not fit the "
+                         f"shared memory of the tile kernels ({TILE_ELEMENTS} elements, "
+                         f"{TILE_PAIRS} pairs); pass tile=None")
+    return fits if tile is None else bool(tile)
+
+
+def _n_pairs(f: int, self_interaction: bool) -> int:
+    return f * (f + 1) // 2 if self_interaction else f * (f - 1) // 2
+
+
+def _float(name, a, ndim, like=None):
+    if a.ndim != ndim:
+        raise InputError(f"{name} has shape {tuple(a.shape)} but must have {ndim} dimensions")
+    if a.dtype not in (np.float32, np.float64) or (like is not None and a.dtype != like.dtype):
+        raise InputError(f"{name}.dtype={a.dtype}: use float32 (float64 for gradient checks), "
+                         "the same for every input")
+    if not a.flags.c_contiguous:
+        raise InputError(f"{name} is not C-contiguous: pass xp.ascontiguousarray({name})")
+    return a
+
+
+# ---------------------------------------------------------------- bias + activation + cast
+
+
+def bias_act_cast_forward(h, b, relu: bool, precision: str, launch=None):
+    """h: (B, N) GEMM output, overwritten by y; b: (N,) -> (y (B, N), mask (ceil(B N / 32),)
+    uint32 bit-packed y > 0 or None, y_bits (B, N) uint16 of y in fp16 / bf16 or None)."""
+    launch = resolve(launch)
+    xp = launch.xp
+    h = _float("h", h, 2)
+    b = _float("b", b, 1, like=h)
+    rows, cols = h.shape
+    if b.shape != (cols,):
+        raise InputError(f"b has shape {tuple(b.shape)}, expected ({cols},)")
+    kind = _kind(precision)
+    cast = kind in (1, 2)
+    words = cm.mask_words(rows * cols)
+    mask = xp.empty((words,), dtype=xp.uint32) if relu else xp.empty((1,), xp.uint32)
+    bits = xp.empty((rows, cols), dtype=xp.uint16) if cast else xp.empty((1,), xp.uint16)
+    if words:
+        blocks = cm.warp_blocks(words, launch.n_sms, launch.block)
+        launch.run("dense", "bias_act_cast", h.dtype, (blocks,), (launch.block,),
+                   (h, b, np.int64(rows), np.int32(cols), np.int32(bool(relu)), np.int32(kind),
+                    h, mask, bits))
+    return h, (mask if relu else None), (bits if cast else None)
+
+
+# ---------------------------------------------------------------- dot interaction
+
+
+def _parts(first, rest):
+    first = _float("first", first, 3)
+    rest = _float("rest", rest, 3, like=first)
+    if rest.shape[0] != first.shape[0] or rest.shape[2] != first.shape[2]:
+        raise InputError(f"rest has shape {tuple(rest.shape)}, which does not match batch "
+                         f"{first.shape[0]} and dim {first.shape[2]} of first")
+    return first, rest
+
+
+def interaction_forward(first, rest, concat, self_interaction: bool, pad: int, precision: str,
+                        launch=None, tile: bool | None = None):
+    """first: (B, F1, D), rest: (B, F2, D) (the features, F = F1 + F2, read in place); concat:
+    (B, C) or None -> out (B, C + P + pad) = [concat | x_r . x_c over pair_table(F) | zeros].
+
+    ``tile``: the one-block-per-sample kernel (features in shared memory) or the one-thread-per-
+    output one; None picks the first where the sample fits (``fits_tile``). Same results."""
+    launch = resolve(launch)
+    xp = launch.xp
+    first, rest = _parts(first, rest)
+    batch, f1, dim = first.shape
+    f2 = rest.shape[1]
+    n_concat = 0
+    if concat is not None:
+        concat = _float("concat", concat, 2, like=first)
+        if concat.shape[0] != batch:
+            raise InputError(f"concat has {concat.shape[0]} rows but the features have batch {batch}")
+        n_concat = concat.shape[1]
+    if int(pad) != pad or pad < 0:
+        raise InputError(f"pad={pad!r} must be an integer >= 0")
+    n_pairs = _n_pairs(f1 + f2, bool(self_interaction))
+    width = n_concat + n_pairs + int(pad)
+    out = xp.empty((batch, width), dtype=first.dtype)
+    tile = _pick_tile(tile, f1 + f2, dim, bool(self_interaction))
+    if out.size:
+        blocks = cm.grid_stride_blocks(batch * launch.block if tile else out.size,
+                                       launch.n_sms, launch.block)
+        launch.run("dense", "interaction_forward_tile" if tile else "interaction_forward",
+                   first.dtype, (blocks,), (launch.block,),
+                   (first, rest, first if concat is None else concat, np.int64(batch),
+                    np.int32(f1), np.int32(f2), np.int32(dim), np.int32(bool(self_interaction)),
+                    np.int32(_kind(precision)), np.int32(n_concat), np.int32(n_pairs),
+                    np.int32(width), out))
+    return out
+
+
+def interaction_backward(dout, first, rest, n_concat: int, self_interaction: bool,
+                         precision: str, launch=None, tile: bool | None = None):
+    """dout: (B, C + P + pad) -> (dfirst (B, F1, D), drest (B, F2, D), dconcat (B, C) or None);
+    ``tile`` as in ``interaction_forward``."""
+    launch = resolve(launch)
+    xp = launch.xp
+    first, rest = _parts(first, rest)
+    dout = _float("dout", dout, 2, like=first)
+    batch, f1, dim = first.shape
+    f2 = rest.shape[1]
+    n_concat = int(n_concat)
+    n_pairs = _n_pairs(f1 + f2, bool(self_interaction))
+    width = dout.shape[1]
+    if dout.shape[0] != batch or n_concat < 0 or width < n_concat + n_pairs:
+        raise InputError(f"dout has shape {tuple(dout.shape)}: expected ({batch}, >= "
+                         f"{n_concat} + {n_pairs}) for n_concat={n_concat} and {f1 + f2} features")
+    dfirst = xp.empty_like(first)
+    drest = xp.empty_like(rest)
+    dconcat = xp.empty((batch, n_concat), dtype=first.dtype) if n_concat else None
+    n = batch * ((f1 + f2) * dim + n_concat)
+    tile = _pick_tile(tile, f1 + f2, dim, bool(self_interaction))
+    if n:
+        blocks = cm.grid_stride_blocks(batch * launch.block if tile else n, launch.n_sms,
+                                       launch.block)
+        launch.run("dense", "interaction_backward_tile" if tile else "interaction_backward",
+                   first.dtype, (blocks,), (launch.block,),
+                   (dout, first, rest, np.int64(batch), np.int32(f1), np.int32(f2), np.int32(dim),
+                    np.int32(bool(self_interaction)), np.int32(_kind(precision)),
+                    np.int32(n_concat), np.int32(width), dfirst, drest,
+                    dfirst if dconcat is None else dconcat))
+    return dfirst, drest, dconcat
+
+
+# ---------------------------------------------------------------- loss + last layer
+
+
+def _last_layer(logits, labels, x, w, scale, precision, launch, has_loss):
+    launch = resolve(launch)
+    xp = launch.xp
+    logits = _float("logits", logits, 1)
+    labels = _float("labels", labels, 1, like=logits) if has_loss else logits
+    x = _float("x", x, 2, like=logits)
+    w = _float("w", w, 1, like=logits)
+    rows, k_cols = x.shape
+    if rows == 0:
+        raise InputError("logits is empty: the mean loss of an empty batch is undefined")
+    if logits.shape != (rows,) or labels.shape != (rows,) or w.shape != (k_cols,):
+        raise InputError(f"shapes logits {tuple(logits.shape)}, labels {tuple(labels.shape)}, "
+                         f"x {tuple(x.shape)}, w {tuple(w.shape)}: expected (B,), (B,), (B, K), (K,)")
+    n_chunks, rows_per_chunk = cm.column_chunks(rows, max(k_cols, 1), launch.n_sms)
+    dz = xp.empty_like(logits)
+    dx = xp.empty_like(x)
+    dw_partial = xp.empty((n_chunks, max(k_cols, 1)), dtype=x.dtype)
+    db_partial = xp.empty((n_chunks,), dtype=x.dtype)
+    loss_partial = xp.empty((n_chunks,), dtype=np.float64)
+    grid = (max(1, -(-k_cols // 32)), n_chunks)
+    launch.run("dense", "bce_last_layer", x.dtype, grid, (32, cm.COLUMN_BLOCK_ROWS),
+               (logits, labels, x, w, np.int64(rows), np.int32(k_cols), x.dtype.type(scale),
+                np.int32(_kind(precision)), np.int32(bool(has_loss)), np.int64(rows_per_chunk),
+                dz, dx, dw_partial, db_partial, loss_partial))
+    return (loss_partial.sum() / rows, dz, dx, dw_partial[:, :k_cols].sum(axis=0),
+            db_partial.sum())
+
+
+def bce_last_layer(logits, labels, x, w, scale: float, precision: str, launch=None):
+    """The mean BCE of ``logits`` (B,) against ``labels`` (B,) and the backward of the layer
+    ``logits = x w + b`` (x: (B, K), w: (K,)) for the loss times ``scale`` ->
+    (loss 0-d float64 device array (unscaled), dz (B,), dx (B, K), dw (K,), db 0-d)."""
+    return _last_layer(logits, labels, x, w, scale, precision, launch, has_loss=True)
+
+
+def last_layer_backward(dz, x, w, precision: str, launch=None):
+    """The backward of a one-output layer ``z = x w + b`` alone, one pass: dz (B,), x (B, K),
+    w (K,) -> (dx (B, K), dw (K,), db 0-d), rounded as nn.amp's Linear backward."""
+    _, _, dx, dw, db = _last_layer(dz, None, x, w, 1.0, precision, launch, has_loss=False)
+    return dx, dw, db
+
+
+# ---------------------------------------------------------------- float64 references
+
+
+def _r(a, precision):
+    """``a`` rounded to ``precision`` (from its float32 value), as float64."""
+    a32 = np.asarray(a, np.float32)
+    return (a32 if precision == "off" else round_to(a32, precision)).astype(np.float64)
+
+
+def _half_out(a, precision):
+    return round_to(a, precision) if precision in HALF_PRECISIONS else a
+
+
+def interaction_forward_reference(first, rest, concat, self_interaction, pad, precision):
+    """float64 spec of ``interaction_forward`` (products of rounded operands, exact sums)."""
+    from .reference import interaction_pairs
+
+    x = np.concatenate([_r(first, precision), _r(rest, precision)], axis=1)
+    rows, cols = interaction_pairs(x.shape[1], bool(self_interaction))
+    z = np.einsum("bid,bjd->bij", x, x)[:, rows, cols]
+    z = _half_out(z, precision)
+    parts = ([np.asarray(concat, np.float64)] if concat is not None else []) + [z]
+    out = np.concatenate(parts, axis=1)
+    return np.pad(out, ((0, 0), (0, int(pad))))
+
+
+def interaction_backward_reference(dout, first, rest, n_concat, self_interaction, precision):
+    """float64 spec of ``interaction_backward``."""
+    from .reference import interaction_pairs
+
+    x = np.concatenate([_r(first, precision), _r(rest, precision)], axis=1)
+    f = x.shape[1]
+    rows, cols = interaction_pairs(f, bool(self_interaction))
+    g = _r(np.asarray(dout)[:, n_concat:n_concat + rows.shape[0]], precision)
+    dsym = np.zeros((x.shape[0], f, f))
+    dsym[:, rows, cols] += g
+    dsym[:, cols, rows] += g
+    dx = _half_out(dsym @ x, precision)
+    f1 = first.shape[1]
+    return dx[:, :f1], dx[:, f1:], np.asarray(dout, np.float64)[:, :n_concat]
+
+
+def bce_last_layer_reference(logits, labels, x, w, scale, precision):
+    """float64 spec of ``bce_last_layer`` -> (loss, dz, dx, dw, db)."""
+    z = np.asarray(logits, np.float64)
+    y = np.asarray(labels, np.float64)
+    loss = np.mean(np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z))))
+    dz = (1.0 / (1.0 + np.exp(-z)) - y) / z.shape[0] * float(scale)
+    dz_r = _r(dz, precision)
+    dx = _half_out(dz_r[:, None] * _r(w, precision)[None, :], precision)
+    dw = dz_r @ _r(x, precision)
+    return loss, dz, dx, dw, dz.sum()

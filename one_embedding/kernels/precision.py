@@ -1,0 +1,50 @@
+"""The number formats of mixed precision, below the layers that use them (``nn.amp``) and the
+kernels' glue (``kernels.gemm``, ``kernels.dense_ops``): the precision names and rounding a
+float array to a precision's values, on numpy or CuPy arrays."""
+from __future__ import annotations
+
+import numpy as np
+
+from ..backend import array_namespace
+from ..errors import ConfigError
+
+#: the choices of ``autocast`` and of ``--amp``
+PRECISIONS = ("off", "tf32", "fp16", "bf16")
+#: the precisions whose products give half-typed results (and whose operands are 16-bit)
+HALF_PRECISIONS = ("fp16", "bf16")
+
+def check_precision(precision: str) -> str:
+    if precision not in PRECISIONS:
+        raise ConfigError(f"amp={precision!r}: use one of {', '.join(PRECISIONS)} (off: fp32 "
+                          "everywhere; tf32 / fp16 / bf16: the dense model's matrix products on "
+                          "tensor cores, master weights and rows in fp32)")
+    return precision
+
+
+def _round_bits(x, xp, dropped: int):
+    """float32 ``x`` with its low ``dropped`` mantissa bits rounded off (nearest, ties to even),
+    NaN kept as the canonical quiet NaN; overflow rounds to ±inf."""
+    f = x.astype(xp.float32)
+    bits = f.view(xp.uint32)
+    half = xp.uint32((1 << (dropped - 1)) - 1)
+    keep = xp.uint32((0xFFFFFFFF << dropped) & 0xFFFFFFFF)
+    rounded = (bits + half + ((bits >> xp.uint32(dropped)) & xp.uint32(1))) & keep
+    # NaN payloads may carry into the exponent: keep NaN as the canonical quiet NaN
+    rounded = xp.where(xp.isnan(f), xp.uint32(0x7FC00000), rounded)
+    return rounded.view(xp.float32).astype(x.dtype, copy=False)
+
+
+def round_to(x, precision: str):
+    """``x`` (float32 or float64 array) with every value rounded to the nearest ``precision``
+    value (ties to even), in ``x``'s dtype; a new array ("off": ``x`` itself). Overflow gives
+    ±inf, as the narrow type would; NaN stays NaN. tf32 keeps 10 mantissa bits and fp32's
+    exponent (fp32's subnormals stay, as in a tensor core's TF32 input)."""
+    precision = check_precision(precision)
+    if precision == "off":
+        return x
+    xp = array_namespace(x)
+    if precision == "fp16":
+        with np.errstate(over="ignore"):  # overflow is ±inf, as in fp16 (the loss scale backs off)
+            return x.astype(xp.float16).astype(x.dtype)
+    # bf16: the top 16 bits of the float32; tf32: the top 19 (sign, 8 exponent, 10 mantissa)
+    return _round_bits(x, xp, 16 if precision == "bf16" else 13)

@@ -1,0 +1,184 @@
+"""The AMP path's kernels on a GPU against their CPU twins: dense.cu's cast, bias + ReLU + cast,
+one-kernel interaction and loss + last layer (kernels/dense_ops.py) against the float64
+references the emulator tests use, and the tensor-core products of kernels/gemm.py (tf32, fp16,
+bf16; transposed operands read in place; batched) against nn.amp's numpy emulation."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from one_embedding.backend import cupy_available
+from one_embedding.kernels import cuda_module as cm
+from one_embedding.nn import amp
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA device"),
+]
+
+UNIT = {"off": 1e-5, "tf32": 2.0 ** -10, "fp16": 2.0 ** -10, "bf16": 2.0 ** -7}
+
+
+def _close(got, want, precision, atol, units=2):
+    want = np.asarray(want, np.float64)
+    assert np.all(np.abs(got - want) <= units * UNIT[precision] * np.abs(want) + atol), \
+        np.abs(got - want).max()
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16", "tf32"])
+def test_cast_on_the_device_is_round_to(precision):
+    import cupy
+
+    from one_embedding.kernels import gemm
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(100_000) * np.exp2(rng.integers(-30, 20, 100_000))).astype(np.float32)
+    bits, rounded = gemm.cast(cupy.asarray(x), precision, rounded=True)
+    with np.errstate(over="ignore"):
+        want = amp.round_to(x, precision)
+    np.testing.assert_array_equal(cupy.asnumpy(rounded), want)
+    if precision == "fp16":
+        np.testing.assert_array_equal(cupy.asnumpy(bits), x.astype(np.float16).view(np.uint16))
+    elif precision == "bf16":
+        np.testing.assert_array_equal(cupy.asnumpy(bits), (want.view(np.uint32) >> 16).astype(np.uint16))
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
+@pytest.mark.parametrize("fp32_result", [False, True])
+def test_tensor_core_products_equal_the_emulation(precision, fp32_result):
+    """Linear's three products (x Wᵀ, dhᵀ x, dh W), with the transposed operands as views, and
+    the interaction's batched X Xᵀ."""
+    import cupy
+
+    rng = np.random.default_rng(1)
+    x = rng.standard_normal((384, 640)).astype(np.float32)
+    w = rng.standard_normal((256, 640)).astype(np.float32)
+    dh = rng.standard_normal((384, 256)).astype(np.float32)
+    xb = rng.standard_normal((16, 27, 64)).astype(np.float32)
+    xd, wd, dhd, xbd = (cupy.asarray(v) for v in (x, w, dh, xb))
+    with amp.autocast(precision):
+        for (left, right), (left_d, right_d) in [((x, w.T), (xd, wd.T)),
+                                                 ((dh.T, x), (dhd.T, xd)),
+                                                 ((dh, w), (dhd, wd)),
+                                                 ((xb, xb.transpose(0, 2, 1)),
+                                                  (xbd, xbd.transpose(0, 2, 1)))]:
+            want = amp.matmul(left, right, fp32_result=fp32_result)
+            got = cupy.asnumpy(amp.matmul(left_d, right_d, fp32_result=fp32_result))
+            assert got.dtype == np.float32 and got.shape == want.shape
+            _close(got, want, precision, atol=1e-3 * np.sqrt(left.shape[-1]))
+            if precision != "tf32" and not fp32_result:
+                np.testing.assert_array_equal(amp.round_to(got, precision), got)
+
+
+@pytest.mark.parametrize("precision", ["off", "tf32", "fp16", "bf16"])
+def test_interaction_and_loss_kernels_on_the_device_match_float64(precision):
+    import cupy
+
+    from one_embedding.kernels import dense_ops
+
+    rng = np.random.default_rng(2)
+    first = rng.standard_normal((512, 1, 64)).astype(np.float32)
+    rest = rng.standard_normal((512, 26, 64)).astype(np.float32)
+    concat = np.ascontiguousarray(first[:, 0])
+    d = [cupy.asarray(v) for v in (first, rest, concat)]
+    out = cupy.asnumpy(dense_ops.interaction_forward(*d, False, 1, precision))
+    assert dense_ops.fits_tile(27, 64, False)   # the shared-memory kernel ran; the other agrees
+    np.testing.assert_array_equal(
+        out, cupy.asnumpy(dense_ops.interaction_forward(*d, False, 1, precision, tile=False)))
+    _close(out, dense_ops.interaction_forward_reference(first, rest, concat, False, 1, precision),
+           precision, atol=1e-4 * 8)
+    dout = rng.standard_normal(out.shape).astype(np.float32)
+    got = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision)
+    other = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision,
+                                           tile=False)
+    for g, o in zip(got, other):
+        np.testing.assert_array_equal(cupy.asnumpy(g), cupy.asnumpy(o))
+    want = dense_ops.interaction_backward_reference(dout, first, rest, 64, False, precision)
+    for g, w in zip(got, want):
+        _close(cupy.asnumpy(g), w, precision, atol=1e-4 * 27 * 4)
+
+    x = rng.standard_normal((8192, 256)).astype(np.float32)
+    w = rng.standard_normal(256).astype(np.float32)
+    logits = (rng.standard_normal(8192) * 3).astype(np.float32)
+    labels = (rng.random(8192) < 0.25).astype(np.float32)
+    scale = 2.0 ** 16 if precision == "fp16" else 1.0
+    got = dense_ops.bce_last_layer(*(cupy.asarray(v) for v in (logits, labels, x, w)), scale, precision)
+    loss, dz, dx, dw, db = (cupy.asnumpy(v) for v in got)
+    w_loss, w_dz, w_dx, w_dw, w_db = dense_ops.bce_last_layer_reference(logits, labels, x, w, scale,
+                                                                        precision)
+    assert abs(float(loss) - w_loss) <= 1e-6 * w_loss
+    np.testing.assert_allclose(dz, w_dz, rtol=1e-5, atol=1e-7 * scale)
+    _close(dx, w_dx, precision, atol=1e-7 * scale)
+    np.testing.assert_allclose(dw, w_dw, rtol=1e-3, atol=1e-4 * scale)
+    assert abs(float(db) - w_db) <= 1e-4 * np.abs(w_dz).sum()
+
+
+@pytest.mark.parametrize("precision", ["off", "fp16", "bf16"])
+def test_bias_act_cast_on_the_device(precision):
+    import cupy
+
+    from one_embedding.kernels import dense_ops, reference
+
+    rng = np.random.default_rng(3)
+    h = rng.standard_normal((1027, 257)).astype(np.float32)
+    b = rng.standard_normal(257).astype(np.float32)
+    y_ref, mask_ref = reference.bias_act_forward(h.copy(), b, True)
+    y, mask, bits = dense_ops.bias_act_cast_forward(cupy.asarray(h), cupy.asarray(b), True, precision)
+    np.testing.assert_array_equal(cupy.asnumpy(y), y_ref)
+    np.testing.assert_array_equal(cupy.asnumpy(mask), cm.pack_mask(mask_ref))
+    if precision == "fp16":
+        np.testing.assert_array_equal(cupy.asnumpy(bits), y_ref.astype(np.float16).view(np.uint16))
+    elif precision == "bf16":
+        want = (amp.round_to(y_ref, "bf16").view(np.uint32) >> 16).astype(np.uint16)
+        np.testing.assert_array_equal(cupy.asnumpy(bits), want)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
+def test_interaction_layer_on_the_device_equals_numpy(precision):
+    """DotInteraction on CuPy under AMP runs dense.cu's one-kernel path: same numerics as the
+    numpy path (DLRM's [bottom, embeddings] layout, concat, padding)."""
+    import cupy
+
+    from one_embedding.nn import DotInteraction
+
+    rng = np.random.default_rng(4)
+    bottom = rng.standard_normal((512, 128)).astype(np.float32)
+    emb = rng.standard_normal((512, 26, 128)).astype(np.float32)
+    host, device = DotInteraction(output_padding=1), DotInteraction(output_padding=1)
+    with amp.autocast(precision):
+        want = host([bottom, emb], bottom)
+        b_d, e_d = cupy.asarray(bottom), cupy.asarray(emb)
+        got = device([b_d, e_d], b_d)
+        assert device._fused is not None
+        dout = rng.standard_normal(want.shape).astype(np.float32)
+        (wb, we), wc = host.backward(dout)
+        (gb, ge), gc = device.backward(cupy.asarray(dout))
+    _close(cupy.asnumpy(got), want, precision, atol=1e-3)
+    _close(cupy.asnumpy(gb), wb, precision, atol=1e-3)
+    _close(cupy.asnumpy(ge), we, precision, atol=1e-3)
+    np.testing.assert_array_equal(cupy.asnumpy(gc), wc)
+
+
+@pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
+def test_one_output_layer_backward_on_the_device_equals_numpy(precision):
+    """Linear(K, 1) on CuPy under AMP: the forward's GEMM + epilogue and the one-kernel backward
+    (dense_ops.last_layer_backward) against the numpy layer."""
+    import cupy
+
+    from one_embedding.nn import Linear
+
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal((4096, 256)).astype(np.float32)
+    dy = (rng.standard_normal((4096, 1)) * 64).astype(np.float32)
+    host, device = Linear(256, 1, seed=1), Linear(256, 1, seed=1)
+    device.to(cupy)
+    with amp.autocast(precision):
+        y = host(x)
+        y_d = cupy.asnumpy(device(cupy.asarray(x)))
+        dx = host.backward(dy)
+        dx_d = cupy.asnumpy(device.backward(cupy.asarray(dy)))
+    _close(y_d, y, precision, atol=1e-3)
+    np.testing.assert_array_equal(dx_d, dx)
+    np.testing.assert_allclose(cupy.asnumpy(device.weight.grad), host.weight.grad, rtol=1e-4,
+                               atol=1e-2)
+    np.testing.assert_allclose(cupy.asnumpy(device.bias.grad), host.bias.grad, rtol=1e-4, atol=1e-3)
