@@ -47,7 +47,7 @@ __device__ __forceinline__ i64 claim(u64* table, i64 mask, u64 key) {
   if (key == EMPTY) return mask + 1;
   i64 b = (i64)(splitmix64(key) & (u64)mask);
   for (;;) {
-    const u64 seen = *(volatile u64*)&table[2 * b];
+    const u64 seen = racy_read(&table[2 * b]);
     if (seen == key) return b;
     if (seen == EMPTY) {
       const u64 before = atomicCAS(&table[2 * b], EMPTY, key);
@@ -79,7 +79,7 @@ __global__ void embedding_dedup_insert(const oe::u64* keys, oe::i64 n, oe::u64* 
   for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
     const oe::i64 b = oe::dedup::claim(table, mask, keys[i]);
     bucket_of[i] = b;
-    if ((oe::i64)*(volatile oe::u64*)&table[2 * b + 1] > i) {
+    if ((oe::i64)oe::racy_read(&table[2 * b + 1]) > i) {
       atomicMin((long long*)&table[2 * b + 1], (long long)i);
     }
   }
