@@ -9,7 +9,9 @@
    row read and written (2 x 4E B): ``(8 + 8E) * n / t``. The baseline, measured in the same run,
    is the device's copy bandwidth: a device-to-device copy of a buffer as large as the output,
    counted read + write (``2 * bytes / t``). Goal: lookup >= 0.8x copy. The parts (unique alone,
-   the chain's find, the gather kernel) are timed too, to show where the time goes.
+   the chain's find, the gather kernel) are timed too, to show where the time goes; unique twice:
+   the hash-table dedup the lookup runs and, as its baseline in the same run, the sort-based one
+   it replaced (``device_ops.unique_ids_by_sorting``), whose results it must equal.
 2. DLRM training on Criteo-1TB shapes: 26 tables of the Criteo 1TB sizes (each capped at
    ``--max-rows`` rows so a plain PyTorch model's dense tables fit the GPU), dim 128, bottom MLP
    512-256-128, top 1024-1024-512-256-1, dot interaction, BCE, SGD, batch 65536, Zipf ids per
@@ -118,10 +120,17 @@ def bench_lookup(dev: Device, args) -> dict:
         launch = emb.launch
         keys = ids.reshape(-1).view(xp.uint64)
         uniq, inverse = device_ops.unique_ids(keys, launch)
+        # the hash-table dedup against the sort-based one it replaced: same results, timed apart
+        by_sorting = device_ops.unique_ids_by_sorting(keys, launch)
+        unique_same = bool((uniq.shape == by_sorting[0].shape) and (uniq == by_sorting[0]).all()
+                           and (inverse == by_sorting[1]).all())
         chain = emb._owner()._chain
         lines, _ = chain.lookup(uniq)
         table = xp.ascontiguousarray(lines[:, :e])
-        parts = {"unique": dev.seconds(lambda: device_ops.unique_ids(keys, launch), args.repeats),
+        parts = {"unique (hash table: unique_ids)":
+                     dev.seconds(lambda: device_ops.unique_ids(keys, launch), args.repeats),
+                 "unique (sort, the replaced baseline: unique_ids_by_sorting)":
+                     dev.seconds(lambda: device_ops.unique_ids_by_sorting(keys, launch), args.repeats),
                  "find (chain.lookup of the unique keys)":
                      dev.seconds(lambda: chain.lookup(uniq), args.repeats),
                  "gather (rows by inverse)":
@@ -131,12 +140,15 @@ def bench_lookup(dev: Device, args) -> dict:
         rows[-1].update({"GB/s": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / 1e9,
                          "x copy": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / copy_bw})
         unique_count = int(uniq.shape[0])
+        unique_vs_sort = {"speedup": parts["unique (sort, the replaced baseline: unique_ids_by_sorting)"]
+                          / parts["unique (hash table: unique_ids)"], "same_results": unique_same}
     else:
         unique_count = int(np.unique(batches[0]).size)
+        unique_vs_sort = {}
     emb.close()
     return {"ids": n, "unique": unique_count, "dim": e, "copy_GBps": copy_bw / 1e9,
             "lookup_GBps": lookup_bw / 1e9, "ratio": lookup_bw / copy_bw, "rows": rows,
-            "parts_s": parts}
+            "parts_s": parts, "unique_hash_vs_sort": unique_vs_sort}
 
 
 # ---------------------------------------------------------------- 2. DLRM training
@@ -434,10 +446,16 @@ def main(argv=None):
         payload["lookup"] = lookup
         print(f"\n## lookup: {lookup['ids']:,} ids ({lookup['unique']:,} unique), dim {lookup['dim']}")
         print(markdown_table(lookup["rows"], ["what", "ms", "GB/s", "x copy"]))
+        if lookup["unique_hash_vs_sort"]:
+            versus = lookup["unique_hash_vs_sort"]
+            print(f"unique: the hash table is {versus['speedup']:.2f}x the sort's speed "
+                  f"(same results: {versus['same_results']})")
         verdict = "met" if lookup["ratio"] >= LOOKUP_GOAL else "not met"
         summary.append(f"lookup {lookup['lookup_GBps']:.0f} GB/s = {lookup['ratio']:.2f}x copy "
                        f"{lookup['copy_GBps']:.0f} GB/s (FBGEMM {FBGEMM_HBM_SHARE[0]:.2f}-"
                        f"{FBGEMM_HBM_SHARE[1]:.2f}x; goal {LOOKUP_GOAL}x: {verdict})")
+        if lookup["unique_hash_vs_sort"]:
+            summary.append(f"unique: hash {lookup['unique_hash_vs_sort']['speedup']:.2f}x sort")
     if "dlrm" not in args.skip:
         dlrm = bench_dlrm(dev, args)
         payload["dlrm"] = dlrm

@@ -277,22 +277,72 @@ def _float_dtype(name: str, a):
 # ---------------------------------------------------------------- unique + inverse, segment sums
 
 
+def dedup_capacity(n: int) -> int:
+    """Buckets of ``unique_ids``'s hash table for ``n`` ids: the smallest power of two of at least
+    2n (at least 2), so the table is at most half full even when every id is distinct."""
+    return 1 << max(1, (2 * int(n) - 1).bit_length())
+
+
+def _empty_unique(xp, return_first: bool):
+    empty = (xp.empty(0, xp.uint64), xp.empty(0, xp.int64))
+    return empty + (xp.empty(0, xp.int64),) if return_first else empty
+
+
 def unique_ids(keys, launch: Launcher | None = None, return_first: bool = False):
     """keys: (n,) uint64 -> (unique (u,) uint64 in first-occurrence order, inverse (n,) int64),
     and with ``return_first`` also first (u,) int64, the position of each unique key's first
     occurrence (``parallel.unique.first_occurrence``).
 
-    Equals ``parallel.unique.unique_ids`` exactly. Sort-based: the keys are sorted, runs of equal
-    keys found, each run's first batch position taken by an atomic minimum (so the sort need not
-    be stable), and the runs are then numbered in order of their first positions.
+    Equals ``parallel.unique.unique_ids`` exactly, with no sort: a hash table in device memory
+    (``dedup_capacity(n)`` buckets of 16 bytes, linear probing, the key equal to the empty marker
+    in a side bucket; ``cuda/embedding.cu`` has the layout). A thread per id claims its key's
+    bucket and lowers the bucket's first position to its own by an atomic minimum; a second pass
+    flags each id that is its key's first occurrence; the inclusive prefix sum of the flags then
+    numbers the keys in first-occurrence order, and a third pass writes the inverse, the unique
+    keys and their first positions. Which bucket a key lands in depends on thread timing, the
+    results do not. One counted host read, the unique count ("dedup: unique count"), sizes them.
     """
     launch = resolve(launch)
     xp = launch.xp
     keys = device_array(launch, "keys", keys, np.uint64, ndim=1)
     n = keys.shape[0]
     if n == 0:
-        empty = (xp.empty(0, xp.uint64), xp.empty(0, xp.int64))
-        return empty + (xp.empty(0, xp.int64),) if return_first else empty
+        return _empty_unique(xp, return_first)
+    capacity = dedup_capacity(n)
+    table = xp.empty(2 * (capacity + 1), dtype=xp.uint64)           # (capacity + 1, 2) [key, first]
+    launch_threads(launch, "embedding", "dedup_clear", np.float32, capacity + 1,
+                   (table, np.int64(capacity + 1), np.int64(n)))
+    first_of = xp.empty(n, dtype=xp.int64)                         # bucket, then first position
+    launch_threads(launch, "embedding", "dedup_insert", np.float32, n,
+                   (keys, np.int64(n), table, np.int64(capacity - 1), first_of))
+    is_first = xp.empty(n, dtype=xp.uint8)
+    launch_threads(launch, "embedding", "dedup_first", np.float32, n, (table, np.int64(n), first_of, is_first))
+    rank = xp.cumsum(is_first, dtype=xp.int64)                     # (n,) ids + 1 at first positions
+    n_unique = host_sync.scalar(rank[-1], "dedup: unique count")
+    uniq = xp.empty(n_unique, dtype=xp.uint64)
+    first = xp.empty(n_unique, dtype=xp.int64)
+    inverse = xp.empty(n, dtype=xp.int64)
+    launch_threads(launch, "embedding", "dedup_output", np.float32, n,
+                   (keys, first_of, rank, np.int64(n), inverse, uniq, first))
+    if return_first:
+        return uniq, inverse, first
+    return uniq, inverse
+
+
+def unique_ids_by_sorting(keys, launch: Launcher | None = None, return_first: bool = False):
+    """``unique_ids`` as it was before the hash table, the baseline that ``benchmarks/bench_gpu.py``
+    times beside it: same arguments, same results bit for bit.
+
+    Sort-based: the keys are sorted (an argsort of all n keys), runs of equal keys found, each
+    run's first batch position taken by an atomic minimum (so the sort need not be stable), and
+    the runs are then numbered in order of their first positions (an argsort of the u firsts).
+    """
+    launch = resolve(launch)
+    xp = launch.xp
+    keys = device_array(launch, "keys", keys, np.uint64, ndim=1)
+    n = keys.shape[0]
+    if n == 0:
+        return _empty_unique(xp, return_first)
     order = xp.argsort(keys).astype(xp.int64)                     # (n,) positions in key order
     sorted_keys = keys[order]
     head = xp.ones(n, dtype=xp.int64)

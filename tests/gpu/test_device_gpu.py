@@ -99,6 +99,34 @@ def test_unique_ids_equal_the_cpu_unique(n, kind):
     _exact(got_inverse, want_inverse)
 
 
+@pytest.mark.parametrize("kind", ["zipf", "distinct", "all_same", "marker_and_zero"])
+@pytest.mark.parametrize("n", [1, 2, 1000, 100_000, 1_700_000])
+def test_hash_dedup_equals_the_sort_and_the_cpu(n, kind):
+    """The hash-table dedup (unique_ids) against the sort-based one it replaced and the CPU's,
+    with first positions, under real concurrency: blocks race for buckets and hot keys' atomics."""
+    from one_embedding.kernels import device_ops
+    from one_embedding.parallel.unique import first_occurrence, unique_ids
+
+    cp = _cp()
+    if os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1":
+        n = min(n, 20_000)   # the emulator runs one thread at a time
+    rng = np.random.default_rng(n + 1)
+    if kind == "marker_and_zero":
+        keys = rng.choice(np.array([0, 2**64 - 1, 1, 2**63], np.uint64), n)
+    else:
+        keys = _ids(kind, n, rng)
+    want_unique, want_inverse = unique_ids(keys)
+    want_first = first_occurrence(want_inverse, want_unique.size)
+    device_keys = cp.asarray(keys)
+    for _ in range(2):   # the buckets may differ between runs, the results may not
+        got = device_ops.unique_ids(device_keys, return_first=True)
+        for a, b in zip(got, (want_unique, want_inverse, want_first), strict=True):
+            _exact(a, b)
+    for a, b in zip(device_ops.unique_ids_by_sorting(device_keys, return_first=True),
+                    (want_unique, want_inverse, want_first), strict=True):
+        _exact(a, b)
+
+
 # ---------------------------------------------------------------- segment sums, gathers
 
 

@@ -135,7 +135,7 @@ def test_device_embedding_trains_as_the_cpu_embedding(launch, tmp_path, preset, 
         assert {k: g[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")} == \
             {k: w[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")}
     assert got[2][0]["tier"].startswith("device.") and "d2h_bytes" in got[2][0]
-    kernels = {"embedding_unique_first", "embedding_init_missing", "embedding_segment_sum", "embedding_gather",
+    kernels = {"embedding_dedup_insert", "embedding_init_missing", "embedding_segment_sum", "embedding_gather",
                {"sgd": "optim_sgd", "adagrad": "optim_adagrad", "adam": "optim_adam"}[optim],
                "cache_find" if "cached" in preset else "hashindex_find"}
     assert kernels <= launch.launched

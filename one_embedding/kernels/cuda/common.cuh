@@ -99,6 +99,19 @@ __device__ T column_block_sum(T acc) {
   return total;
 }
 
+// A read of a global word that other threads of the same launch may be writing (a hash table's
+// key word, an atomic minimum): volatile, so each call reads memory, never a register's copy. The
+// host emulator defines ONE_EMBEDDING_RACY_READ_HOOK as a point, right after the read, where its
+// stress mode may switch threads, so the tests see the word change between this read and the
+// atomic that follows it.
+__device__ __forceinline__ u64 racy_read(const u64* p) {
+  const u64 value = *(const volatile u64*)p;
+#ifdef ONE_EMBEDDING_RACY_READ_HOOK
+  ONE_EMBEDDING_RACY_READ_HOOK();
+#endif
+  return value;
+}
+
 // Bit i of a bit-packed mask: word i / 32, bit i % 32 (little-endian within the word), the
 // layout of numpy.packbits(bitorder="little") viewed as little-endian uint32.
 __device__ __forceinline__ unsigned mask_bit(const unsigned* mask, i64 i) {

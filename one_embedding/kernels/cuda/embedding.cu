@@ -1,9 +1,10 @@
-// The embedding side's data movement: unique + inverse (the atomic step of a sort-based unique),
+// The embedding side's data movement: unique + inverse (a hash-table dedup, and the atomic step
+// of the sort-based unique it replaced, kept as the benchmark's baseline),
 // segment sums in row order, row gathers, and initial values on a miss.
 //
-// The sorts around these kernels run in CuPy (kernels/device_ops.py); each kernel's result is
-// independent of thread timing, so the whole op is deterministic and equals its numpy twin bit
-// for bit (segment sums: adds in row order from +0, as parallel/unique.py; gathers: copies;
+// The sorts and prefix sums around these kernels run in CuPy (kernels/device_ops.py); each op's
+// result is independent of thread timing (the dedup's buckets are not, its outputs are), so the
+// whole op is deterministic and equals its numpy twin bit for bit (segment sums: adds in row order from +0, as parallel/unique.py; gathers: copies;
 // initial values: the integer hash is exact, the float64 transforms may differ from numpy's libm
 // in the last ulp, which survives the rounding to float32 only rarely).
 #include "common.cuh"
@@ -17,6 +18,102 @@ __global__ void embedding_unique_first(const oe::i64* order, const oe::i64* segm
                                        oe::i64* first) {
   for (oe::i64 j = oe::grid_thread(); j < n; j += oe::grid_threads()) {
     atomicMin((long long*)&first[segment[j]], (long long)order[j]);
+  }
+}
+
+// ---- Dedup with a hash table: unique keys in first-occurrence order, the inverse and first
+// positions, in four passes over the ids with no sort (device_ops.unique_ids launches them).
+//
+// table: (capacity + 1, 2) u64, bucket b = [key, first], capacity a power of two (mask =
+// capacity - 1) of at least twice the ids, so a probe always meets an empty bucket. Buckets
+// 0..mask are an open-addressing table, linear probing from splitmix64(key) & mask; key ==
+// DEDUP_EMPTY marks an empty bucket. Since every uint64 is a valid key, the key equal to
+// DEDUP_EMPTY itself never enters the table: it has the side bucket `capacity`. `first` is the
+// smallest position of the bucket's key among the ids (int64 bits), n while no id claimed it.
+//
+// Two different keys may race for one bucket, so which bucket a key gets varies from run to run;
+// nothing else does: each key gets exactly one bucket, whose `first` ends as the minimum of its
+// positions, and every output is computed from these minima alone.
+namespace oe {
+namespace dedup {
+
+constexpr u64 EMPTY = ~0ull;
+
+// The first bucket of `key`'s probe that holds it or was empty, claimed for it (atomicCAS on the
+// key word). A plain read first: a bucket holding another key is passed and one holding `key` is
+// taken without an atomic (a key word never changes once set, so a stale read is only a stale
+// EMPTY, which the atomicCAS then settles).
+__device__ __forceinline__ i64 claim(u64* table, i64 mask, u64 key) {
+  if (key == EMPTY) return mask + 1;
+  i64 b = (i64)(splitmix64(key) & (u64)mask);
+  for (;;) {
+    const u64 seen = racy_read(&table[2 * b]);
+    if (seen == key) return b;
+    if (seen == EMPTY) {
+      const u64 before = atomicCAS(&table[2 * b], EMPTY, key);
+      if (before == EMPTY || before == key) return b;
+    }
+    b = (b + 1) & mask;
+  }
+}
+
+}  // namespace dedup
+}  // namespace oe
+
+// Pass 0: every bucket empty, its first position n. table: (n_buckets, 2) u64.
+template <typename T>
+__global__ void embedding_dedup_clear(oe::u64* table, oe::i64 n_buckets, oe::i64 n) {
+  for (oe::i64 b = oe::grid_thread(); b < n_buckets; b += oe::grid_threads()) {
+    table[2 * b] = oe::dedup::EMPTY;
+    table[2 * b + 1] = (oe::u64)n;
+  }
+}
+
+// Pass 1, a thread per id: claim the key's bucket and lower its first position to i (the minimum
+// does not depend on the order the threads get there; first positions only decrease, so a read
+// showing one at most i makes the atomic a no-op and it is skipped, which spares a hot key's
+// bucket most of its atomics). keys: (n,) u64; bucket_of: (n,) i64, each id's bucket.
+template <typename T>
+__global__ void embedding_dedup_insert(const oe::u64* keys, oe::i64 n, oe::u64* table,
+                                       oe::i64 mask, oe::i64* bucket_of) {
+  for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
+    const oe::i64 b = oe::dedup::claim(table, mask, keys[i]);
+    bucket_of[i] = b;
+    if ((oe::i64)oe::racy_read(&table[2 * b + 1]) > i) {
+      atomicMin((long long*)&table[2 * b + 1], (long long)i);
+    }
+  }
+}
+
+// Pass 2, a thread per id, after pass 1 completed: first_of[i] = the first position of id i's
+// key (in place of its bucket), is_first[i] = 1 where that is i itself. first_of: (n,) i64, in:
+// bucket_of of pass 1; is_first: (n,) u8.
+template <typename T>
+__global__ void embedding_dedup_first(const oe::u64* table, oe::i64 n, oe::i64* first_of,
+                                      unsigned char* is_first) {
+  for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
+    const oe::i64 f = (oe::i64)table[2 * first_of[i] + 1];
+    first_of[i] = f;
+    is_first[i] = f == i ? 1 : 0;
+  }
+}
+
+// Pass 3, a thread per id: rank (n,) i64 is the inclusive prefix sum of is_first, so the unique
+// key first seen at position f has id rank[f] - 1 (ids in first-occurrence order).
+// inverse[i] = that id of id i's key; the first id of each key also writes unique_out and
+// first_out at its id. keys, first_of, inverse: (n,); unique_out (u,) u64, first_out (u,) i64.
+template <typename T>
+__global__ void embedding_dedup_output(const oe::u64* keys, const oe::i64* first_of,
+                                       const oe::i64* rank, oe::i64 n, oe::i64* inverse,
+                                       oe::u64* unique_out, oe::i64* first_out) {
+  for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
+    const oe::i64 f = first_of[i];
+    const oe::i64 id = rank[f] - 1;
+    inverse[i] = id;
+    if (f == i) {
+      unique_out[id] = keys[i];
+      first_out[id] = i;
+    }
   }
 }
 
@@ -163,6 +260,10 @@ __global__ void embedding_init_missing(T* lines, int line_size, const unsigned c
 
 #ifdef ONE_EMBEDDING_INSTANTIATE
 ONE_EMBEDDING_KERNEL(embedding_unique_first)
+ONE_EMBEDDING_KERNEL(embedding_dedup_clear)
+ONE_EMBEDDING_KERNEL(embedding_dedup_insert)
+ONE_EMBEDDING_KERNEL(embedding_dedup_first)
+ONE_EMBEDDING_KERNEL(embedding_dedup_output)
 ONE_EMBEDDING_KERNEL(embedding_segment_sum)
 ONE_EMBEDDING_KERNEL(embedding_gather)
 ONE_EMBEDDING_KERNEL(embedding_init)

@@ -21,8 +21,9 @@
 //  - Schedule: up to 8 blocks of the grid live at once (2048 threads at most), started in a
 //    seeded random order, and the next fiber to resume is drawn by a seeded PRNG (splitmix64)
 //    among the runnable fibers of every live block. Besides barriers and atomics, every
-//    shared-memory access and every read of gridDim.x (each step of a grid-stride loop, through
-//    oe::grid_threads / grid_warps) yields with probability 1/4, so threads interleave between
+//    shared-memory access, every read of gridDim.x (each step of a grid-stride loop, through
+//    oe::grid_threads / grid_warps) and every oe::racy_read of a global word yields with
+//    probability 1/4, so threads interleave between
 //    barriers and blocks interleave through global memory and atomics.
 //  - Shared memory per block, 0xFF bytes (NaN as float or double) until written; every index
 //    bounds-checked; a read of an unwritten element, or two threads touching one element with no
@@ -71,6 +72,9 @@ struct dim3 {
 namespace oe_emulation {
 inline void scheduling_point();
 }
+// oe::racy_read (common.cuh) of a word other threads may be writing: the stress mode may switch
+// threads there, as at a shared-memory access.
+#define ONE_EMBEDDING_RACY_READ_HOOK oe_emulation::scheduling_point
 
 // gridDim.x is read once per step of a grid-stride loop: in the stress mode that read may yield.
 struct oe_grid_dim {

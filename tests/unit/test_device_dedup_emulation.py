@@ -1,0 +1,161 @@
+"""The device dedup (``device_ops.unique_ids``: a hash table in device memory, no sort) on the host
+emulator, in its default mode and under the stress seeds (threads interleaved at random, several
+blocks racing for buckets): its results against the CPU's numba ``parallel.unique.unique_ids``
+and against the sort-based device version it replaced (``unique_ids_by_sorting``), bit for bit
+and in the same order; the table its kernels build; its one counted host read; its argument
+checks."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from one_embedding import host_sync
+from one_embedding.errors import InputError
+from one_embedding.hashing import mix64
+from one_embedding.kernels import device_ops
+from one_embedding.parallel.unique import first_occurrence, unique_ids
+
+pytestmark = pytest.mark.stress_seeds
+
+EMPTY = 2**64 - 1   # the table's empty marker, itself a valid key (the side bucket's)
+
+
+def _colliding_keys(count: int, capacity: int, rng) -> np.ndarray:
+    """``count`` distinct keys whose home bucket is the table's last (``capacity - 1``), so their
+    probes collide and wrap around to bucket 0."""
+    mask = np.uint64(capacity - 1)
+    found: list[int] = []
+    while len(found) < count:
+        candidates = rng.integers(0, 2**63, size=50_000, dtype=np.uint64)
+        found += [int(k) for k in candidates[(mix64(np, candidates) & mask) == mask]]
+        found = list(dict.fromkeys(k for k in found if k != EMPTY))
+    return np.array(found[:count], np.uint64)
+
+
+def _key_sets() -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(32)
+    # 20 keys sharing the last home bucket, three times each, with the marker and 0: n = 64, so
+    # the table has dedup_capacity(64) = 128 buckets
+    collide = np.concatenate([np.repeat(_colliding_keys(20, device_ops.dedup_capacity(64), rng), 3),
+                              np.array([EMPTY, 0, EMPTY, 0], np.uint64)])
+    rng.shuffle(collide)
+    return {
+        "empty": np.empty(0, np.uint64),
+        "one": np.array([42], np.uint64),
+        "one_marker": np.array([EMPTY], np.uint64),
+        "one_zero": np.array([0], np.uint64),
+        "all_marker": np.full(700, EMPTY, np.uint64),
+        "all_zero": np.zeros(700, np.uint64),
+        "marker_last": np.array([3, 1, 3, 2, EMPTY], np.uint64),
+        "distinct": rng.permutation(3000).astype(np.uint64) * np.uint64(2**40 + 7),
+        "distinct_random": rng.integers(0, 2**64, size=2000, dtype=np.uint64, endpoint=False),
+        "zipf": rng.zipf(1.2, 5000).astype(np.uint64),
+        "hot_and_cold": np.concatenate([np.full(3000, 7, np.uint64), rng.permutation(1000).astype(np.uint64)])[
+            rng.permutation(4000)],
+        "extremes": np.array([0, EMPTY, 0, 2**63, 1, EMPTY, 2**63 - 1, EMPTY - 1, 2**63], np.uint64),
+        "collide_and_wrap": collide,
+    }
+
+
+KEY_SETS = _key_sets()
+
+
+def _check_against_the_cpu_and_the_sort(keys, launch):
+    got = device_ops.unique_ids(keys, launch=launch, return_first=True)
+    want_unique, want_inverse = unique_ids(keys)
+    want_first = first_occurrence(want_inverse, want_unique.size)
+    for a, b in zip(got, (want_unique, want_inverse, want_first), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, b)
+    by_sorting = device_ops.unique_ids_by_sorting(keys, launch=launch, return_first=True)
+    for a, b in zip(got, by_sorting, strict=True):
+        assert a.dtype == b.dtype
+        np.testing.assert_array_equal(a, b)
+    two = device_ops.unique_ids(keys, launch=launch)
+    assert len(two) == 2
+    np.testing.assert_array_equal(two[0], want_unique)
+    np.testing.assert_array_equal(two[1], want_inverse)
+
+
+@pytest.mark.parametrize("case", sorted(KEY_SETS))
+def test_unique_ids_equal_the_cpu_unique_and_the_sort(launch, case):
+    _check_against_the_cpu_and_the_sort(KEY_SETS[case], launch)
+    assert {"embedding_dedup_insert", "embedding_dedup_output"} <= launch.launched or case == "empty"
+
+
+def test_unique_ids_of_many_random_batches(launch):
+    rng = np.random.default_rng(33)
+    for n in (2, 3, 17, 31, 32, 33, 255, 256, 257, 1000):
+        universe = max(1, int(rng.integers(1, 2 * n)))
+        keys = rng.integers(0, universe, size=n).astype(np.uint64)
+        keys[rng.random(n) < 0.1] = EMPTY
+        _check_against_the_cpu_and_the_sort(keys, launch)
+
+
+def test_unique_ids_of_a_large_batch(launch, emulation_seed):
+    # Zipf ids, 200,000 (a table of 524,288 buckets) in the default mode, 40,000 under a stress
+    # seed (slower): the grid-stride loops run many rounds
+    rng = np.random.default_rng(34)
+    n = 200_000 if emulation_seed is None else 40_000
+    keys = rng.zipf(1.05, n).astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)
+    _check_against_the_cpu_and_the_sort(keys, launch)
+
+
+def test_the_table_holds_each_key_once_with_its_first_position(launch):
+    """The kernels' own table after the insert pass: every distinct key in exactly one bucket (the
+    marker key in the side bucket), that bucket's first position the key's smallest one, each
+    id's bucket the one holding its key, and no hole between a key's home and its bucket."""
+    for keys in (KEY_SETS["collide_and_wrap"], KEY_SETS["zipf"], KEY_SETS["extremes"]):
+        n = keys.size
+        capacity = device_ops.dedup_capacity(n)
+        table = np.empty(2 * (capacity + 1), np.uint64)
+        device_ops.launch_threads(launch, "embedding", "dedup_clear", np.float32, capacity + 1,
+                                  (table, np.int64(capacity + 1), np.int64(n)))
+        bucket_of = np.empty(n, np.int64)
+        device_ops.launch_threads(launch, "embedding", "dedup_insert", np.float32, n,
+                                  (keys, np.int64(n), table, np.int64(capacity - 1), bucket_of))
+        buckets = table.reshape(capacity + 1, 2)
+        occupied = np.flatnonzero(buckets[:capacity, 0] != EMPTY)
+        distinct, first_positions = np.unique(keys, return_index=True)
+        ordinary = distinct != EMPTY
+        assert sorted(buckets[occupied, 0].tolist()) == distinct[ordinary].tolist()
+        np.testing.assert_array_equal(buckets[bucket_of, 0][keys != EMPTY], keys[keys != EMPTY])
+        assert (bucket_of[keys == EMPTY] == capacity).all()
+        first_of_key = dict(zip(distinct.tolist(), first_positions.tolist(), strict=True))
+        for b in occupied:
+            assert int(buckets[b, 1]) == first_of_key[int(buckets[b, 0])]
+        assert int(buckets[capacity, 1]) == first_of_key.get(EMPTY, n)
+        assert (buckets[np.setdiff1d(np.arange(capacity), occupied), 1] == n).all()
+        home = (mix64(np, buckets[occupied, 0]) & np.uint64(capacity - 1)).astype(np.int64)
+        for h, b in zip(home, occupied, strict=True):
+            run = np.arange(h, h + (b - h) % capacity) % capacity
+            assert (buckets[run, 0] != EMPTY).all(), f"a hole between home {h} and bucket {b}"
+
+
+def test_one_counted_read_per_call(launch):
+    keys = KEY_SETS["zipf"]
+    with host_sync.counting() as reads:
+        device_ops.unique_ids(keys, launch=launch, return_first=True)
+    assert reads.total == 1 and dict(reads.by_reason) == {"dedup: unique count": 1}
+    with host_sync.counting() as reads:
+        device_ops.unique_ids(KEY_SETS["empty"], launch=launch)
+    assert reads.total == 0
+
+
+def test_dedup_capacity_keeps_the_table_at_most_half_full():
+    for n in (1, 2, 3, 4, 5, 63, 64, 65, 1000, 1 << 20, (1 << 20) + 1):
+        capacity = device_ops.dedup_capacity(n)
+        assert capacity >= 2 * n and capacity & (capacity - 1) == 0 and capacity < 4 * n
+    assert device_ops.dedup_capacity(0) == 2
+
+
+def test_unique_ids_refuses_bad_keys(launch):
+    with pytest.raises(InputError, match="dimensions"):
+        device_ops.unique_ids(np.zeros((3, 2), np.uint64), launch=launch)
+    with pytest.raises(InputError, match="not a numpy array"):
+        device_ops.unique_ids([1, 2, 3], launch=launch)
+    # any integer dtype is taken as uint64 bits, as the CPU unique does
+    keys = np.array([-1, 5, -1], np.int64)
+    got_unique, got_inverse = device_ops.unique_ids(keys, launch=launch)
+    np.testing.assert_array_equal(got_unique, np.array([EMPTY, 5], np.uint64))
+    np.testing.assert_array_equal(got_inverse, [0, 1, 0])
