@@ -18,7 +18,7 @@ from ..errors import ConfigError, InputError
 from ..kernels import cpu_ops, ops_for
 from . import amp
 from .init import linear_weights, make_rng
-from .module import Module, Parameter, check_features
+from .module import Module, Parameter, check_features, keeps_activations
 
 
 def _positive_int(name, value) -> int:
@@ -52,14 +52,15 @@ class Linear(Module):
         xp = array_namespace(x, w)
         if amp.active():  # the product in half precision (nn.amp), bias + ReLU in fp32
             ops = cpu_ops if xp is np else ops_for(xp)
-            y, self._mask = ops.bias_act_forward(amp.matmul(x, w.T), self.bias.data, self.relu)
+            y, mask = ops.bias_act_forward(amp.matmul(x, w.T), self.bias.data, self.relu)
         elif xp is np:
             # a single output: one matrix-vector product, (B,) viewed as (B, 1)
             h = (x @ w[0])[:, None] if self.out_features == 1 else x @ w.T
-            y, self._mask = cpu_ops.bias_act_forward(h, self.bias.data, self.relu)
+            y, mask = cpu_ops.bias_act_forward(h, self.bias.data, self.relu)
         else:
-            y, self._mask = ops_for(xp).bias_act_forward(x @ w.T, self.bias.data, self.relu)
-        self._x = x
+            y, mask = ops_for(xp).bias_act_forward(x @ w.T, self.bias.data, self.relu)
+        if keeps_activations():
+            self._x, self._mask = x, mask
         return y
 
     def backward(self, dy):

@@ -32,6 +32,7 @@ import numpy as np
 from ..checkpoint import ARRAYS, STATE, TRAINER_DIR, rank_folders
 from ..data.features import FeatureTransform
 from ..errors import ConfigError, InputError, SnapshotError
+from ..nn import inference
 from ..store.segments import SegmentInfo
 from ..store.snapshots import SnapshotDirectory, lease, read_manifest, verify_files
 from .table import ServedTable
@@ -93,8 +94,6 @@ class _Served:
     users: int = 0
     retired: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # users, retired
-    #: the model keeps activations for a backward pass: one forward at a time
-    forward_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def close(self) -> None:
         self.table.close()
@@ -194,6 +193,7 @@ class Predictor:
             FeatureTransform.for_config(cfg)
         model = _build_model(cfg, transform.num_sparse)
         model.load_state_dict({**(record.get("model") or {}), **arrays})
+        model.eval()  # dropout off: a served score is a pure function of its row
         emb = model.embedding
         table = ServedTable(list(zip(folders, manifests)), emb.layout, emb.tables, emb.seed,
                             self.cache_mb, self.scratch, snapshot=name)
@@ -293,7 +293,7 @@ class Predictor:
             tables = np.broadcast_to(np.arange(f, dtype=np.int32), (n, f)).reshape(-1) \
                 if len(served.table.tables) > 1 else np.zeros(n * f, np.int32)
             rows = served.table.lookup(ids.reshape(-1).view(np.uint64), tables)
-            with served.forward_lock:
+            with inference():  # keeps no activations: calls run their forwards side by side
                 logits = served.model.forward_from_embeddings(
                     dense_in, rows.reshape(n, f, served.table.dim))
             prob = (1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))).astype(np.float32)
