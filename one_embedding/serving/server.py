@@ -54,8 +54,9 @@ def _input(tensors: dict, name: str, model: str, datatype: str, shape: list) -> 
         raise ProtocolError(f"model {model!r} needs input {name!r}; the request has "
                             f"{sorted(tensors)}")
     a = tensors[name]
-    if a.dtype != np.dtype(DTYPES[datatype]):
-        got = next(k for k, v in DTYPES.items() if np.dtype(v) == a.dtype)
+    if a.dtype != np.dtype(DTYPES[datatype]) and not (datatype == "BYTES" and a.dtype.kind == "S"):
+        got = "BYTES" if a.dtype.kind == "S" else \
+            next(k for k, v in DTYPES.items() if np.dtype(v) == a.dtype)
         raise ProtocolError(f"input {name!r} is {got}; model {model!r} takes {datatype}")
     if a.ndim != len(shape) or any(w not in (-1, g) for w, g in zip(shape, a.shape)):
         raise ProtocolError(f"input {name!r} has shape {list(a.shape)}; model {model!r} takes "
