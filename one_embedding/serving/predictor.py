@@ -284,20 +284,31 @@ class Predictor:
         ("" = missing) -> (n,) float32 click probabilities, through the transform training used."""
         served = self._acquire()
         try:
-            t = served.transform
-            dense_in, ids = t.dense(dense), t.keys(categorical)
-            if dense_in.shape[0] != ids.shape[0]:
-                raise InputError(f"dense has {dense_in.shape[0]} rows but categorical "
-                                 f"{ids.shape[0]}: give one row of each per sample")
-            n, f = ids.shape
-            tables = np.broadcast_to(np.arange(f, dtype=np.int32), (n, f)).reshape(-1) \
-                if len(served.table.tables) > 1 else np.zeros(n * f, np.int32)
-            rows = served.table.lookup(ids.reshape(-1).view(np.uint64), tables)
-            with inference():  # keeps no activations: calls run their forwards side by side
-                logits = served.model.forward_from_embeddings(
-                    dense_in, rows.reshape(n, f, served.table.dim))
-            prob = (1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))).astype(np.float32)
+            prob = _score(served, *_model_inputs(served, dense, categorical))
             return (prob, served.name) if with_snapshot else prob
+        finally:
+            self._release(served)
+
+    def predict_many(self, requests) -> tuple[list, str]:
+        """requests: [(dense (n_i, 13), categorical (n_i, 26))] -> ([(n_i,) float32
+        probabilities, or the InputError refusing request i], the checkpoint that answered).
+        One lookup and one forward over all the valid requests' rows together (the dynamic
+        batcher's call); each request's scores are those ``predict`` gives it alone."""
+        served = self._acquire()
+        try:
+            results, valid = [None] * len(requests), []
+            for i, (dense, categorical) in enumerate(requests):
+                try:
+                    valid.append((i, *_model_inputs(served, dense, categorical)))
+                except InputError as e:
+                    results[i] = e
+            if valid:
+                dense_in = np.concatenate([v[1] for v in valid])
+                prob = _score(served, dense_in, np.concatenate([v[2] for v in valid]))
+                ends = np.cumsum([v[1].shape[0] for v in valid])
+                for (i, *_), part in zip(valid, np.split(prob, ends[:-1])):
+                    results[i] = part
+            return results, served.name
         finally:
             self._release(served)
 
@@ -311,6 +322,28 @@ class Predictor:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _model_inputs(served: _Served, dense, categorical) -> tuple[np.ndarray, np.ndarray]:
+    """Raw features -> (dense (n, 13) float32, ids (n, f) int64) through the checkpoint's
+    transform; InputError naming a value the model cannot take."""
+    t = served.transform
+    dense_in, ids = t.dense(dense), t.keys(categorical)
+    if dense_in.shape[0] != ids.shape[0]:
+        raise InputError(f"dense has {dense_in.shape[0]} rows but categorical "
+                         f"{ids.shape[0]}: give one row of each per sample")
+    return dense_in, ids
+
+
+def _score(served: _Served, dense_in: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """(n, 13) float32 model inputs, (n, f) int64 ids -> (n,) float32 probabilities."""
+    n, f = ids.shape
+    tables = np.broadcast_to(np.arange(f, dtype=np.int32), (n, f)).reshape(-1) \
+        if len(served.table.tables) > 1 else np.zeros(n * f, np.int32)
+    rows = served.table.lookup(ids.reshape(-1).view(np.uint64), tables)
+    with inference():  # keeps no activations: calls run their forwards side by side
+        logits = served.model.forward_from_embeddings(dense_in, rows.reshape(n, f, served.table.dim))
+    return (1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))).astype(np.float32)
 
 
 def _file_id(path: str):
