@@ -377,15 +377,37 @@ def _status(call):
 
 
 def test_follows_training_as_it_publishes_and_prunes(tmp_path):
+    """Under load (scores over REST and gRPC through the dynamic batcher, lookups) while training
+    publishes and prunes: no request fails, each is answered by some checkpoint in turn."""
+    import threading
+
     path = tmp_path / "live"
     train(path, "--steps", 10, "--snapshot-interval", 5, "--keep-snapshots", 1)
-    server = Server(path, "--poll-seconds", "0.1")
+    server = Server(path, "--poll-seconds", "0.1", "--max-batch-size", "64")
     try:
         proc = train(path, "--steps", 60, "--snapshot-interval", 5, "--keep-snapshots", 1,
                      "--resume", wait=False)
         seen, failures = [], []
         keys = np.arange(50)
         deadline = time.monotonic() + 300
+        dense, cat = requests_for(8, np.random.default_rng(7))
+        answered = []
+
+        def load(call):
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    call()
+                    answered.append(1)
+                except Exception as e:  # any failed request fails the test
+                    failures.append(repr(e))
+
+        rest = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+        loaders = [threading.Thread(target=load, args=(call,), daemon=True) for call in (
+            lambda: rest.infer("dlrm", model_inputs(dense, cat)),
+            lambda: server.grpc.infer("dlrm", grpc_inputs(dense=(dense, "FP32"),
+                                                          categorical=(cat, "BYTES"))))]
+        for t in loaders:
+            t.start()
         while proc.poll() is None and time.monotonic() < deadline:
             try:
                 r = server.client.infer("embedding", [keys_input(keys)])
@@ -396,6 +418,9 @@ def test_follows_training_as_it_publishes_and_prunes(tmp_path):
                 failures.append(repr(e))
             time.sleep(0.02)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+        for t in loaders:
+            t.join(timeout=60)
+        assert len(answered) > 20, len(answered)
         time.sleep(1.0)
         r = server.client.infer("embedding", [keys_input(keys)])
         assert r.get_response()["parameters"]["snapshot"] == "final"
