@@ -192,9 +192,11 @@ def cmd_serve(args) -> int:
                           "batching)")
     if not args.max_queue_delay_us >= 0:
         raise ConfigError(f"--max-queue-delay-us {args.max_queue_delay_us} must be >= 0")
+    if args.blas_threads < 1:
+        raise ConfigError(f"--blas-threads {args.blas_threads} must be >= 1")
     serve(args.persistent_path, args.snapshot, args.host, args.port, args.cache_mb,
           args.poll_seconds, args.max_request_mb, args.scratch, args.grpc_port,
-          args.max_batch_size, args.max_queue_delay_us)
+          args.max_batch_size, args.max_queue_delay_us, args.blas_threads)
     return 0
 
 
@@ -290,6 +292,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-delay-us", type=float, default=0.0,
                    help="dynamic batching: how long a request may wait for others to merge with, "
                         "in microseconds (default 0: merge what is queued when the model is free)")
+    p.add_argument("--blas-threads", type=int, default=1,
+                   help="BLAS threads per model call (default 1: concurrent requests already use "
+                        "the cores; on a 2-core machine under load, 2 BLAS threads per call ran "
+                        "6x slower)")
     p.add_argument("--cache-mb", type=float, default=64.0,
                    help="RAM cache over the snapshot's rows (default 64)")
     p.add_argument("--poll-seconds", type=float, default=1.0,

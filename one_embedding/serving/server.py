@@ -174,11 +174,15 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
           port: int = 8000, cache_mb: float = 64.0, poll_seconds: float = 1.0,
           max_request_mb: float = DEFAULT_MAX_REQUEST_MB, scratch: str | None = None,
           grpc_port: int | None = None, max_batch_size: int = 1,
-          max_queue_delay_us: float = 0.0) -> None:
+          max_queue_delay_us: float = 0.0, blas_threads: int = 1) -> None:
     """Serve until interrupted: REST on ``port``, gRPC on ``grpc_port`` (None: no gRPC);
     dynamic batching when ``max_batch_size`` > 1 (a request waits up to ``max_queue_delay_us``
-    microseconds for others)."""
+    microseconds for others); ``blas_threads``: BLAS threads per model call (requests already
+    run side by side: a second BLAS thread per call mostly waits for a core)."""
     import uvicorn
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(blas_threads, user_api="blas")
 
     predictor = Predictor(persistent_path, snapshot=snapshot, cache_mb=cache_mb, scratch=scratch)
     service = Service(predictor, max_batch_size, max_queue_delay_us * 1e-6)
