@@ -77,7 +77,8 @@ def _gather(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray, raw: bytes)
     ends in a NUL byte)."""
     n = starts.shape[0]
     width = int(sizes.max()) if n else 0
-    if n and width and (data[starts + np.maximum(sizes, 1) - 1][sizes > 0] == 0).any():
+    filled = sizes > 0
+    if width and (data[starts[filled] + sizes[filled] - 1] == 0).any():
         return np.array([raw[s:s + z] for s, z in zip(starts.tolist(), sizes.tolist())],
                         dtype=object)
     if width == 0:

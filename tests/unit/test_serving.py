@@ -342,7 +342,7 @@ def test_bytes_elements_of_any_length():
     from one_embedding.serving.protocol import bytes_elements
 
     for strings in ([b"ab", b"", b"\xc3\xa9", b"12345"], [b"abcd"] * 5, [b""] * 3,
-                    [b"a\0", b"b"], []):
+                    [b"a\0", b"b"], [b"abc", b""], []):
         raw = b"".join(struct.pack("<I", len(s)) + s for s in strings)
         got = bytes_elements(raw, len(strings), "s")
         assert got.shape == (len(strings),) and list(got) == strings, (strings, got)
