@@ -130,7 +130,7 @@ def make_servicer(service: Service):
             name, started, rows, snapshot, code = request.model_name, time.perf_counter(), 0, None, 200
             try:
                 tensors = decode_infer_request(request)
-                outputs, snapshot = service.submit(name, tensors).result()
+                outputs, snapshot = service.call(name, tensors)
                 asked = [o.name for o in request.outputs]
                 unknown = [a for a in asked if a not in outputs]
                 if unknown:

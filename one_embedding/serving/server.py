@@ -15,7 +15,9 @@ snapshot and the run's file, also logged.
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import re
 import threading
 import time
 
@@ -77,39 +79,54 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
             return error(e)
         return JSONResponse({"name": request.path_params["model"], "ready": True})
 
-    async def read_body(request) -> bytes:
-        declared = request.headers.get("content-length")
+    async def read_body(headers: dict, receive) -> bytes:
+        declared = headers.get(b"content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ProtocolError(f"the request body of {int(declared):,} bytes exceeds the "
                                 f"server's limit of {limit:,} (--max-request-mb)", 413)
         chunks, size = [], 0
-        async for chunk in request.stream():
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client went away
+                raise ProtocolError("the client closed the connection", 499)
+            chunk = message.get("body", b"")
             size += len(chunk)
             if size > limit:
                 raise ProtocolError(f"the request body exceeds the server's limit of {limit:,} "
                                     "bytes (--max-request-mb)", 413)
             chunks.append(chunk)
-        return b"".join(chunks)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def infer_route(request):
-        name, started, rows, snapshot = request.path_params["model"], time.perf_counter(), 0, None
+    async def infer_asgi(name: str, scope, receive, send) -> None:
+        """POST .../infer as a bare ASGI handler: the hot path skips Starlette's request,
+        routing and middleware objects (~0.1 ms a request here)."""
+        started, rows, snapshot = time.perf_counter(), 0, None
+        headers = dict(scope["headers"])
         try:
-            body = await read_body(request)
-            decoded, tensors = decode_request(body, request.headers.get(HEADER))
+            body = await read_body(headers, receive)
+            header = headers.get(HEADER.lower().encode())
+            decoded, tensors = decode_request(body, None if header is None else header.decode())
             outputs, snapshot = await asyncio.wrap_future(service.submit(name, tensors))
             rows = next(iter(outputs.values())).shape[0]
-            content, headers = encode_response(decoded, name, outputs, {"snapshot": snapshot})
-            response = Response(content, headers=headers)
+            content, extra = encode_response(decoded, name, outputs, {"snapshot": snapshot})
+            status = 200
         except ProtocolError as e:
             if e.status >= 500:
                 log.error("inference on %r failed: %s", name, e)
-            response = error(e)
+            status, content, extra = e.status, json.dumps({"error": str(e)}).encode(), {}
         except Exception as e:  # a server fault: logged, answered, and the server goes on
             log.exception("inference on %r failed", name)
-            response = JSONResponse({"error": f"internal error: {type(e).__name__}: {e}"},
-                                    status_code=500)
-        service.answered(name, "rest", response.status_code, started, rows, snapshot)
-        return response
+            status = 500
+            content = json.dumps({"error": f"internal error: {type(e).__name__}: {e}"}).encode()
+            extra = {}
+        extra.setdefault("content-type", "application/json")
+        if status != 499:
+            await send({"type": "http.response.start", "status": status, "headers": [
+                (b"content-length", str(len(content)).encode()),
+                *((k.lower().encode(), v.encode()) for k, v in extra.items())]})
+            await send({"type": "http.response.body", "body": content})
+        service.answered(name, "rest", status, started, rows, snapshot)
 
     async def metrics(request):
         if service.metrics is None:
@@ -126,8 +143,6 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
         Route("/v2/models/{model}/versions/{version}", metadata),
         Route("/v2/models/{model}/ready", model_ready),
         Route("/v2/models/{model}/versions/{version}/ready", model_ready),
-        Route("/v2/models/{model}/infer", infer_route, methods=["POST"]),
-        Route("/v2/models/{model}/versions/{version}/infer", infer_route, methods=["POST"]),
         Route("/metrics", metrics),
     ]
 
@@ -135,7 +150,27 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
         return JSONResponse({"error": f"no route {request.method} {request.url.path}"},
                             status_code=getattr(exc, "status_code", 404))
 
-    return Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
+    infer_path = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?/infer")
+
+    async def application(scope, receive, send):
+        if scope["type"] == "http":
+            match = infer_path.fullmatch(scope["path"])
+            if match is not None:
+                if scope["method"] == "POST":
+                    return await infer_asgi(match.group(1), scope, receive, send)
+                return await _method_not_allowed(scope, send)
+        return await app(scope, receive, send)
+
+    return application
+
+
+async def _method_not_allowed(scope, send) -> None:
+    content = json.dumps({"error": f"no route {scope['method']} {scope['path']}"}).encode()
+    await send({"type": "http.response.start", "status": 405, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(content)).encode()),
+        (b"allow", b"POST")]})
+    await send({"type": "http.response.body", "body": content})
 
 
 class Follower:

@@ -31,7 +31,7 @@ from .protocol import DTYPES, ProtocolError
 log = logging.getLogger("one_embedding.serve")
 
 #: threads running requests when dynamic batching is off (and every ``embedding`` request)
-WORKERS = 4
+WORKERS = 2
 #: request latency histogram buckets, seconds
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
                    1.0, 2.0, 5.0)
@@ -282,6 +282,14 @@ class Service:
         if self.batcher is not None and name != "embedding":
             return self.batcher.submit(*inputs)
         return self._pool.submit(self._run, name, inputs)
+
+    def call(self, name: str, tensors: dict) -> tuple[dict, str]:
+        """``submit``, waited for; without batching the model runs in the calling thread (a
+        gRPC worker: no second thread hop)."""
+        inputs = model_inputs(self.predictor, name, tensors)
+        if self.batcher is not None and name != "embedding":
+            return self.batcher.submit(*inputs).result()
+        return self._run(name, inputs)
 
     def answered(self, model: str, protocol: str, code: int, started: float, rows: int,
                  snapshot: str | None = None) -> None:
