@@ -31,7 +31,7 @@ from .protocol import DTYPES, ProtocolError
 log = logging.getLogger("one_embedding.serve")
 
 #: threads running requests when dynamic batching is off (and every ``embedding`` request)
-WORKERS = 2
+WORKERS = 4
 #: request latency histogram buckets, seconds
 LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
                    1.0, 2.0, 5.0)

@@ -441,11 +441,17 @@ def test_readme_client_example_runs(server):
 
     text = (__import__("helpers").ROOT / "README.md").read_text()
     start = text.index("## Serving: `one-embedding serve`")
-    code = re.findall(r"```python\n(.*?)```", text[start:], re.S)[0]
+    rest, grpc = re.findall(r"```python\n(.*?)```", text[start:], re.S)[:2]
     scope: dict = {}
-    exec(compile(code.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}"), "README.md", "exec"),
+    exec(compile(rest.replace("127.0.0.1:8000", f"127.0.0.1:{server.port}"), "README.md", "exec"),
          scope)
     assert scope["rows"].shape == (3, E) and scope["snapshot"] == "final"
+    over_grpc: dict = {}
+    assert "127.0.0.1:8001" in grpc
+    exec(compile(grpc.replace("127.0.0.1:8001", f"127.0.0.1:{server.grpc_port}"), "README.md",
+                 "exec"), over_grpc)
+    np.testing.assert_array_equal(over_grpc["rows"], scope["rows"])
+    assert over_grpc["snapshot"] == "final"
 
 
 def test_servers_killed_while_switching_leave_the_run_intact(tmp_path):
