@@ -335,11 +335,13 @@ def main(argv=None) -> None:
                         probe_failures.append(repr(e))
 
             watcher = threading.Thread(target=probe, daemon=True)
-            time.sleep(1.0)  # the resumed run is under way
             watcher.start()
+            deadline = time.monotonic() + 300
+            while len(seen) < 2 and time.monotonic() < deadline and trainer.poll() is None:
+                time.sleep(0.1)  # until the resumed run has published its first checkpoint
             rest_file, header, _ = bodies[64]
             r = drive_rest(ab, server.port, rest_file, header, args.clients,
-                           max(args.seconds, 8.0), root)
+                           max(args.seconds, 10.0), root)
             stop.set()
             watcher.join()
             trainer.terminate()

@@ -53,9 +53,20 @@ def bytes_elements(raw: bytes, count: int, name: str) -> np.ndarray:
         if (rows[:, :4].copy().view("<u4").reshape(-1) == width).all():
             starts = np.arange(count, dtype=np.int64) * (4 + width) + 4
             return _gather(data, starts, np.full(count, width, np.int64), raw)
-    starts, sizes = [0] * count, [0] * count
-    unpack, pos, end = _U32.unpack_from, 0, len(raw)
-    for i in range(count):
+    starts, sizes = [], []
+    add_start, add_size, unpack, pos, end = starts.append, sizes.append, _U32.unpack_from, 0, len(raw)
+    try:  # the tight loop; an element running past the end is named by the checked one below
+        for _ in range(count):
+            (size,) = unpack(raw, pos)
+            add_start(pos + 4)
+            add_size(size)
+            pos += 4 + size
+    except struct.error:
+        pos = end + 1
+    if pos == end:
+        return _gather(data, np.array(starts, np.int64), np.array(sizes, np.int64), raw)
+    pos = 0
+    for _ in range(count):
         if pos + 4 > end:
             raise ProtocolError(f"input {name!r}: its binary BYTES data ends inside an element's "
                                 "4-byte length")
@@ -64,12 +75,9 @@ def bytes_elements(raw: bytes, count: int, name: str) -> np.ndarray:
         if pos + size > end:
             raise ProtocolError(f"input {name!r}: a BYTES element of {size} bytes runs past the "
                                 "end of its binary data")
-        starts[i], sizes[i] = pos, size
         pos += size
-    if pos != end:
-        raise ProtocolError(f"input {name!r}: {end - pos} bytes of binary data are left "
-                            f"after its {count} BYTES elements")
-    return _gather(data, np.array(starts, np.int64), np.array(sizes, np.int64), raw)
+    raise ProtocolError(f"input {name!r}: {end - pos} bytes of binary data are left "
+                        f"after its {count} BYTES elements")
 
 
 def _gather(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray, raw: bytes) -> np.ndarray:
@@ -77,8 +85,7 @@ def _gather(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray, raw: bytes)
     ends in a NUL byte)."""
     n = starts.shape[0]
     width = int(sizes.max()) if n else 0
-    filled = sizes > 0
-    if width and (data[starts[filled] + sizes[filled] - 1] == 0).any():
+    if width and (data[starts + sizes - 1][sizes > 0] == 0).any():
         return np.array([raw[s:s + z] for s, z in zip(starts.tolist(), sizes.tolist())],
                         dtype=object)
     if width == 0:
