@@ -296,6 +296,11 @@ class Predictor:
         batcher's call); each request's scores are those ``predict`` gives it alone."""
         served = self._acquire()
         try:
+            joint = _joint_inputs(served, requests)
+            if joint is not None:  # every request valid: transformed together, one numpy pass
+                prob = _score(served, *joint)
+                ends = np.cumsum([np.shape(d)[0] for d, _ in requests])
+                return list(np.split(prob, ends[:-1])), served.name
             results, valid = [None] * len(requests), []
             for i, (dense, categorical) in enumerate(requests):
                 try:
@@ -333,6 +338,23 @@ def _model_inputs(served: _Served, dense, categorical) -> tuple[np.ndarray, np.n
         raise InputError(f"dense has {dense_in.shape[0]} rows but categorical "
                          f"{ids.shape[0]}: give one row of each per sample")
     return dense_in, ids
+
+
+def _joint_inputs(served: _Served, requests):
+    """The model inputs of all ``requests`` transformed together (the per-call costs paid once),
+    or None when one of them is refused or they do not stack (then each is transformed alone,
+    so that its refusal names its own rows)."""
+    if len(requests) < 2 or not all(isinstance(c, np.ndarray) for _, c in requests):
+        return None
+    try:
+        dense = [np.asarray(d) for d, _ in requests]
+        cats = [np.asarray(c) for _, c in requests]
+        if any(d.ndim != 2 or c.ndim != 2 or d.shape[0] != c.shape[0]
+               for d, c in zip(dense, cats)):
+            return None
+        return _model_inputs(served, np.concatenate(dense), np.concatenate(cats))
+    except (InputError, ValueError, TypeError):
+        return None
 
 
 def _score(served: _Served, dense_in: np.ndarray, ids: np.ndarray) -> np.ndarray:

@@ -66,7 +66,7 @@ def test_an_inference_forward_keeps_no_activations_and_runs_side_by_side(run):
         assert activations(p._current.model) == []
 
 
-def test_the_batcher_merges_concurrent_requests_and_answers_each_as_alone(run):
+def test_the_batcher_merges_concurrent_requests_and_answers_each_as_alone(run, monkeypatch):
     """Requests queued together are one model call (the metrics count a merged batch), and each
     gets the scores ``predict`` gives it alone, up to float32 rounding: OpenBLAS picks other
     kernels (other summation orders) for other row counts, so a row's logit can differ in its
@@ -78,25 +78,35 @@ def test_the_batcher_merges_concurrent_requests_and_answers_each_as_alone(run):
     requests = [raw_rows(int(n), 100 + seed) for seed, n in enumerate([1, 5, 64, 1, 33, 2, 17, 9])]
     bad_dense, bad_cat = raw_rows(3, 99)
     bad_cat[1, 2] = "x"
+    from one_embedding.serving import predictor as predictor_module
+
+    joint = []
+    transform_together = predictor_module._joint_inputs
+    monkeypatch.setattr(predictor_module, "_joint_inputs",
+                        lambda *a: joint.append(transform_together(*a)) or joint[-1])
     with Predictor(run) as p:
         alone = [p.predict(d, c) for d, c in requests]
         service = Service(p, max_batch_size=4096, max_queue_delay=0.5)
         try:
-            futures = [service.submit("dlrm", {"dense": d, "categorical": c}) for d, c in requests]
-            refused = service.submit("dlrm", {"dense": bad_dense, "categorical": bad_cat})
-            for f, want in zip(futures, alone):
-                outputs, snapshot = f.result(timeout=60)
-                assert snapshot == "final"
-                assert outputs["probability"].shape == want.shape
-                np.testing.assert_allclose(outputs["probability"], want, rtol=0, atol=1e-6)
+            for with_bad in (False, True):  # transformed together; one by one around the bad one
+                futures = [service.submit("dlrm", {"dense": d, "categorical": c})
+                           for d, c in requests]
+                if with_bad:
+                    refused = service.submit("dlrm", {"dense": bad_dense, "categorical": bad_cat})
+                for f, want in zip(futures, alone):
+                    outputs, snapshot = f.result(timeout=60)
+                    assert snapshot == "final"
+                    assert outputs["probability"].shape == want.shape
+                    np.testing.assert_allclose(outputs["probability"], want, rtol=0, atol=1e-6)
             with pytest.raises(ProtocolError, match=r"categorical\[1, 2\] = 'x'") as e:
                 refused.result(timeout=60)
             assert e.value.status == 400
+            assert any(j is not None for j in joint) and any(j is None for j in joint)
             merged = {s.name: s.value for s in service.metrics.registry.collect()
                       for s in s.samples if s.name == "one_embedding_batch_requests_sum"}
-            assert merged["one_embedding_batch_requests_sum"] == len(requests) + 1
+            assert merged["one_embedding_batch_requests_sum"] == 2 * len(requests) + 1
             count = {s.name: s.value for m in service.metrics.registry.collect()
                      for s in m.samples if s.name == "one_embedding_batch_requests_count"}
-            assert count["one_embedding_batch_requests_count"] < len(requests), count  # merged
+            assert count["one_embedding_batch_requests_count"] < 2 * len(requests), count  # merged
         finally:
             service.close()
