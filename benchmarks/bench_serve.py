@@ -153,7 +153,8 @@ def drive_rest(ab: str, port: int, body_file: str, header: int, clients: int,
                seconds: float, folder: str) -> dict:
     """ab -k -c clients for ``seconds``: requests/s, p50/p99 (its percentile CSV), failures."""
     csv = os.path.join(folder, "ab.csv")
-    cmd = [ab, "-q", "-k", "-c", str(clients), "-t", str(seconds), "-n", "100000000",
+    # ab reads -t as whole seconds (0: no limit)
+    cmd = [ab, "-q", "-k", "-c", str(clients), "-t", str(max(1, round(seconds))), "-n", "100000000",
            "-s", "120", "-p", body_file, "-T", "application/octet-stream",
            "-H", f"Inference-Header-Content-Length: {header}", "-e", csv,
            f"http://127.0.0.1:{port}/v2/models/dlrm/infer"]

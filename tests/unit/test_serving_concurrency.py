@@ -110,3 +110,17 @@ def test_the_batcher_merges_concurrent_requests_and_answers_each_as_alone(run, m
             assert count["one_embedding_batch_requests_count"] < 2 * len(requests), count  # merged
         finally:
             service.close()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max-batch-size", "0"], "--max-batch-size 0 must be >= 1"),
+    (["--max-queue-delay-us", "-5"], "--max-queue-delay-us -5.0 must be >= 0"),
+    (["--grpc-port", "8000"], "--grpc-port 8000 must be in 1..65535 and differ from --port 8000"),
+    (["--grpc-port", "70000"], "--grpc-port 70000 must be in 1..65535"),
+    (["--blas-threads", "0"], "--blas-threads 0 must be >= 1"),
+])
+def test_serve_refuses_bad_batching_and_grpc_options(run, capsys, argv, words):
+    from one_embedding import cli
+
+    assert cli.main(["serve", "--persistent-path", str(run), *argv]) == 2
+    assert words in capsys.readouterr().err
