@@ -11,10 +11,12 @@ value strings, binary tensors as tritonclient sends them) in batches of 1 and 64
   and BLAS's default threads), before and after the servers: the best is the baseline;
 - REST: ApacheBench (`ab -k -c CLIENTS`, a C client with keep-alive; installed with apt-get when
   missing) posting the same request body;
-- gRPC: `benchmarks/grpc_load.py` in its own process: grpcio's asyncio client keeping CLIENTS
-  calls in flight, each a pre-serialized `ModelInferRequest` sent as bytes (no protobuf work per
-  call in Python). No C gRPC load generator (ghz) can be installed here (no network beyond the
-  package registries), so this is the leanest generator available;
+- gRPC: h2load (nghttp2's C HTTP/2 load generator, installed with apt-get when missing) posting
+  the gRPC-framed `ModelInferRequest` with CLIENTS streams in flight (rate and mean latency; the
+  server's /metrics count gRPC-level failures, which h2load cannot see), and
+  `benchmarks/grpc_load.py` in its own process (grpcio's asyncio client, each call a
+  pre-serialized request sent as bytes) for p50 / p99. ghz, a gRPC-aware C load generator, is not
+  installable here;
 - each with dynamic batching off (`--max-batch-size 1`) and on (`--max-batch-size 1024`).
 
 The load generator shares the machine's cores with the server. Then batch 64 again under ab while
@@ -101,24 +103,63 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_ab() -> str:
-    """The path of ApacheBench, installed with apt-get (apache2-utils) when missing and this
-    process may; else SystemExit saying how to get it."""
+def ensure_tool(tool: str, package: str, what: str) -> str:
+    """The path of ``tool``, installed with apt-get (``package``) when missing and this process
+    may; else SystemExit saying how to get it."""
     import shutil
 
-    found = shutil.which("ab")
+    found = shutil.which(tool)
     if found:
         return found
     if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
-        print("installing ApacheBench: apt-get install -y apache2-utils", flush=True)
-        subprocess.run(["apt-get", "install", "-y", "apache2-utils"], stdout=subprocess.DEVNULL,
+        print(f"installing {what}: apt-get install -y {package}", flush=True)
+        subprocess.run(["apt-get", "install", "-y", package], stdout=subprocess.DEVNULL,
                        stderr=subprocess.DEVNULL)
-        found = shutil.which("ab")
+        found = shutil.which(tool)
         if found:
             return found
-    raise SystemExit("this benchmark drives the server with ApacheBench (ab), which is missing: "
-                     "install it (Debian/Ubuntu: apt-get install apache2-utils; macOS: it ships "
-                     "with the system) and run it again")
+    raise SystemExit(f"this benchmark drives the server with {what} ({tool}), which is missing: "
+                     f"install it (Debian/Ubuntu: apt-get install {package}) and run it again")
+
+
+def drive_h2load(h2load: str, server: "Server", body_file: str, clients: int,
+                 seconds: float) -> dict:
+    """gRPC load from h2load (nghttp2's C HTTP/2 client): the ModelInfer call as a gRPC-framed
+    POST, ``clients`` streams in flight over 4 connections. h2load sees HTTP statuses only (a
+    gRPC error is an HTTP 200 with a grpc-status trailer), so failures are also counted from the
+    server's own /metrics; h2load reports the mean latency, not percentiles."""
+    import re
+
+    before = grpc_failures(server)
+    connections = min(4, clients)
+    cmd = [h2load, "-c", str(connections), "-m", str(-(-clients // connections)),
+           "-D", str(max(1, round(seconds))), "--warm-up-time", "1", "-d", body_file,
+           "-H", "content-type: application/grpc", "-H", "te: trailers",
+           f"http://127.0.0.1:{server.grpc_port}/inference.GRPCInferenceService/ModelInfer"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180)
+    if out.returncode != 0:
+        raise SystemExit(f"h2load failed: {out.stderr[-2000:]}{out.stdout[-2000:]}")
+    qps = float(re.search(r"finished in [\d.]+s, ([\d.]+) req/s", out.stdout).group(1))
+    done = re.search(r"requests: (\d+) total.*?(\d+) succeeded, (\d+) failed, (\d+) errored, "
+                     r"(\d+) timeout", out.stdout)
+    mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)\b", out.stdout)
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[mean.group(2)]
+    return {"qps": qps, "requests": int(done.group(2)), "mean_ms": float(mean.group(1)) * scale,
+            "failed": int(done.group(3)) + int(done.group(4)) + int(done.group(5))
+            + grpc_failures(server) - before}
+
+
+def grpc_failures(server: "Server") -> float:
+    """The server's count of refused or failed gRPC requests (its /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == "one_embedding_request_failures_total"
+               and s.labels.get("protocol") == "grpc")
 
 
 def rest_body(dense, cat) -> tuple[bytes, int]:
@@ -260,12 +301,14 @@ def main(argv=None) -> None:
                    help="the server's --max-queue-delay-us with dynamic batching on")
     p.add_argument("--dir", default=None, help="folder for the run (default: $TMPDIR)")
     args = p.parse_args(argv)
-    ab = ensure_ab()
+    ab = ensure_tool("ab", "apache2-utils", "ApacheBench")
+    h2load = ensure_tool("h2load", "nghttp2-client", "h2load")
     config = {"model": "dlrm", "store": "cached_ssd slots", "steps": args.steps,
               "batches": BATCHES, "clients": args.clients, "seconds per cell": args.seconds,
               "batching on": f"--max-batch-size {args.max_batch_size} --max-queue-delay-us "
                              f"{args.max_queue_delay_us:g}",
-              "REST load": "ab -k", "gRPC load": "benchmarks.grpc_load (grpcio aio, own process)"}
+              "REST load": "ab -k", "gRPC load": "h2load (rate, mean latency); "
+              "benchmarks.grpc_load (grpcio aio client, own process: p50 / p99)"}
     machine = print_header("serving: one-embedding serve over REST and gRPC vs Predictor "
                            "in-process", config)
     rows = []
@@ -286,32 +329,43 @@ def main(argv=None) -> None:
             grpc_file = os.path.join(root, f"grpc{batch}.bin")
             with open(rest_file, "wb") as f:
                 f.write(body)
+            message = grpc_body(*requests[0])
             with open(grpc_file, "wb") as f:
-                f.write(grpc_body(*requests[0]))
-            bodies[batch] = (rest_file, header, grpc_file)
+                f.write(message)
+            h2_file = os.path.join(root, f"h2_{batch}.bin")
+            with open(h2_file, "wb") as f:  # gRPC framing: uncompressed, big-endian length
+                f.write(b"\0" + len(message).to_bytes(4, "big") + message)
+            bodies[batch] = (rest_file, header, grpc_file, h2_file)
         for batching, extra in (("off", ["--max-batch-size", 1]),
                                 ("on", ["--max-batch-size", args.max_batch_size,
                                         "--max-queue-delay-us", args.max_queue_delay_us])):
             server = Server(path, "--poll-seconds", 0, *extra)
             try:
                 for batch in BATCHES:
-                    rest_file, header, grpc_file = bodies[batch]
-                    for proto in ("REST", "gRPC"):
-                        r = drive_rest(ab, server.port, rest_file, header, args.clients,
-                                       args.seconds, root) if proto == "REST" else \
-                            drive_grpc(server.grpc_port, grpc_file, args.clients, args.seconds)
+                    rest_file, header, grpc_file, h2_file = bodies[batch]
+                    for proto in ("REST", "gRPC", "gRPC aio client"):
+                        if proto == "REST":
+                            r = drive_rest(ab, server.port, rest_file, header, args.clients,
+                                           args.seconds, root)
+                        elif proto == "gRPC":
+                            r = drive_h2load(h2load, server, h2_file, args.clients, args.seconds)
+                        else:
+                            r = drive_grpc(server.grpc_port, grpc_file, args.clients,
+                                           args.seconds)
                         base = next(x for x in rows if x["mode"].startswith("in-process")
                                     and x["batch"] == batch)
                         row = {"mode": f"{proto}, batching {batching}", "batch": batch,
                                "clients": args.clients, "qps": r["qps"],
-                               "rows_per_s": r["qps"] * batch, "p50_ms": r["p50_ms"],
-                               "p99_ms": r["p99_ms"], "failed": r["failed"],
-                               "vs_in_process": r["qps"] / base["qps"]}
+                               "rows_per_s": r["qps"] * batch, "p50_ms": r.get("p50_ms"),
+                               "p99_ms": r.get("p99_ms"), "mean_ms": r.get("mean_ms"),
+                               "failed": r["failed"], "vs_in_process": r["qps"] / base["qps"]}
+                        row = {k: v for k, v in row.items() if v is not None}
                         rows.append(row)
-                        print(f"{row['mode']:20s} batch {batch:3d} x{args.clients}: "
+                        latency = f"mean {r['mean_ms']:.1f} ms" if "mean_ms" in r else \
+                            f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms"
+                        print(f"{row['mode']:32s} batch {batch:3d} x{args.clients}: "
                               f"{row['rows_per_s']:9.0f} rows/s ({row['vs_in_process']:.2f}x "
-                              f"in-process), p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms, "
-                              f"{r['failed']} failed", flush=True)
+                              f"in-process), {latency}, {r['failed']} failed", flush=True)
             finally:
                 server.close()
         # the baseline again, now that the servers are gone: on a shared machine one measurement
@@ -355,7 +409,7 @@ def main(argv=None) -> None:
             deadline = time.monotonic() + 300
             while len(seen) < 2 and time.monotonic() < deadline and trainer.poll() is None:
                 time.sleep(0.1)  # until the resumed run has published its first checkpoint
-            rest_file, header, _ = bodies[64]
+            rest_file, header = bodies[64][:2]
             r = drive_rest(ab, server.port, rest_file, header, args.clients,
                            max(args.seconds, 10.0), root)
             stop.set()
@@ -370,7 +424,7 @@ def main(argv=None) -> None:
                      "failed": r["failed"] + len(probe_failures), "snapshots_served": len(seen)})
         print(f"during reload: {r['qps'] * 64:.0f} rows/s, p99 {r['p99_ms']:.1f} ms, {len(seen)} "
               f"snapshots served, {r['failed'] + len(probe_failures)} failed", flush=True)
-    columns = ["mode", "batch", "clients", "rows_per_s", "qps", "p50_ms", "p99_ms",
+    columns = ["mode", "batch", "clients", "rows_per_s", "qps", "p50_ms", "p99_ms", "mean_ms",
                "vs_in_process", "snapshots_served", "failed"]
     print(markdown_table(rows, columns))
 
