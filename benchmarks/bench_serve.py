@@ -1,20 +1,35 @@
-"""Serving load: QPS and p50 / p99 latency of `one-embedding serve` through tritonclient, against
-the same `Predictor` called in-process on the same requests, in the same run.
+"""Serving rate: `one-embedding serve` over REST and gRPC, driven by load generators outside the
+server's process, against the same `Predictor` called in-process, all in one run.
 
-    python -m benchmarks.bench_serve [--steps 200] [--seconds 4]
+    python -m benchmarks.bench_serve [--steps 200] [--seconds 5] [--clients 16]
 
 A DLRM (Adagrad, cached_ssd slots, synthetic Kaggle x 0.05) is trained first; its final
 checkpoint is served. Requests carry raw features (dense (b, 13) with NaNs, categorical (b, 26)
-value strings) drawn from the synthetic source, batches of 1, 64 and 512 rows, at concurrency 1
-and 16: in-process, 16 threads share one Predictor; over HTTP, 16 threads with a tritonclient
-each, one request in flight per thread (binary tensors, tritonclient's default). Then batch 64 at concurrency 16
-again while a training run resumes on the same path and publishes a checkpoint every 5 steps
-(keeping 1), so the server switches snapshots under load: its QPS, latency, switches seen and
-failed requests. Writes results/serve.json and prints the markdown table docs/serving.md shows.
+value strings, binary tensors as tritonclient sends them) in batches of 1 and 64 rows.
+
+- in-process: `Predictor.predict` in one thread (BLAS limited to 1 thread, as the server runs it,
+  and BLAS's default threads: the better is the baseline), measured first and again right before
+  each server's cells of a batch size: on a shared machine the rate moves, so each cell is
+  compared with the baseline measured next to it;
+- REST: ApacheBench (`ab -k -c CLIENTS`, a C client with keep-alive; installed with apt-get when
+  missing) posting the same request body;
+- gRPC: h2load (nghttp2's C HTTP/2 load generator, installed with apt-get when missing) posting
+  the gRPC-framed `ModelInferRequest` with CLIENTS streams in flight (rate and mean latency; the
+  server's /metrics count gRPC-level failures, which h2load cannot see), and
+  `benchmarks/grpc_load.py` in its own process (grpcio's asyncio client, each call a
+  pre-serialized request sent as bytes) for p50 / p99. ghz, a gRPC-aware C load generator, is not
+  installable here;
+- each with dynamic batching off (`--max-batch-size 1`) and on (`--max-batch-size 1024`).
+
+The load generator shares the machine's cores with the server. Then batch 64 again under ab while
+a training run resumes on the same path and publishes a checkpoint every 5 steps (keeping 1), so
+the server switches snapshots under load: failed requests must stay 0. Writes results/serve.json
+and prints the markdown table.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import subprocess
@@ -28,8 +43,7 @@ import numpy as np
 
 from .common import markdown_table, print_header, save_result
 
-BATCHES = (1, 64, 512)
-CONCURRENCY = (1, 16)
+BATCHES = (1, 64)
 TRAIN = ["--model", "dlrm", "--optimizer", "adagrad", "--store", "cached_ssd", "--cache-mb", "16",
          "--synthetic-scale", "0.05", "--batch-size", "1024", "--eval-batches", "2",
          "--no-progress", "--metrics", os.devnull]
@@ -85,128 +99,354 @@ def in_process(predictor, requests, concurrency: int, seconds: float) -> dict:
     return summarize(lat, time.perf_counter() - t0, requests[0][0].shape[0])
 
 
-def over_http(url: str, requests, concurrency: int, seconds: float, snapshots=None) -> dict:
-    """``concurrency`` threads, each with its own tritonclient (a client is not thread-safe;
-    its gevent-based async_infer adds ~10 ms a request here), each keeping one request in
-    flight."""
-    import tritonclient.http as httpclient
-
-    def inputs(dense, cat):
-        a = httpclient.InferInput("dense", list(dense.shape), "FP32")
-        a.set_data_from_numpy(dense)
-        b = httpclient.InferInput("categorical", list(cat.shape), "BYTES")
-        b.set_data_from_numpy(cat)
-        return [a, b]
-
-    prepared = [inputs(*r) for r in requests]
-    lat, failures = [], []
-    lock = threading.Lock()
-    stop = time.perf_counter() + seconds
-
-    def worker(k):
-        client = httpclient.InferenceServerClient(url, network_timeout=120,
-                                                  connection_timeout=120)
-        i = k
-        try:
-            while time.perf_counter() < stop:
-                t = time.perf_counter()
-                try:
-                    result = client.infer("dlrm", prepared[i % len(prepared)])
-                except Exception as e:
-                    with lock:
-                        failures.append(repr(e))
-                    continue
-                with lock:
-                    lat.append(time.perf_counter() - t)
-                    if snapshots is not None:
-                        snapshots.add(result.get_response()["parameters"]["snapshot"])
-                i += concurrency
-        finally:
-            client.close()
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(concurrency) as pool:
-        list(pool.map(worker, range(concurrency)))
-    out = summarize(lat, time.perf_counter() - t0, requests[0][0].shape[0])
-    out["failed"] = len(failures)
-    return out
-
-
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--steps", type=int, default=200, help="training steps before serving")
-    p.add_argument("--seconds", type=float, default=4.0, help="measured seconds per cell")
-    p.add_argument("--dir", default=None, help="folder for the run (default: $TMPDIR)")
-    args = p.parse_args(argv)
-    machine = print_header("serving: one-embedding serve (tritonclient) vs Predictor in-process",
-                           {"model": "dlrm", "store": "cached_ssd slots", "steps": args.steps,
-                            "batches": BATCHES, "concurrency": CONCURRENCY,
-                            "seconds per cell": args.seconds})
+def ensure_tool(tool: str, package: str, what: str) -> str:
+    """The path of ``tool``, installed with apt-get (``package``) when missing and this process
+    may; else SystemExit saying how to get it."""
+    import shutil
+
+    found = shutil.which(tool)
+    if found:
+        return found
+    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
+        print(f"installing {what}: apt-get install -y {package}", flush=True)
+        subprocess.run(["apt-get", "install", "-y", package], stdout=subprocess.DEVNULL,
+                       stderr=subprocess.DEVNULL)
+        found = shutil.which(tool)
+        if found:
+            return found
+    raise SystemExit(f"this benchmark drives the server with {what} ({tool}), which is missing: "
+                     f"install it (Debian/Ubuntu: apt-get install {package}) and run it again")
+
+
+def drive_h2load(h2load: str, server: "Server", body_file: str, clients: int,
+                 seconds: float) -> dict:
+    """gRPC load from h2load (nghttp2's C HTTP/2 client): the ModelInfer call as a gRPC-framed
+    POST, ``clients`` streams in flight over 4 connections. h2load sees HTTP statuses only (a
+    gRPC error is an HTTP 200 with a grpc-status trailer), so failures are also counted from the
+    server's own /metrics; h2load reports the mean latency, not percentiles."""
+    import re
+
+    before = grpc_failures(server)
+    connections = min(4, clients)
+    cmd = [h2load, "-c", str(connections), "-m", str(-(-clients // connections)),
+           "-D", str(max(1, round(seconds))), "--warm-up-time", "1", "-d", body_file,
+           "-H", "content-type: application/grpc", "-H", "te: trailers",
+           f"http://127.0.0.1:{server.grpc_port}/inference.GRPCInferenceService/ModelInfer"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180)
+    if out.returncode != 0:
+        raise SystemExit(f"h2load failed: {out.stderr[-2000:]}{out.stdout[-2000:]}")
+    qps = float(re.search(r"finished in [\d.]+s, ([\d.]+) req/s", out.stdout).group(1))
+    done = re.search(r"requests: (\d+) total.*?(\d+) succeeded, (\d+) failed, (\d+) errored, "
+                     r"(\d+) timeout", out.stdout)
+    mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)\b", out.stdout)
+    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[mean.group(2)]
+    return {"qps": qps, "requests": int(done.group(2)), "mean_ms": float(mean.group(1)) * scale,
+            "failed": int(done.group(3)) + int(done.group(4)) + int(done.group(5))
+            + grpc_failures(server) - before}
+
+
+def grpc_failures(server: "Server") -> float:
+    """The server's count of refused or failed gRPC requests (its /metrics)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == "one_embedding_request_failures_total"
+               and s.labels.get("protocol") == "grpc")
+
+
+def rest_body(dense, cat) -> tuple[bytes, int]:
+    """The REST request tritonclient.http sends (binary tensors, binary output) and its JSON
+    header's length."""
     import tritonclient.http as httpclient
+
+    a = httpclient.InferInput("dense", list(dense.shape), "FP32")
+    a.set_data_from_numpy(dense)
+    b = httpclient.InferInput("categorical", list(cat.shape), "BYTES")
+    b.set_data_from_numpy(cat)
+    out = [httpclient.InferRequestedOutput("probability", binary_data=True)]
+    body, n = httpclient.InferenceServerClient.generate_request_body([a, b], outputs=out)
+    return body, int(n)
+
+
+def grpc_body(dense, cat) -> bytes:
+    """The serialized ModelInferRequest tritonclient.grpc sends (raw input contents)."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.grpc import service_pb2 as pb
+
+    req = pb.ModelInferRequest(model_name="dlrm")
+    for name, array, dtype in (("dense", dense, "FP32"), ("categorical", cat, "BYTES")):
+        i = grpcclient.InferInput(name, list(array.shape), dtype)
+        i.set_data_from_numpy(array)
+        req.inputs.extend([i._get_tensor()])
+        req.raw_input_contents.extend([i._get_content()])
+    return req.SerializeToString()
+
+
+def drive_rest(ab: str, port: int, body_file: str, header: int, clients: int,
+               seconds: float, folder: str) -> dict:
+    """ab -k -c clients for ``seconds``: requests/s, p50/p99 (its percentile CSV), failures."""
+    csv = os.path.join(folder, "ab.csv")
+    # ab reads -t as whole seconds (0: no limit)
+    cmd = [ab, "-q", "-k", "-c", str(clients), "-t", str(max(1, round(seconds))), "-n", "100000000",
+           "-s", "120", "-p", body_file, "-T", "application/octet-stream",
+           "-H", f"Inference-Header-Content-Length: {header}", "-e", csv,
+           f"http://127.0.0.1:{port}/v2/models/dlrm/infer"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180)
+    if out.returncode != 0:
+        raise SystemExit(f"ab failed: {out.stderr[-2000:]}")
+
+    def field(label, default=0.0):
+        for line in out.stdout.splitlines():
+            if line.startswith(label):
+                return float(line.split(":", 1)[1].split()[0])
+        return default
+
+    # ab counts a response whose length differs from the first one's as failed ("Length"):
+    # while snapshots switch, the snapshot's name in the answer changes its length. Failed here
+    # means a connection or receive error, an exception, or a non-2xx status.
+    import re
+
+    broken = re.search(r"\(Connect: (\d+), Receive: (\d+), Length: (\d+), Exceptions: (\d+)\)",
+                       out.stdout)
+    connect, receive, length, exceptions = map(int, broken.groups()) if broken else (0, 0, 0, 0)
+    pct = {}
+    with open(csv) as f:
+        for line in f.read().splitlines()[1:]:
+            k, v = line.split(",")
+            pct[int(float(k))] = float(v)
+    done = field("Complete requests")
+    return {"requests": int(done), "qps": field("Requests per second"),
+            "failed": connect + receive + exceptions + int(field("Non-2xx responses")),
+            "other_length": length,
+            "p50_ms": pct[50], "p99_ms": pct[99]}
+
+
+def drive_grpc(port: int, body_file: str, clients: int, seconds: float) -> dict:
+    cmd = [sys.executable, "-m", "benchmarks.grpc_load", f"127.0.0.1:{port}", body_file,
+           "--clients", str(clients), "--seconds", str(seconds)]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180, cwd=root,
+                         env={**os.environ, "PYTHONPATH": root + os.pathsep +
+                              os.environ.get("PYTHONPATH", "")})
+    if out.returncode != 0:
+        raise SystemExit(f"the gRPC load generator failed: {out.stderr[-2000:]}")
+    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r["qps"] = r["requests"] / r["seconds"]
+    if r["first_failure"]:
+        print("  gRPC failure:", r["first_failure"], flush=True)
+    return r
+
+
+class Server:
+    """``one-embedding serve`` on free REST and gRPC ports, until ``close()``."""
+
+    def __init__(self, path: str, *args):
+        import tritonclient.http as httpclient
+
+        self.port, self.grpc_port = free_port(), free_port()
+        self.proc = subprocess.Popen([sys.executable, "-m", "one_embedding", "serve",
+                                      "--persistent-path", path, "--port", str(self.port),
+                                      "--grpc-port", str(self.grpc_port),
+                                      # the server's private stores under the run's folder
+                                      "--scratch", os.path.dirname(path), *map(str, args)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        probe = httpclient.InferenceServerClient(f"127.0.0.1:{self.port}")
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if probe.is_server_ready():
+                    return
+            except Exception:  # not up yet
+                pass
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise SystemExit("the server did not come up")
+            time.sleep(0.2)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait()
+
+
+def in_process_one_thread(path: str, requests, seconds: float) -> dict:
+    """Predictor.predict in this thread: BLAS limited to 1 thread (as the server runs it) and at
+    BLAS's default; the better one is the baseline."""
+    from threadpoolctl import threadpool_limits
 
     from one_embedding.serving import Predictor
 
+    out = {}
+    with Predictor(path) as predictor:
+        for label, limit in (("1", 1), ("default", None)):
+            with threadpool_limits(limit, user_api="blas"):
+                out[label] = in_process(predictor, requests, 1, seconds)
+    best = max(out, key=lambda k: out[k]["qps"])
+    return {**out[best], "blas_threads": best,
+            "qps_other_blas": out["default" if best == "1" else "1"]["qps"]}
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--steps", type=int, default=200, help="training steps before serving")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per cell")
+    p.add_argument("--clients", type=int, default=16, help="requests kept in flight")
+    p.add_argument("--max-batch-size", type=int, default=1024,
+                   help="the server's --max-batch-size with dynamic batching on")
+    p.add_argument("--max-queue-delay-us", type=float, default=0.0,
+                   help="the server's --max-queue-delay-us with dynamic batching on")
+    p.add_argument("--dir", default=None, help="folder for the run (default: $TMPDIR)")
+    args = p.parse_args(argv)
+    ab = ensure_tool("ab", "apache2-utils", "ApacheBench")
+    h2load = ensure_tool("h2load", "nghttp2-client", "h2load")
+    config = {"model": "dlrm", "store": "cached_ssd slots", "steps": args.steps,
+              "batches": BATCHES, "clients": args.clients, "seconds per cell": args.seconds,
+              "batching on": f"--max-batch-size {args.max_batch_size} --max-queue-delay-us "
+                             f"{args.max_queue_delay_us:g}",
+              "REST load": "ab -k", "gRPC load": "h2load (rate, mean latency); "
+              "benchmarks.grpc_load (grpcio aio client, own process: p50 / p99)"}
+    machine = print_header("serving: one-embedding serve over REST and gRPC vs Predictor "
+                           "in-process", config)
     rows = []
     with tempfile.TemporaryDirectory(prefix="bench_serve_", dir=args.dir) as root:
         path = os.path.join(root, "run")
         train(path, "--steps", args.steps, "--snapshot-interval", args.steps)
-        port = free_port()
-        # the server's private stores go under root too: a terminated server leaves them behind
-        server = subprocess.Popen([sys.executable, "-m", "one_embedding", "serve",
-                                   "--persistent-path", path, "--port", str(port),
-                                   "--poll-seconds", "0.5", "--scratch", root],
-                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        url = f"127.0.0.1:{port}"
-        try:
-            probe = httpclient.InferenceServerClient(url)
-            deadline = time.monotonic() + 120
-            while True:
-                try:
-                    if probe.is_server_ready():
-                        break
-                except Exception:
-                    pass
-                if time.monotonic() > deadline or server.poll() is not None:
-                    raise SystemExit("the server did not come up")
-                time.sleep(0.2)
-            with Predictor(path) as predictor:
+        bodies = {}
+        for batch in BATCHES:
+            requests = make_requests(batch, max(8, 4096 // batch), seed=batch)
+            base = in_process_one_thread(path, requests, args.seconds)
+            rows.append({"mode": "in-process, 1 thread", "batch": batch, "clients": 1, **base,
+                         "rows_per_s": base["qps"] * batch})
+            print(f"in-process batch {batch:3d}: {base['qps'] * batch:9.0f} rows/s "
+                  f"(BLAS threads {base['blas_threads']}; the other: "
+                  f"{base['qps_other_blas'] * batch:.0f})", flush=True)
+            body, header = rest_body(*requests[0])
+            rest_file = os.path.join(root, f"rest{batch}.bin")
+            grpc_file = os.path.join(root, f"grpc{batch}.bin")
+            with open(rest_file, "wb") as f:
+                f.write(body)
+            message = grpc_body(*requests[0])
+            with open(grpc_file, "wb") as f:
+                f.write(message)
+            h2_file = os.path.join(root, f"h2_{batch}.bin")
+            with open(h2_file, "wb") as f:  # gRPC framing: uncompressed, big-endian length
+                f.write(b"\0" + len(message).to_bytes(4, "big") + message)
+            bodies[batch] = (rest_file, header, grpc_file, h2_file)
+        for batching, extra in (("off", ["--max-batch-size", 1]),
+                                ("on", ["--max-batch-size", args.max_batch_size,
+                                        "--max-queue-delay-us", args.max_queue_delay_us])):
+            server = Server(path, "--poll-seconds", 0, *extra)
+            try:
                 for batch in BATCHES:
+                    rest_file, header, grpc_file, h2_file = bodies[batch]
+                    # the baseline again right before these cells: the machine is shared, so
+                    # its rate moves; each cell is compared with the one measured next to it
                     requests = make_requests(batch, max(8, 4096 // batch), seed=batch)
-                    for conc in CONCURRENCY:
-                        local = in_process(predictor, requests, conc, args.seconds)
-                        remote = over_http(url, requests, conc, args.seconds)
-                        for mode, r in (("in-process", local), ("server", remote)):
-                            rows.append({"mode": mode, "batch": batch, "concurrency": conc, **r})
-                        rows[-1]["vs_in_process"] = remote["qps"] / local["qps"]
-                        print(f"batch {batch:4d} x{conc:<3d} in-process {local['qps']:8.1f} "
-                              f"q/s p99 {local['p99_ms']:7.1f} ms | server {remote['qps']:8.1f} "
-                              f"q/s p99 {remote['p99_ms']:7.1f} ms ({rows[-1]['vs_in_process']:.2f}x)",
-                              flush=True)
-                requests = make_requests(64, 64, seed=64)
-                trainer = train(path, "--steps", args.steps + 400, "--snapshot-interval", 5,
-                                "--keep-snapshots", 1, "--resume", wait=False)
-                seen: set = set()
-                time.sleep(1.0)  # the resumed run is under way
-                reload = over_http(url, requests, 16, max(args.seconds, 8.0), snapshots=seen)
-                trainer.terminate()
-                trainer.wait()
-                rows.append({"mode": "server, training publishing", "batch": 64,
-                             "concurrency": 16, **reload, "snapshots_served": len(seen)})
-                print(f"during reload: {reload['qps']:.1f} q/s, p99 {reload['p99_ms']:.1f} ms, "
-                      f"{len(seen)} snapshots served, {reload['failed']} failed", flush=True)
+                    adjacent = in_process_one_thread(path, requests, args.seconds)
+                    rows.append({"mode": "in-process, 1 thread (next to the cells below)",
+                                 "batch": batch, "clients": 1, **adjacent,
+                                 "rows_per_s": adjacent["qps"] * batch})
+                    print(f"in-process batch {batch:3d}: {adjacent['qps'] * batch:9.0f} rows/s",
+                          flush=True)
+                    for proto in ("REST", "gRPC", "gRPC aio client"):
+                        if proto == "REST":
+                            r = drive_rest(ab, server.port, rest_file, header, args.clients,
+                                           args.seconds, root)
+                        elif proto == "gRPC":
+                            r = drive_h2load(h2load, server, h2_file, args.clients, args.seconds)
+                        else:
+                            r = drive_grpc(server.grpc_port, grpc_file, args.clients,
+                                           args.seconds)
+                        base = adjacent
+                        row = {"mode": f"{proto}, batching {batching}", "batch": batch,
+                               "clients": args.clients, "qps": r["qps"],
+                               "rows_per_s": r["qps"] * batch, "p50_ms": r.get("p50_ms"),
+                               "p99_ms": r.get("p99_ms"), "mean_ms": r.get("mean_ms"),
+                               "failed": r["failed"], "vs_in_process": r["qps"] / base["qps"]}
+                        row = {k: v for k, v in row.items() if v is not None}
+                        rows.append(row)
+                        latency = f"mean {r['mean_ms']:.1f} ms" if "mean_ms" in r else \
+                            f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms"
+                        print(f"{row['mode']:32s} batch {batch:3d} x{args.clients}: "
+                              f"{row['rows_per_s']:9.0f} rows/s ({row['vs_in_process']:.2f}x "
+                              f"in-process), {latency}, {r['failed']} failed", flush=True)
+            finally:
+                server.close()
+        # under load while training publishes: snapshots switch, no request fails
+        server = Server(path, "--poll-seconds", 0.5, "--max-batch-size", args.max_batch_size)
+        try:
+            import tritonclient.http as httpclient
+
+            trainer = train(path, "--steps", args.steps + 400, "--snapshot-interval", 5,
+                            "--keep-snapshots", 1, "--resume", wait=False)
+            seen, probe_failures = set(), []
+            stop = threading.Event()
+
+            def probe():  # which snapshot answers, a few times a second
+                client = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+                a = httpclient.InferInput("keys", [4], "INT64")
+                a.set_data_from_numpy(np.arange(4, dtype=np.int64))
+                while not stop.wait(0.05):
+                    try:
+                        seen.add(client.infer("embedding", [a]).get_response()["parameters"]
+                                 ["snapshot"])
+                    except Exception as e:  # counted: the test is that none fail
+                        probe_failures.append(repr(e))
+
+            watcher = threading.Thread(target=probe, daemon=True)
+            watcher.start()
+            deadline = time.monotonic() + 300
+            while len(seen) < 2 and time.monotonic() < deadline and trainer.poll() is None:
+                time.sleep(0.1)  # until the resumed run has published its first checkpoint
+            rest_file, header = bodies[64][:2]
+            r = drive_rest(ab, server.port, rest_file, header, args.clients,
+                           max(args.seconds, 10.0), root)
+            stop.set()
+            watcher.join()
+            trainer.terminate()
+            trainer.wait()
         finally:
-            server.terminate()
-            server.wait()
-    columns = ["mode", "batch", "concurrency", "qps", "samples_per_s", "p50_ms", "p99_ms",
+            server.close()
+        rows.append({"mode": "REST, batching on, training publishing", "batch": 64,
+                     "clients": args.clients, "qps": r["qps"], "rows_per_s": r["qps"] * 64,
+                     "p50_ms": r["p50_ms"], "p99_ms": r["p99_ms"],
+                     "failed": r["failed"] + len(probe_failures), "snapshots_served": len(seen)})
+        print(f"during reload: {r['qps'] * 64:.0f} rows/s, p99 {r['p99_ms']:.1f} ms, {len(seen)} "
+              f"snapshots served, {r['failed'] + len(probe_failures)} failed", flush=True)
+    columns = ["mode", "batch", "clients", "rows_per_s", "qps", "p50_ms", "p99_ms", "mean_ms",
                "vs_in_process", "snapshots_served", "failed"]
     print(markdown_table(rows, columns))
-    print("wrote", save_result("serve", {"machine": machine, "steps": args.steps, "rows": rows}))
+
+    def rate(mode, batch):
+        return next(x["rows_per_s"] for x in rows if x["mode"] == mode and x["batch"] == batch)
+
+    def ratio(mode, batch):
+        return next(x["vs_in_process"] for x in rows if x["mode"] == mode and x["batch"] == batch)
+
+    goals = {
+        "REST batch 64 / in-process one thread next to it (goal >= 0.8)":
+            max(ratio("REST, batching off", 64), ratio("REST, batching on", 64)),
+        "gRPC / REST at batch 64, batching on (goal >= 1)":
+            rate("gRPC, batching on", 64) / rate("REST, batching on", 64),
+        "gRPC / REST at batch 1, batching on (goal >= 1)":
+            rate("gRPC, batching on", 1) / rate("REST, batching on", 1),
+        "batch 1 x clients, batching on / off, REST (goal >= 5)":
+            rate("REST, batching on", 1) / rate("REST, batching off", 1),
+        "batch 1 x clients, batching on / off, gRPC (goal >= 5)":
+            rate("gRPC, batching on", 1) / rate("gRPC, batching off", 1),
+    }
+    for what, value in goals.items():
+        print(f"{what}: {value:.2f}")
+    print("wrote", save_result("serve", {"machine": machine, "config": config, "rows": rows,
+                                         "ratios": goals}))
 
 
 if __name__ == "__main__":

@@ -180,6 +180,7 @@ def cmd_serve(args) -> int:
     """The Open Inference Protocol over HTTP, answering from a training run's checkpoints."""
     try:
         from .serving.server import serve
+        import prometheus_client  # noqa: F401
         import starlette  # noqa: F401
         import uvicorn  # noqa: F401
     except ImportError as e:
@@ -190,8 +191,26 @@ def cmd_serve(args) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} must be in 1..65535")
+    if args.grpc_port is not None:
+        if not 0 < args.grpc_port < 65536 or args.grpc_port == args.port:
+            raise ConfigError(f"--grpc-port {args.grpc_port} must be in 1..65535 and differ from "
+                              f"--port {args.port}")
+        try:
+            import grpc  # noqa: F401
+            import tritonclient.grpc.service_pb2  # noqa: F401
+        except ImportError as e:
+            raise ConfigError(f"--grpc-port needs the serve extra ({e.name} is missing): pip "
+                              "install 'one_embedding[serve]'") from None
+    if args.max_batch_size < 1:
+        raise ConfigError(f"--max-batch-size {args.max_batch_size} must be >= 1 (1: no dynamic "
+                          "batching)")
+    if not args.max_queue_delay_us >= 0:
+        raise ConfigError(f"--max-queue-delay-us {args.max_queue_delay_us} must be >= 0")
+    if args.blas_threads < 1:
+        raise ConfigError(f"--blas-threads {args.blas_threads} must be >= 1")
     serve(args.persistent_path, args.snapshot, args.host, args.port, args.cache_mb,
-          args.poll_seconds, args.max_request_mb, args.scratch)
+          args.poll_seconds, args.max_request_mb, args.scratch, args.grpc_port,
+          args.max_batch_size, args.max_queue_delay_us, args.blas_threads)
     return 0
 
 
@@ -296,14 +315,29 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("serve", help="answer lookups and click predictions from a training run's "
-                                     "newest checkpoint over the Open Inference Protocol (HTTP), "
+                                     "newest checkpoint over the Open Inference Protocol (REST, and gRPC "
+                                     "with --grpc-port), "
                                      "following the run as it publishes new ones")
     p.add_argument("--persistent-path", required=True, help="the training run's --persistent-path")
     p.add_argument("--snapshot", default=None, help="serve this checkpoint (default: the newest)")
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on; 0.0.0.0 for every interface (default: 127.0.0.1, "
                         "this machine only)")
-    p.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
+    p.add_argument("--port", type=int, default=8000, help="the REST port (default 8000)")
+    p.add_argument("--grpc-port", type=int, default=None,
+                   help="also serve the protocol's gRPC service (inference.GRPCInferenceService, "
+                        "what tritonclient.grpc and KServe's gRPC clients call) on this port")
+    p.add_argument("--max-batch-size", type=int, default=1,
+                   help="dynamic batching: concurrent requests to the trained model are merged "
+                        "into one call of up to this many rows, each answered with its own rows "
+                        "(default 1: no batching)")
+    p.add_argument("--max-queue-delay-us", type=float, default=0.0,
+                   help="dynamic batching: how long a request may wait for others to merge with, "
+                        "in microseconds (default 0: merge what is queued when the model is free)")
+    p.add_argument("--blas-threads", type=int, default=1,
+                   help="BLAS threads per model call (default 1: concurrent requests already use "
+                        "the cores; on a 2-core machine under load, 2 BLAS threads per call ran "
+                        "6x slower)")
     p.add_argument("--cache-mb", type=float, default=64.0,
                    help="RAM cache over the snapshot's rows (default 64)")
     p.add_argument("--poll-seconds", type=float, default=1.0,

@@ -80,15 +80,37 @@ class FeatureTransform:
 
     def keys(self, categorical) -> np.ndarray:
         """categorical (n, num_sparse) str / bytes, "" = missing -> (n, num_sparse) int64 ids."""
-        cat = np.asarray(categorical, dtype=object)
+        fixed = isinstance(categorical, np.ndarray) and categorical.dtype.kind in "SU"
+        cat = categorical if fixed else np.asarray(categorical, dtype=object)
         f = self.num_sparse
         if cat.ndim != 2 or cat.shape[1] != f:
             raise InputError(f"categorical has shape {cat.shape}; expected (n, {f}) strings "
                              '("" = missing)')
-        n = cat.shape[0]
+        base = 16 if self.kind == "criteo" else 10
+        parsed = _parse_digits(cat, base)
+        values, present = parsed if parsed is not None else \
+            self._parse_each(cat.astype(object), base)
+        if self.kind == "criteo":
+            return KeyScheme(**self.key_scheme).keys(values, present)
+        if not present.all():
+            i, j = np.argwhere(~present)[0]
+            raise InputError(f"categorical[{i}, {j}] is missing, but the synthetic source this "
+                             "model was trained on has no missing values")
+        card = np.array(self.cardinalities, np.uint64)
+        over = values >= card[None, :]
+        if over.any():
+            i, j = np.argwhere(over)[0]
+            raise InputError(f"categorical[{i}, {j}] = {int(values[i, j])} is outside column "
+                             f"{j}'s 0..{int(card[j]) - 1}")
+        return (values + np.array(self.offsets, np.uint64)[None, :]).astype(np.int64)
+
+    @staticmethod
+    def _parse_each(cat: np.ndarray, base: int) -> tuple[np.ndarray, np.ndarray]:
+        """cat (n, f) object -> (values (n, f) uint64, present (n, f) bool), one element at a
+        time through ``int``: names the first element that is not a number."""
+        n, f = cat.shape
         values = np.zeros((n, f), np.uint64)
         present = np.zeros((n, f), np.bool_)
-        base = 16 if self.kind == "criteo" else 10
         for (i, j), v in np.ndenumerate(cat):
             if isinstance(v, bytes):
                 v = v.decode("utf-8", "replace")
@@ -104,16 +126,48 @@ class FeatureTransform:
             if not 0 <= number < 1 << 64:
                 raise InputError(f"categorical[{i}, {j}] = {v!r} does not fit 64 bits")
             values[i, j], present[i, j] = number, True
-        if self.kind == "criteo":
-            return KeyScheme(**self.key_scheme).keys(values, present)
-        if not present.all():
-            i, j = np.argwhere(~present)[0]
-            raise InputError(f"categorical[{i}, {j}] is missing, but the synthetic source this "
-                             "model was trained on has no missing values")
-        card = np.array(self.cardinalities, np.uint64)
-        over = values >= card[None, :]
-        if over.any():
-            i, j = np.argwhere(over)[0]
-            raise InputError(f"categorical[{i}, {j}] = {int(values[i, j])} is outside column "
-                             f"{j}'s 0..{int(card[j]) - 1}")
-        return (values + np.array(self.offsets, np.uint64)[None, :]).astype(np.int64)
+        return values, present
+
+
+#: digit value of each ASCII code (99: not a digit)
+_DIGITS = np.full(128, 99, np.uint64)
+_DIGITS[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
+_DIGITS[np.frombuffer(b"abcdef", np.uint8)] = np.arange(10, 16)
+_DIGITS[np.frombuffer(b"ABCDEF", np.uint8)] = np.arange(10, 16)
+#: digits that always fit 64 bits, per base
+_SAFE_WIDTH = {10: 19, 16: 16}
+
+
+def _parse_digits(categorical, base: int):
+    """(n, f) strings of plain digits ("" = missing) -> (values uint64, present bool), parsed
+    column-wise by numpy; None where an element is anything else (a sign, spaces, "0x", too
+    many digits, a non-string), which the element-wise parse handles or names."""
+    cat = categorical
+    if cat.dtype == object:
+        kinds = {type(v) for v in cat.flat}
+        if kinds not in ({str}, {bytes}):
+            return None
+        chars = sum(map(len, cat.flat))
+        cat = cat.astype(str if kinds == {str} else bytes)
+        if int(np.char.str_len(cat).sum()) != chars:  # a trailing NUL the cast dropped
+            return None
+    if cat.dtype.kind not in "SU" or cat.ndim != 2:
+        return None
+    n, f = cat.shape
+    width = cat.dtype.itemsize // (4 if cat.dtype.kind == "U" else 1)
+    if width == 0 or cat.size == 0:
+        return np.zeros((n, f), np.uint64), np.zeros((n, f), np.bool_)
+    if width > _SAFE_WIDTH[base]:
+        return None
+    codes = cat.view(np.uint32 if cat.dtype.kind == "U" else np.uint8).reshape(n, f, width)
+    pad = codes == 0  # a fixed-width string ends at its first NUL
+    if (codes >= 128).any():
+        return None
+    digits = _DIGITS[np.minimum(codes, 127)]
+    if ((digits >= base) & ~pad).any() or (pad[:, :, :-1] & ~pad[:, :, 1:]).any():
+        return None
+    values = np.zeros((n, f), np.uint64)
+    b = np.uint64(base)
+    for k in range(width):
+        values = np.where(pad[:, :, k], values, values * b + digits[:, :, k])
+    return values, ~pad[:, :, 0]

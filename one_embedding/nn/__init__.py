@@ -19,11 +19,12 @@ from .fm import FactorizationMachine
 from .interaction import DotInteraction, num_pairs, padding_to_multiple
 from .linear import MLP, Dropout, Linear
 from .loss import BCEWithLogits
-from .module import Module, Parameter
+from .module import Module, Parameter, inference, keeps_activations
 
 FM = FactorizationMachine
 
 __all__ = [
+    "inference", "keeps_activations",
     "Parameter", "Module", "Linear", "MLP", "Dropout", "DotInteraction", "CrossNet",
     "FactorizationMachine", "FM", "BCEWithLogits", "num_pairs", "padding_to_multiple", "amp",
 ]

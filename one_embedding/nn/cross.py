@@ -17,7 +17,7 @@ from ..errors import ConfigError, InputError
 from ..kernels import ops_for
 from .init import make_rng
 from .linear import _check_dtype, _positive_int
-from .module import Module, Parameter, check_features
+from .module import Module, Parameter, check_features, keeps_activations
 
 KINDS = ("vector", "matrix")
 
@@ -59,7 +59,8 @@ class CrossNet(Module):
                 xs.append(ops.cross_vector_forward(x0, xs[-1], w.data, b.data))
             else:
                 xs.append(ops.cross_matrix_forward(x0, xs[-1], w.data, b.data))
-        self._xs = xs[:-1]  # the inputs of each layer
+        if keeps_activations():
+            self._xs = xs[:-1]  # the inputs of each layer
         return xs[-1]
 
     def backward(self, dout):

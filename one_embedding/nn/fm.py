@@ -8,7 +8,7 @@ from __future__ import annotations
 from ..backend import array_namespace
 from ..errors import InputError
 from ..kernels import ops_for
-from .module import Module, check_features
+from .module import Module, check_features, keeps_activations
 
 
 class FactorizationMachine(Module):
@@ -20,8 +20,10 @@ class FactorizationMachine(Module):
     def forward(self, x):
         check_features(x, "FM input", 3)
         xp = array_namespace(x)
-        self._x = xp.ascontiguousarray(x)
-        return ops_for(xp).fm_forward(self._x)
+        x = xp.ascontiguousarray(x)
+        if keeps_activations():
+            self._x = x
+        return ops_for(xp).fm_forward(x)
 
     def backward(self, dout):
         """dout: (B,) -> dx (B, F, D)."""

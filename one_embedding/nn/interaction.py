@@ -21,7 +21,7 @@ from ..backend import array_namespace
 from ..errors import ConfigError, InputError
 from ..kernels import cpu_ops, ops_for
 from . import amp
-from .module import Module, check_features
+from .module import Module, check_features, keeps_activations
 
 POOLINGS = ("none", "sum")
 
@@ -72,7 +72,8 @@ class DotInteraction(Module):
         (2-d parts viewed as (B, 1, D)), for the kernels that read parts in place."""
         if not isinstance(features, (list, tuple)):
             check_features(features, "interaction features", 3)
-            self._split = None
+            if keeps_activations():
+                self._split = None
             return features
         if not features:
             raise InputError("interaction features: an empty list; pass at least one (B, F, D) array")
@@ -84,7 +85,9 @@ class DotInteraction(Module):
                     f"interaction features[{i}] has shape {tuple(features[i].shape)}, which does not "
                     f"match batch {parts[0].shape[0]} and dim {parts[0].shape[2]} of features[0]"
                 )
-        self._split = [(p.shape[1], getattr(f, "ndim", 0) == 2) for f, p in zip(features, parts)]
+        if keeps_activations():
+            self._split = [(p.shape[1], getattr(f, "ndim", 0) == 2)
+                           for f, p in zip(features, parts)]
         if not concatenate:
             return parts
         return array_namespace(*parts).concatenate(parts, axis=1)
@@ -126,9 +129,10 @@ class DotInteraction(Module):
                 raise InputError(f"output_concat has batch {output_concat.shape[0]} but the "
                                  f"features have {first.shape[0]}")
             output_concat = xp.ascontiguousarray(output_concat)
-        self._n_concat = 0 if output_concat is None else output_concat.shape[1]
-        self._fused = ([p.shape[1] for p in parts], first, rest)
-        self._x = [first, rest]
+        if keeps_activations():  # for backward (an inference forward keeps nothing)
+            self._n_concat = 0 if output_concat is None else output_concat.shape[1]
+            self._fused = ([p.shape[1] for p in parts], first, rest)
+            self._x = [first, rest]
         return dense_ops.interaction_forward(first, rest, output_concat, self.self_interaction,
                                              self.output_padding, amp.current())
 
@@ -158,7 +162,8 @@ class DotInteraction(Module):
         if self.pooling == "sum":
             if output_concat is not None:
                 raise ConfigError("pooling='sum' takes no output_concat")
-            self._x = x
+            if keeps_activations():
+                self._x = x
             s = x.sum(axis=1)
             return 0.5 * (s * s - (x * x).sum(axis=1))
         parts = x if isinstance(x, list) else [x]
@@ -171,8 +176,9 @@ class DotInteraction(Module):
                 raise InputError(
                     f"output_concat has batch {output_concat.shape[0]} but the features have {batch}"
                 )
-        self._x = x
-        self._n_concat = 0 if output_concat is None else output_concat.shape[1]
+        if keeps_activations():
+            self._x = x
+            self._n_concat = 0 if output_concat is None else output_concat.shape[1]
         if fused:
             return cpu_ops.dot_interaction_forward(x, output_concat, self.self_interaction,
                                                    self.output_padding)

@@ -18,7 +18,7 @@ from ..errors import ConfigError, InputError
 from ..kernels import cpu_ops, ops_for
 from . import amp
 from .init import linear_weights, make_rng
-from .module import Module, Parameter, check_features
+from .module import Module, Parameter, check_features, keeps_activations
 
 
 def _positive_int(name, value) -> int:
@@ -57,26 +57,26 @@ class Linear(Module):
         check_features(x, "Linear input", 2, self.in_features, self.weight.data.dtype)
         w = self.weight.data
         xp = array_namespace(x, w)
-        self.out_bits = self._x_bits = None
+        self.out_bits = None
         if amp.active() and xp is not np and amp.current() in amp.HALF_PRECISIONS \
                 and x.dtype == np.float32:
             from ..kernels import dense_ops
 
             h = amp.matmul(x, w.T, fp32_result=True, a_bits=x_bits)
-            y, self._mask, self.out_bits = dense_ops.bias_act_cast_forward(
+            y, mask, self.out_bits = dense_ops.bias_act_cast_forward(
                 h, self.bias.data, self.relu, amp.current())
-            self._x_bits = x_bits
         elif amp.active():  # the product on tensor cores (nn.amp), bias + ReLU in fp32
             ops = cpu_ops if xp is np else ops_for(xp)
-            y, self._mask = ops.bias_act_forward(amp.matmul(x, w.T, fp32_result=True),
-                                                 self.bias.data, self.relu)
+            y, mask = ops.bias_act_forward(amp.matmul(x, w.T, fp32_result=True),
+                                           self.bias.data, self.relu)
         elif xp is np:
             # a single output: one matrix-vector product, (B,) viewed as (B, 1)
             h = (x @ w[0])[:, None] if self.out_features == 1 else x @ w.T
-            y, self._mask = cpu_ops.bias_act_forward(h, self.bias.data, self.relu)
+            y, mask = cpu_ops.bias_act_forward(h, self.bias.data, self.relu)
         else:
-            y, self._mask = ops_for(xp).bias_act_forward(x @ w.T, self.bias.data, self.relu)
-        self._x = x
+            y, mask = ops_for(xp).bias_act_forward(x @ w.T, self.bias.data, self.relu)
+        if keeps_activations():  # for backward (an inference forward keeps nothing: nn.inference)
+            self._x, self._mask, self._x_bits = x, mask, x_bits
         return y
 
     def backward(self, dy):

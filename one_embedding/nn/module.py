@@ -6,12 +6,33 @@ Gradients accumulate until ``zero_grad()``, so several backward passes sum, as i
 """
 from __future__ import annotations
 
+import contextlib
+import threading
 from abc import ABC, abstractmethod
 
 import numpy as np
 
 from ..backend import array_namespace
 from ..errors import InputError
+
+
+_mode = threading.local()
+
+
+def keeps_activations() -> bool:
+    """False inside ``inference()`` on this thread: a forward then keeps nothing for backward."""
+    return not getattr(_mode, "inference", 0)
+
+
+@contextlib.contextmanager
+def inference():
+    """Forwards on this thread keep no activations (no backward can follow): several threads
+    can run one model's forward side by side, and nothing of a batch stays referenced."""
+    _mode.inference = getattr(_mode, "inference", 0) + 1
+    try:
+        yield
+    finally:
+        _mode.inference -= 1
 
 
 class Parameter:

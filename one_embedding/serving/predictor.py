@@ -32,6 +32,7 @@ import numpy as np
 from ..checkpoint import ARRAYS, STATE, TRAINER_DIR, rank_folders
 from ..data.features import FeatureTransform
 from ..errors import ConfigError, InputError, SnapshotError
+from ..nn import inference
 from ..store.segments import SegmentInfo
 from ..store.snapshots import SnapshotDirectory, lease, read_manifest, verify_files
 from .table import ServedTable
@@ -93,8 +94,6 @@ class _Served:
     users: int = 0
     retired: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # users, retired
-    #: the model keeps activations for a backward pass: one forward at a time
-    forward_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
     def close(self) -> None:
         self.table.close()
@@ -194,6 +193,7 @@ class Predictor:
             FeatureTransform.for_config(cfg)
         model = _build_model(cfg, transform.num_sparse)
         model.load_state_dict({**(record.get("model") or {}), **arrays})
+        model.eval()  # dropout off: a served score is a pure function of its row
         emb = model.embedding
         table = ServedTable(list(zip(folders, manifests)), emb.layout, emb.tables, emb.seed,
                             self.cache_mb, self.scratch, snapshot=name)
@@ -284,20 +284,36 @@ class Predictor:
         ("" = missing) -> (n,) float32 click probabilities, through the transform training used."""
         served = self._acquire()
         try:
-            t = served.transform
-            dense_in, ids = t.dense(dense), t.keys(categorical)
-            if dense_in.shape[0] != ids.shape[0]:
-                raise InputError(f"dense has {dense_in.shape[0]} rows but categorical "
-                                 f"{ids.shape[0]}: give one row of each per sample")
-            n, f = ids.shape
-            tables = np.broadcast_to(np.arange(f, dtype=np.int32), (n, f)).reshape(-1) \
-                if len(served.table.tables) > 1 else np.zeros(n * f, np.int32)
-            rows = served.table.lookup(ids.reshape(-1).view(np.uint64), tables)
-            with served.forward_lock:
-                logits = served.model.forward_from_embeddings(
-                    dense_in, rows.reshape(n, f, served.table.dim))
-            prob = (1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))).astype(np.float32)
+            prob = _score(served, *_model_inputs(served, dense, categorical))
             return (prob, served.name) if with_snapshot else prob
+        finally:
+            self._release(served)
+
+    def predict_many(self, requests) -> tuple[list, str]:
+        """requests: [(dense (n_i, 13), categorical (n_i, 26))] -> ([(n_i,) float32
+        probabilities, or the InputError refusing request i], the checkpoint that answered).
+        One lookup and one forward over all the valid requests' rows together (the dynamic
+        batcher's call); each request's scores are those ``predict`` gives it alone."""
+        served = self._acquire()
+        try:
+            joint = _joint_inputs(served, requests)
+            if joint is not None:  # every request valid: transformed together, one numpy pass
+                prob = _score(served, *joint)
+                ends = np.cumsum([np.shape(d)[0] for d, _ in requests])
+                return list(np.split(prob, ends[:-1])), served.name
+            results, valid = [None] * len(requests), []
+            for i, (dense, categorical) in enumerate(requests):
+                try:
+                    valid.append((i, *_model_inputs(served, dense, categorical)))
+                except InputError as e:
+                    results[i] = e
+            if valid:
+                dense_in = np.concatenate([v[1] for v in valid])
+                prob = _score(served, dense_in, np.concatenate([v[2] for v in valid]))
+                ends = np.cumsum([v[1].shape[0] for v in valid])
+                for (i, *_), part in zip(valid, np.split(prob, ends[:-1])):
+                    results[i] = part
+            return results, served.name
         finally:
             self._release(served)
 
@@ -311,6 +327,45 @@ class Predictor:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _model_inputs(served: _Served, dense, categorical) -> tuple[np.ndarray, np.ndarray]:
+    """Raw features -> (dense (n, 13) float32, ids (n, f) int64) through the checkpoint's
+    transform; InputError naming a value the model cannot take."""
+    t = served.transform
+    dense_in, ids = t.dense(dense), t.keys(categorical)
+    if dense_in.shape[0] != ids.shape[0]:
+        raise InputError(f"dense has {dense_in.shape[0]} rows but categorical "
+                         f"{ids.shape[0]}: give one row of each per sample")
+    return dense_in, ids
+
+
+def _joint_inputs(served: _Served, requests):
+    """The model inputs of all ``requests`` transformed together (the per-call costs paid once),
+    or None when one of them is refused or they do not stack (then each is transformed alone,
+    so that its refusal names its own rows)."""
+    if len(requests) < 2 or not all(isinstance(c, np.ndarray) for _, c in requests):
+        return None
+    try:
+        dense = [np.asarray(d) for d, _ in requests]
+        cats = [np.asarray(c) for _, c in requests]
+        if any(d.ndim != 2 or c.ndim != 2 or d.shape[0] != c.shape[0]
+               for d, c in zip(dense, cats)):
+            return None
+        return _model_inputs(served, np.concatenate(dense), np.concatenate(cats))
+    except (InputError, ValueError, TypeError):
+        return None
+
+
+def _score(served: _Served, dense_in: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """(n, 13) float32 model inputs, (n, f) int64 ids -> (n,) float32 probabilities."""
+    n, f = ids.shape
+    tables = np.broadcast_to(np.arange(f, dtype=np.int32), (n, f)).reshape(-1) \
+        if len(served.table.tables) > 1 else np.zeros(n * f, np.int32)
+    rows = served.table.lookup(ids.reshape(-1).view(np.uint64), tables)
+    with inference():  # keeps no activations: calls run their forwards side by side
+        logits = served.model.forward_from_embeddings(dense_in, rows.reshape(n, f, served.table.dim))
+    return (1.0 / (1.0 + np.exp(-np.asarray(logits, np.float64)))).astype(np.float32)
 
 
 def _file_id(path: str):

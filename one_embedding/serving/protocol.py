@@ -39,23 +39,61 @@ def _element_count(shape, name: str) -> int:
     return int(np.prod(shape, dtype=np.int64)) if shape else 1
 
 
-def _bytes_elements(raw: bytes, count: int, name: str) -> np.ndarray:
-    out, pos = [], 0
+_U32 = struct.Struct("<I")
+
+
+def bytes_elements(raw: bytes, count: int, name: str) -> np.ndarray:
+    """The protocol's serialized BYTES (each element a 4-byte little-endian length, then its
+    bytes) -> (count,) array of the elements: fixed-width ``S`` (one copy, no Python object per
+    element) unless an element ends in a NUL byte (``S`` would drop it), then ``object``."""
+    data = np.frombuffer(raw, np.uint8)
+    width = _U32.unpack_from(raw, 0)[0] if count and len(raw) >= 4 else 0
+    if count and len(raw) == count * (4 + width):  # every element as long as the first?
+        rows = data.reshape(count, 4 + width)
+        if (rows[:, :4].copy().view("<u4").reshape(-1) == width).all():
+            starts = np.arange(count, dtype=np.int64) * (4 + width) + 4
+            return _gather(data, starts, np.full(count, width, np.int64), raw)
+    starts, sizes = [], []
+    add_start, add_size, unpack, pos, end = starts.append, sizes.append, _U32.unpack_from, 0, len(raw)
+    try:  # the tight loop; an element running past the end is named by the checked one below
+        for _ in range(count):
+            (size,) = unpack(raw, pos)
+            add_start(pos + 4)
+            add_size(size)
+            pos += 4 + size
+    except struct.error:
+        pos = end + 1
+    if pos == end:
+        return _gather(data, np.array(starts, np.int64), np.array(sizes, np.int64), raw)
+    pos = 0
     for _ in range(count):
-        if pos + 4 > len(raw):
+        if pos + 4 > end:
             raise ProtocolError(f"input {name!r}: its binary BYTES data ends inside an element's "
                                 "4-byte length")
-        (size,) = struct.unpack_from("<I", raw, pos)
+        (size,) = unpack(raw, pos)
         pos += 4
-        if pos + size > len(raw):
+        if pos + size > end:
             raise ProtocolError(f"input {name!r}: a BYTES element of {size} bytes runs past the "
                                 "end of its binary data")
-        out.append(raw[pos:pos + size])
         pos += size
-    if pos != len(raw):
-        raise ProtocolError(f"input {name!r}: {len(raw) - pos} bytes of binary data are left "
-                            f"after its {count} BYTES elements")
-    return np.array(out, dtype=object)
+    raise ProtocolError(f"input {name!r}: {end - pos} bytes of binary data are left "
+                        f"after its {count} BYTES elements")
+
+
+def _gather(data: np.ndarray, starts: np.ndarray, sizes: np.ndarray, raw: bytes) -> np.ndarray:
+    """Elements ``raw[starts[i]:starts[i] + sizes[i]]`` -> (n,) ``S`` array (object when one
+    ends in a NUL byte)."""
+    n = starts.shape[0]
+    width = int(sizes.max()) if n else 0
+    if width and (data[starts + sizes - 1][sizes > 0] == 0).any():
+        return np.array([raw[s:s + z] for s, z in zip(starts.tolist(), sizes.tolist())],
+                        dtype=object)
+    if width == 0:
+        return np.zeros(n, "S1")
+    cols = np.arange(width, dtype=np.int64)
+    inside = cols[None, :] < sizes[:, None]
+    chars = np.where(inside, data[np.minimum(starts[:, None] + cols[None, :], len(raw) - 1)], 0)
+    return chars.astype(np.uint8).view(f"S{width}").reshape(n)
 
 
 def decode_request(body: bytes, header_length: str | None) -> tuple[dict, dict]:
@@ -94,7 +132,7 @@ def decode_request(body: bytes, header_length: str | None) -> tuple[dict, dict]:
             raw = rest[offset:offset + size]
             offset += size
             if dtype == "BYTES":
-                array = _bytes_elements(raw, count, name)
+                array = bytes_elements(raw, count, name)
             else:
                 item = np.dtype(DTYPES[dtype]).itemsize
                 if size != count * item:

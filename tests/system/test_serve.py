@@ -19,7 +19,9 @@ import one_embedding as oe
 from one_embedding.serving import Predictor
 
 httpclient = pytest.importorskip("tritonclient.http")
+grpcclient = pytest.importorskip("tritonclient.grpc")
 pytest.importorskip("uvicorn")
+pytest.importorskip("prometheus_client")
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 E = 16
@@ -43,24 +45,27 @@ def free_port() -> int:
 
 
 class Server:
-    """``one-embedding serve`` in a subprocess. Its private stores go to a scratch folder beside
-    the run (under the test's temporary folder), not to the system's /tmp: a server stopped with
-    SIGTERM or SIGKILL cannot remove its scratch folder itself."""
+    """``one-embedding serve`` on free ports, REST (``client``) and gRPC (``grpc``). Its private
+    stores go to a scratch folder beside the run (under the test's temporary folder), not to the
+    system's /tmp: a server stopped with SIGTERM or SIGKILL cannot remove its scratch folder
+    itself."""
 
     def __init__(self, path, *args):
-        self.port = free_port()
+        self.port, self.grpc_port = free_port(), free_port()
         self.scratch = Path(path).parent / f"serve_scratch_{self.port}"
         self.scratch.mkdir(parents=True, exist_ok=True)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "one_embedding", "serve", "--persistent-path", str(path),
-             "--port", str(self.port), "--scratch", str(self.scratch), *map(str, args)],
+             "--port", str(self.port), "--grpc-port", str(self.grpc_port),
+             "--scratch", str(self.scratch), *map(str, args)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.client = httpclient.InferenceServerClient(f"127.0.0.1:{self.port}")
+        self.grpc = grpcclient.InferenceServerClient(f"127.0.0.1:{self.grpc_port}")
         deadline = time.monotonic() + 60
         while True:
             assert self.proc.poll() is None, self.proc.stderr.read()[-3000:]
             try:
-                if self.client.is_server_ready():
+                if self.client.is_server_ready() and self.grpc.is_server_ready():
                     return
             except Exception:
                 pass
@@ -224,6 +229,147 @@ def test_bad_requests_get_a_4xx_naming_the_problem(server):
     assert c.infer("embedding", [keys_input([1, 2])]).as_numpy("embeddings").shape == (2, E)
 
 
+def grpc_inputs(**arrays):
+    """tritonclient.grpc inputs: name=(array, datatype)."""
+    out = []
+    for name, (array, datatype) in arrays.items():
+        i = grpcclient.InferInput(name, list(array.shape), datatype)
+        i.set_data_from_numpy(array)
+        out.append(i)
+    return out
+
+
+def test_grpc_answers_as_rest_does(server, run):
+    g = server.grpc
+    assert g.is_server_live() and g.is_server_ready() and g.is_model_ready("dlrm")
+    meta = g.get_model_metadata("dlrm", as_json=True)
+    assert [i["name"] for i in meta["inputs"]] == ["dense", "categorical"]
+    dense, cat = requests_for(300, np.random.default_rng(4))
+    with Predictor(run) as p:
+        want = p.predict(dense, cat)
+        keys = np.arange(0, 5000, 7, dtype=np.int64)
+        rows = p.lookup(keys)
+    r = g.infer("dlrm", grpc_inputs(dense=(dense, "FP32"), categorical=(cat, "BYTES")))
+    np.testing.assert_array_equal(r.as_numpy("probability"), want)
+    assert r.get_response().parameters["snapshot"].string_param == "final"
+    r = g.infer("embedding", grpc_inputs(keys=(keys, "INT64")))
+    np.testing.assert_array_equal(r.as_numpy("embeddings"), rows)
+
+
+GRPC_STATUS = {"400": "StatusCode.INVALID_ARGUMENT", "404": "StatusCode.NOT_FOUND",
+               "413": "StatusCode.RESOURCE_EXHAUSTED"}
+
+
+def test_grpc_refuses_what_rest_refuses_with_the_matching_status(server):
+    """Every bad request of the REST test, sent over both: REST's 4xx and gRPC's status match."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    c, g = server.client, server.grpc
+    dense, cat = requests_for(4, np.random.default_rng(2))
+    bad_cat = np.full((4, 26), "zz", dtype=object)
+    cases = {  # what: (model, {input: (array, datatype)})
+        "unknown model": ("nope", {"keys": (np.array([1], np.int64), "INT64")}),
+        "wrong input name": ("embedding", {"dense": (dense, "FP32")}),
+        "wrong shape": ("dlrm", {"dense": (dense[:, :12].copy(), "FP32"), "categorical": (cat, "BYTES")}),
+        "wrong dtype": ("dlrm", {"dense": (dense.astype(np.float64), "FP64"),
+                                 "categorical": (cat, "BYTES")}),
+        "keys as FP32": ("embedding", {"keys": (np.ones(3, np.float32), "FP32")}),
+        "bad categorical": ("dlrm", {"dense": (dense, "FP32"), "categorical": (bad_cat, "BYTES")}),
+        "rows differ": ("dlrm", {"dense": (dense[:3].copy(), "FP32"), "categorical": (cat, "BYTES")}),
+        "oversized": ("embedding", {"keys": (np.arange(200_000), "INT64")}),
+    }
+    for what, (model, arrays) in cases.items():
+        rest = [_typed(n, a, d) for n, (a, d) in arrays.items()]
+        with pytest.raises(InferenceServerException) as r:
+            c.infer(model, rest)
+        with pytest.raises(InferenceServerException) as e:
+            g.infer(model, grpc_inputs(**arrays))
+        assert e.value.status() == GRPC_STATUS[r.value.status()], (what, r.value, e.value)
+        assert e.value.message(), what
+        if r.value.status() != "413":  # the same words (a size limit is gRPC's own message)
+            assert r.value.message() == e.value.message(), what
+    # malformed messages tritonclient would not send: INVALID_ARGUMENT naming the problem
+    stub = pb_grpc.GRPCInferenceServiceStub(grpc.insecure_channel(f"127.0.0.1:{server.grpc_port}"))
+
+    def keys_request(**kw):
+        req = pb.ModelInferRequest(model_name="embedding")
+        req.inputs.add(name="keys", datatype=kw.get("datatype", "INT64"), shape=kw.get("shape", [2]))
+        if "contents" in kw:
+            req.inputs[0].contents.int64_contents.extend(kw["contents"])
+        for raw in kw.get("raw", []):
+            req.raw_input_contents.append(raw)
+        return req
+
+    raw_cases = {
+        "short raw data": (keys_request(raw=[b"\0" * 8]), "8 bytes of raw contents"),
+        "raw for no input": (keys_request(raw=[b"\0" * 16, b"x"]), "2 raw_input_contents"),
+        "one value for two": (keys_request(contents=[1]), "1 elements"),
+        "unknown datatype": (keys_request(datatype="INT99", contents=[1, 2]), "INT99"),
+        "negative shape": (keys_request(shape=[-2], contents=[1]), "non-negative"),
+    }
+    for what, (req, words) in raw_cases.items():
+        with pytest.raises(grpc.RpcError) as e:
+            stub.ModelInfer(req)
+        assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, e.value)
+        assert words in e.value.details(), (what, e.value.details())
+    for call in (lambda: g.is_model_ready("nope"), lambda: g.get_model_metadata("nope")):
+        with pytest.raises(InferenceServerException) as e:
+            call()
+        assert e.value.status() == "StatusCode.NOT_FOUND"
+    # and it still serves
+    r = stub.ModelInfer(keys_request(contents=[1, 2]))
+    assert list(r.outputs[0].shape) == [2, E]
+
+
+def _metric_samples(server) -> dict:
+    """{(sample name, sorted labels): value} of the server's /metrics, parsed by
+    prometheus_client's own parser."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    status, body = server.raw("GET", "/metrics")
+    assert status == 200
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in text_string_to_metric_families(body.decode()) for s in family.samples}
+
+
+def test_metrics_count_the_requests_sent(server):
+    before = _metric_samples(server)
+    dense, cat = requests_for(5, np.random.default_rng(6))
+    for _ in range(3):
+        server.client.infer("dlrm", model_inputs(dense, cat))
+    for _ in range(2):
+        server.grpc.infer("dlrm", grpc_inputs(dense=(dense, "FP32"), categorical=(cat, "BYTES")))
+        server.grpc.infer("embedding", grpc_inputs(keys=(np.arange(7, dtype=np.int64), "INT64")))
+    for _ in range(4):
+        with pytest.raises(InferenceServerException):
+            server.client.infer("dlrm", model_inputs(dense[:3].copy(), cat))
+    with pytest.raises(InferenceServerException):
+        server.grpc.infer("nope", grpc_inputs(keys=(np.arange(2, dtype=np.int64), "INT64")))
+    after = _metric_samples(server)
+
+    def delta(name, **labels):
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert delta("one_embedding_requests_total", model="dlrm", protocol="rest", code="200") == 3
+    assert delta("one_embedding_requests_total", model="dlrm", protocol="grpc", code="200") == 2
+    assert delta("one_embedding_requests_total", model="embedding", protocol="grpc", code="200") == 2
+    assert delta("one_embedding_requests_total", model="dlrm", protocol="rest", code="400") == 4
+    assert delta("one_embedding_request_failures_total", model="dlrm", protocol="rest",
+                 code="400") == 4
+    assert delta("one_embedding_request_failures_total", model="unknown", protocol="grpc",
+                 code="404") == 1
+    assert delta("one_embedding_rows_total", model="dlrm", protocol="rest") == 15
+    assert delta("one_embedding_rows_total", model="embedding", protocol="grpc") == 14
+    assert delta("one_embedding_request_seconds_count", model="dlrm", protocol="rest") == 7
+    assert delta("one_embedding_request_seconds_bucket", model="dlrm", protocol="rest",
+                 le="+Inf") == 7
+    assert delta("one_embedding_batch_rows_sum", model="dlrm") == 25  # 5 calls of 5 rows
+    assert after[("one_embedding_snapshot_info", (("snapshot", "final"),))] == 1
+
+
 def _typed(name, array, datatype):
     i = httpclient.InferInput(name, list(array.shape), datatype)
     i.set_data_from_numpy(array)
@@ -239,15 +385,37 @@ def _status(call):
 
 
 def test_follows_training_as_it_publishes_and_prunes(tmp_path):
+    """Under load (scores over REST and gRPC through the dynamic batcher, lookups) while training
+    publishes and prunes: no request fails, each is answered by some checkpoint in turn."""
+    import threading
+
     path = tmp_path / "live"
     train(path, "--steps", 10, "--snapshot-interval", 5, "--keep-snapshots", 1)
-    server = Server(path, "--poll-seconds", "0.1")
+    server = Server(path, "--poll-seconds", "0.1", "--max-batch-size", "64")
     try:
         proc = train(path, "--steps", 60, "--snapshot-interval", 5, "--keep-snapshots", 1,
                      "--resume", wait=False)
         seen, failures = [], []
         keys = np.arange(50)
         deadline = time.monotonic() + 300
+        dense, cat = requests_for(8, np.random.default_rng(7))
+        answered = []
+
+        def load(call):
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    call()
+                    answered.append(1)
+                except Exception as e:  # any failed request fails the test
+                    failures.append(repr(e))
+
+        rest = httpclient.InferenceServerClient(f"127.0.0.1:{server.port}")
+        loaders = [threading.Thread(target=load, args=(call,), daemon=True) for call in (
+            lambda: rest.infer("dlrm", model_inputs(dense, cat)),
+            lambda: server.grpc.infer("dlrm", grpc_inputs(dense=(dense, "FP32"),
+                                                          categorical=(cat, "BYTES"))))]
+        for t in loaders:
+            t.start()
         while proc.poll() is None and time.monotonic() < deadline:
             try:
                 r = server.client.infer("embedding", [keys_input(keys)])
@@ -258,6 +426,9 @@ def test_follows_training_as_it_publishes_and_prunes(tmp_path):
                 failures.append(repr(e))
             time.sleep(0.02)
         assert proc.wait(timeout=60) == 0, proc.stderr.read()[-3000:]
+        for t in loaders:
+            t.join(timeout=60)
+        assert len(answered) > 20, len(answered)
         time.sleep(1.0)
         r = server.client.infer("embedding", [keys_input(keys)])
         assert r.get_response()["parameters"]["snapshot"] == "final"
@@ -286,11 +457,14 @@ def doc_serving_blocks(page: str, heading: str) -> list[str]:
     return blocks
 
 
-def run_blocks(blocks, port, scope=None) -> dict:
+def run_blocks(blocks, port, scope=None, grpc_port=None) -> dict:
+    """Run the blocks in order in one scope, the documented ports replaced by the test server's
+    (8001 is the gRPC port in a block that uses tritonclient.grpc, else a second REST server)."""
     scope = {} if scope is None else scope
     for code in blocks:
+        second = grpc_port if "grpcclient" in code else port
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        code = code.replace("127.0.0.1:8001", f"127.0.0.1:{port}")
+        code = code.replace("127.0.0.1:8001", f"127.0.0.1:{second}")
         exec(compile(code, "docs", "exec"), scope)
     return scope
 
@@ -308,8 +482,11 @@ def check_prediction(scope, run_path, n):
 def test_readme_client_example_runs(server, run):
     """The README's lookup and its dlrm request, as written, against a synthetic run."""
     scope = run_blocks(doc_serving_blocks("README.md", "## Serving: `one-embedding serve`"),
-                       server.port)
+                       server.port, grpc_port=server.grpc_port)
     assert scope["rows"].shape == (3, E) and scope["snapshot"] == "final"
+    # the gRPC client's answer is the REST one's
+    np.testing.assert_array_equal(scope["grpc_rows"], scope["rows"])
+    assert scope["grpc_snapshot"] == "final"
     check_prediction(scope, run, 2)
 
 
@@ -340,10 +517,6 @@ def test_docs_serving_criteo_request_runs(tmp_path):
         server.close()
 
 
-@pytest.mark.xfail(strict=True, reason="issue 31 item 7: serve() leaves SIGTERM to uvicorn, which "
-                   "re-raises it under the default handler after its graceful shutdown, so the "
-                   "finally that closes the Predictor (and its scratch folder) never runs; the fix "
-                   "belongs in one_embedding/serving/server.py")
 def test_sigterm_leaves_no_scratch_folder(run):
     server = Server(run)
     try:

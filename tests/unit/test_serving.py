@@ -9,6 +9,7 @@ import pytest
 import one_embedding as oe
 from one_embedding.config import TrainConfig
 from one_embedding.data.features import FeatureTransform
+from one_embedding.data.schema import KeyScheme
 from one_embedding.errors import InputError, SnapshotError
 from one_embedding.serving import Predictor
 from one_embedding.serving.protocol import ProtocolError, decode_request, encode_response
@@ -308,3 +309,40 @@ def test_the_checked_snapshot_is_the_one_served_when_training_saves_it_again(tmp
     with Predictor(path, cache_mb=0) as p:
         assert swapped
         np.testing.assert_array_equal(p.lookup(keys), good)
+
+
+def test_columnwise_parse_equals_the_elementwise_one():
+    """The numpy parse of plain-digit strings (any of str / bytes / fixed-width arrays) gives the
+    keys the element-by-element ``int`` parse gives; anything else goes element by element."""
+    rng = np.random.default_rng(5)
+    synthetic = FeatureTransform.for_config(TrainConfig(synthetic_rows=20000))
+    cat = np.array([[str(int(rng.integers(0, c))) for c in synthetic.cardinalities]
+                    for _ in range(40)], dtype=object)
+    values, _ = FeatureTransform._parse_each(cat, 10)
+    want = (values + np.array(synthetic.offsets, np.uint64)).astype(np.int64)
+    as_bytes = np.array([[s.encode() for s in row] for row in cat], dtype=object)
+    for form in (cat, cat.astype(str), cat.astype(bytes), as_bytes, cat.tolist()):
+        np.testing.assert_array_equal(synthetic.keys(form), want)
+    criteo = FeatureTransform()
+    hexes = np.array([[format(int(rng.integers(0, 2**32)), "x") if rng.random() > 0.2 else ""
+                       for _ in range(26)] for _ in range(40)], dtype=object)
+    hexes[0, :4] = ["ABCDEF12", "0", "ffffffffffffffff", "00000000000000000001"]
+    values, present = FeatureTransform._parse_each(hexes, 16)
+    want = KeyScheme().keys(values, present)
+    for form in (hexes, hexes.astype(str), hexes.astype(bytes)):
+        np.testing.assert_array_equal(criteo.keys(form), want)
+    for bad, match in (("zz", "not a hex"), ("5\x00", "not a hex"), ("1" * 17, "64 bits")):
+        wrong = hexes.copy()
+        wrong[3, 4] = bad
+        with pytest.raises(InputError, match=rf"categorical\[3, 4\].*{match}"):
+            criteo.keys(wrong)
+
+
+def test_bytes_elements_of_any_length():
+    from one_embedding.serving.protocol import bytes_elements
+
+    for strings in ([b"ab", b"", b"\xc3\xa9", b"12345"], [b"abcd"] * 5, [b""] * 3,
+                    [b"a\0", b"b"], [b"abc", b""], []):
+        raw = b"".join(struct.pack("<I", len(s)) + s for s in strings)
+        got = bytes_elements(raw, len(strings), "s")
+        assert got.shape == (len(strings),) and list(got) == strings, (strings, got)

@@ -1,0 +1,180 @@
+"""The Open Inference Protocol's gRPC service (``inference.GRPCInferenceService``, KServe v2's
+``grpc_predict_v2.proto`` as Triton extends it), answering through the same ``Service`` as REST.
+
+The messages and the service stub are the protocol's own, as ``tritonclient[grpc]`` ships them
+generated (``tritonclient.grpc.service_pb2`` / ``service_pb2_grpc``: package ``inference``), so
+``tritonclient.grpc`` and KServe's gRPC clients call it unchanged. Implemented: ServerLive,
+ServerReady, ServerMetadata, ModelReady, ModelMetadata and ModelInfer; the rest (repository
+control, shared memory, statistics, streaming) answer UNIMPLEMENTED.
+
+Tensors come as ``raw_input_contents`` (one per input, in input order; BYTES serialized as in
+REST's binary extension) or as typed ``contents``; outputs go back as ``raw_output_contents``.
+A request REST refuses with a 4xx is refused here with the matching status: 400 ->
+INVALID_ARGUMENT, 404 -> NOT_FOUND, 413 -> RESOURCE_EXHAUSTED (the message size limit), 500 ->
+INTERNAL, 503 -> UNAVAILABLE; the details carry REST's error message.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .protocol import DTYPES, ProtocolError, _element_count, bytes_elements
+from .service import Service, model_metadata
+
+log = logging.getLogger("one_embedding.serve")
+
+#: threads answering gRPC calls
+GRPC_THREADS = 32
+
+#: the typed ``InferTensorContents`` field of each datatype
+_CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+             "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+             "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+             "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+
+
+def _status_code(status: int):
+    import grpc
+
+    return {400: grpc.StatusCode.INVALID_ARGUMENT, 404: grpc.StatusCode.NOT_FOUND,
+            413: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE}.get(
+                status, grpc.StatusCode.INTERNAL if status >= 500 else
+                grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def decode_infer_request(request) -> dict:
+    """A ``ModelInferRequest`` -> {input name: ndarray shaped as declared}; ProtocolError 400
+    naming what is wrong."""
+    raw = request.raw_input_contents
+    if raw and len(raw) != len(request.inputs):
+        raise ProtocolError(f"the request has {len(raw)} raw_input_contents for "
+                            f"{len(request.inputs)} inputs: give one per input, in input order")
+    tensors = {}
+    for k, spec in enumerate(request.inputs):
+        name, dtype, shape = spec.name, spec.datatype, list(spec.shape)
+        if dtype not in DTYPES:
+            raise ProtocolError(f"input {name!r}: datatype {dtype!r} is not one of {sorted(DTYPES)}")
+        count = _element_count(shape, name)
+        if raw:
+            data = raw[k]
+            if dtype == "BYTES":
+                array = bytes_elements(data, count, name)
+            else:
+                item = np.dtype(DTYPES[dtype]).itemsize
+                if len(data) != count * item:
+                    raise ProtocolError(f"input {name!r}: {len(data)} bytes of raw contents for "
+                                        f"shape {shape} of {dtype} ({count * item} bytes)")
+                array = np.frombuffer(data, dtype=DTYPES[dtype])
+        else:
+            field = _CONTENTS.get(dtype)
+            values = getattr(spec.contents, field) if field else ()
+            if len(values) != count:
+                raise ProtocolError(f"input {name!r}: its contents hold {len(values)} elements, "
+                                    f"its shape {count}" + ("" if field else
+                                                            f" ({dtype} goes as raw contents)"))
+            array = np.array(list(values), dtype=object) if dtype == "BYTES" else \
+                np.array(values, dtype=DTYPES[dtype])
+        if name in tensors:
+            raise ProtocolError(f"input {name!r} is given twice")
+        tensors[name] = array.reshape(shape)
+    return tensors
+
+
+def make_servicer(service: Service):
+    """The ``GRPCInferenceServiceServicer`` answering through ``service``."""
+    import grpc
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    predictor = service.predictor
+
+    def refuse(context, e: ProtocolError):
+        context.abort(_status_code(e.status), str(e))
+
+    def tensor_metadata(specs):
+        return [pb.ModelMetadataResponse.TensorMetadata(name=s["name"], datatype=s["datatype"],
+                                                        shape=s["shape"]) for s in specs]
+
+    class Servicer(pb_grpc.GRPCInferenceServiceServicer):
+        def ServerLive(self, request, context):
+            return pb.ServerLiveResponse(live=True)
+
+        def ServerReady(self, request, context):
+            return pb.ServerReadyResponse(ready=True)
+
+        def ServerMetadata(self, request, context):
+            return pb.ServerMetadataResponse(name="one_embedding", version="1",
+                                             extensions=["binary_tensor_data"])
+
+        def ModelReady(self, request, context):
+            try:
+                model_metadata(predictor, request.name)
+            except ProtocolError as e:
+                refuse(context, e)
+            return pb.ModelReadyResponse(ready=True)
+
+        def ModelMetadata(self, request, context):
+            try:
+                meta = model_metadata(predictor, request.name)
+            except ProtocolError as e:
+                refuse(context, e)
+            return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"],
+                                            platform=meta["platform"],
+                                            inputs=tensor_metadata(meta["inputs"]),
+                                            outputs=tensor_metadata(meta["outputs"]))
+
+        def ModelInfer(self, request, context):
+            name, started, rows, snapshot, code = request.model_name, time.perf_counter(), 0, None, 200
+            try:
+                tensors = decode_infer_request(request)
+                outputs, snapshot = service.call(name, tensors)
+                asked = [o.name for o in request.outputs]
+                unknown = [a for a in asked if a not in outputs]
+                if unknown:
+                    raise ProtocolError(f"model {name!r} has no output {unknown[0]!r}; it has "
+                                        f"{sorted(outputs)}")
+                response = pb.ModelInferResponse(model_name=name, model_version="1",
+                                                 id=request.id)
+                response.parameters["snapshot"].string_param = snapshot
+                for out in asked or list(outputs):
+                    array = np.ascontiguousarray(outputs[out], np.float32)
+                    response.outputs.add(name=out, datatype="FP32", shape=list(array.shape))
+                    response.raw_output_contents.append(array.tobytes())
+                rows = next(iter(outputs.values())).shape[0]
+                return response
+            except ProtocolError as e:
+                code = e.status
+                if e.status >= 500:
+                    log.error("inference on %r failed: %s", name, e)
+                refuse(context, e)
+            except Exception as e:  # a server fault: logged, answered, and the server goes on
+                code = 500
+                log.exception("inference on %r failed", name)
+                context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            finally:
+                service.answered(name, "grpc", code, started, rows, snapshot)
+
+    return Servicer()
+
+
+def start_grpc(service: Service, host: str, port: int, max_request_mb: float):
+    """A started ``grpc.Server`` for ``service`` on ``host:port``; its messages are limited to
+    ``max_request_mb`` (a larger one: RESOURCE_EXHAUSTED)."""
+    import grpc
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    limit = int(max_request_mb * 2**20)
+    server = grpc.server(ThreadPoolExecutor(GRPC_THREADS, thread_name_prefix="one_embedding-grpc"),
+                         options=[("grpc.max_receive_message_length", limit),
+                                  ("grpc.max_send_message_length", -1)])
+    pb_grpc.add_GRPCInferenceServiceServicer_to_server(make_servicer(service), server)
+    address = f"{host}:{port}"
+    if server.add_insecure_port(address) == 0:
+        from ..errors import ConfigError
+
+        raise ConfigError(f"--grpc-port {port}: cannot listen on {address} (in use?)")
+    server.start()
+    return server

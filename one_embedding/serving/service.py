@@ -1,0 +1,308 @@
+"""What the REST and gRPC front ends share: the models' contract, the checked inputs, running a
+request (alone or merged by the dynamic batcher) and the Prometheus metrics.
+
+Models:
+
+- ``embedding``: input ``keys`` INT64 [n] -> output ``embeddings`` FP32 [n, dim];
+- the trained model under its name (``dlrm``, ``dcn``, ``deepfm``): inputs ``dense`` FP32
+  [n, 13] (raw integer features, NaN = missing) and ``categorical`` BYTES [n, 26] ("" = missing)
+  -> output ``probability`` FP32 [n].
+
+``Service.submit`` returns a ``concurrent.futures.Future`` of (outputs, snapshot): a request to
+the trained model goes to the ``Batcher`` when dynamic batching is on (``max_batch_size`` > 1),
+else, like every ``embedding`` request, to a small thread pool (the forward keeps no activations,
+so requests run side by side). A refused request is a ``ProtocolError`` (4xx), data the server
+cannot read a ``ProtocolError`` 500.
+"""
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+
+from ..errors import OneEmbeddingError, StoreError
+from .predictor import Predictor
+from .protocol import DTYPES, ProtocolError
+
+log = logging.getLogger("one_embedding.serve")
+
+#: threads running requests when dynamic batching is off (and every ``embedding`` request)
+WORKERS = 4
+#: request latency histogram buckets, seconds
+LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.128, 0.256, 0.512,
+                   1.0, 2.0, 5.0)
+#: rows per model call (a merged batch, or one request when batching is off)
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
+
+
+def model_metadata(predictor: Predictor, name: str) -> dict:
+    """The protocol's model metadata of ``name`` (ProtocolError 404 for an unknown one)."""
+    dim = predictor.embedding_dim
+    if name == "embedding":
+        inputs = [{"name": "keys", "datatype": "INT64", "shape": [-1]}]
+        outputs = [{"name": "embeddings", "datatype": "FP32", "shape": [-1, dim]}]
+    elif name == predictor.model_name:
+        inputs = [{"name": "dense", "datatype": "FP32", "shape": [-1, 13]},
+                  {"name": "categorical", "datatype": "BYTES", "shape": [-1, predictor.num_sparse]}]
+        outputs = [{"name": "probability", "datatype": "FP32", "shape": [-1]}]
+    else:
+        raise ProtocolError(f"unknown model {name!r}: this server has 'embedding' and "
+                            f"{predictor.model_name!r}", 404)
+    return {"name": name, "versions": ["1"], "platform": "one_embedding", "inputs": inputs,
+            "outputs": outputs, "parameters": {"snapshot": predictor.snapshot}}
+
+
+def _input(tensors: dict, name: str, model: str, datatype: str, shape: list) -> np.ndarray:
+    """The input ``name`` of a request, checked against its datatype and shape (-1: any)."""
+    if name not in tensors:
+        raise ProtocolError(f"model {model!r} needs input {name!r}; the request has "
+                            f"{sorted(tensors)}")
+    a = tensors[name]
+    if a.dtype != np.dtype(DTYPES[datatype]) and not (datatype == "BYTES" and a.dtype.kind == "S"):
+        got = "BYTES" if a.dtype.kind == "S" else \
+            next(k for k, v in DTYPES.items() if np.dtype(v) == a.dtype)
+        raise ProtocolError(f"input {name!r} is {got}; model {model!r} takes {datatype}")
+    if a.ndim != len(shape) or any(w not in (-1, g) for w, g in zip(shape, a.shape)):
+        raise ProtocolError(f"input {name!r} has shape {list(a.shape)}; model {model!r} takes "
+                            f"{shape} (-1: any size)")
+    return a
+
+
+def model_inputs(predictor: Predictor, name: str, tensors: dict) -> tuple:
+    """A request's decoded tensors -> the model's checked inputs: (keys,) for ``embedding``,
+    (dense, categorical) for the trained model. ProtocolError (404 / 400) for a refused one."""
+    model_metadata(predictor, name)  # 404 first for an unknown model
+    expected = {"keys"} if name == "embedding" else {"dense", "categorical"}
+    extra = sorted(set(tensors) - expected)
+    if extra:
+        raise ProtocolError(f"model {name!r} has no input {extra[0]!r}; it takes "
+                            f"{sorted(expected)}")
+    if name == "embedding":
+        return (_input(tensors, "keys", name, "INT64", [-1]),)
+    dense = _input(tensors, "dense", name, "FP32", [-1, 13])
+    cat = _input(tensors, "categorical", name, "BYTES", [-1, predictor.num_sparse])
+    if dense.shape[0] != cat.shape[0]:
+        raise ProtocolError(f"dense has {dense.shape[0]} rows but categorical "
+                            f"{cat.shape[0]}: give one row of each per sample")
+    return dense, cat
+
+
+def run_model(predictor: Predictor, name: str, inputs: tuple) -> tuple[dict, str]:
+    """``model_inputs``'s inputs -> ({output name: array}, snapshot), in this thread."""
+    try:
+        if name == "embedding":
+            rows, snapshot = predictor.lookup(inputs[0], with_snapshot=True)
+            return {"embeddings": rows}, snapshot
+        prob, snapshot = predictor.predict(*inputs, with_snapshot=True)
+        return {"probability": prob}, snapshot
+    except Exception as e:
+        raise _refusal(e) from None
+
+
+def _refusal(e: Exception) -> ProtocolError:
+    """A predictor's exception -> the ProtocolError answering it."""
+    if isinstance(e, StoreError):  # the served snapshot's data, not the request: a server fault
+        return ProtocolError(f"the server cannot read its data: {e}", 500)
+    if isinstance(e, OneEmbeddingError):  # a value the model cannot take, named by the predictor
+        return ProtocolError(str(e))
+    return e
+
+
+class Metrics:
+    """The server's Prometheus metrics, in their own registry (``exposition()``: the text of
+    ``/metrics``)."""
+
+    def __init__(self, predictor: Predictor):
+        from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("one_embedding_requests", "Inference requests answered",
+                                ["model", "protocol", "code"], registry=r)
+        self.failures = Counter("one_embedding_request_failures",
+                                "Inference requests refused (4xx) or failed (5xx)",
+                                ["model", "protocol", "code"], registry=r)
+        self.rows = Counter("one_embedding_rows", "Rows (samples or keys) answered",
+                            ["model", "protocol"], registry=r)
+        self.latency = Histogram("one_embedding_request_seconds",
+                                 "Inference request latency, from the request read to the answer "
+                                 "encoded", ["model", "protocol"], buckets=LATENCY_BUCKETS,
+                                 registry=r)
+        self.batch_rows = Histogram("one_embedding_batch_rows",
+                                    "Rows per model call (a merged batch when batching is on)",
+                                    ["model"], buckets=BATCH_BUCKETS, registry=r)
+        self.batch_requests = Histogram("one_embedding_batch_requests",
+                                        "Requests per model call", ["model"],
+                                        buckets=BATCH_BUCKETS, registry=r)
+        self.snapshot = Gauge("one_embedding_snapshot_info",
+                              "The checkpoint answering requests (1 on its label)",
+                              ["snapshot"], registry=r)
+        self.switches = Counter("one_embedding_snapshot_switches",
+                                "Switches to a newer checkpoint", registry=r)
+        self._served = None
+        self._lock = threading.Lock()
+        self.served(predictor.snapshot)
+
+    def served(self, snapshot: str) -> None:
+        """The checkpoint answering now is ``snapshot``."""
+        with self._lock:
+            if snapshot == self._served:
+                return
+            if self._served is not None:
+                self.snapshot.remove(self._served)
+                self.switches.inc()
+            self.snapshot.labels(snapshot).set(1)
+            self._served = snapshot
+
+    def answered(self, model: str, protocol: str, code: int, seconds: float, rows: int) -> None:
+        """One inference request answered with status ``code`` after ``seconds``."""
+        self.requests.labels(model, protocol, str(code)).inc()
+        if code >= 400:
+            self.failures.labels(model, protocol, str(code)).inc()
+        else:
+            self.rows.labels(model, protocol).inc(rows)
+        self.latency.labels(model, protocol).observe(seconds)
+
+    def exposition(self) -> bytes:
+        from prometheus_client import generate_latest
+
+        return generate_latest(self.registry)
+
+
+class Batcher:
+    """Dynamic batching of one model's requests, as Triton's: a request waits at most
+    ``max_queue_delay`` seconds for others; the queue's requests are merged (in arrival order)
+    up to ``max_batch_size`` rows and answered by one ``Predictor.predict_many`` call, each with
+    its own rows' scores. A request larger than ``max_batch_size`` runs alone."""
+
+    def __init__(self, predictor: Predictor, max_batch_size: int, max_queue_delay: float,
+                 metrics: Metrics | None = None):
+        self.predictor, self.metrics = predictor, metrics
+        self.max_batch_size, self.max_queue_delay = int(max_batch_size), float(max_queue_delay)
+        self._queue: collections.deque = collections.deque()
+        self._ready = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="one_embedding-batcher",
+                                        daemon=True)
+        self._thread.start()
+
+    def submit(self, dense: np.ndarray, categorical: np.ndarray) -> Future:
+        """-> Future of ((n,) float32 probabilities, snapshot)."""
+        future: Future = Future()
+        with self._ready:
+            if self._stopped:
+                raise ProtocolError("the server is shutting down", 503)
+            self._queue.append((time.perf_counter(), dense.shape[0], dense, categorical, future))
+            self._ready.notify()
+        return future
+
+    def _take(self) -> list:
+        """The next batch: waits for a first request, then for more until ``max_batch_size``
+        rows are queued or the first has waited ``max_queue_delay``."""
+        with self._ready:
+            while not self._queue and not self._stopped:
+                self._ready.wait()
+            if not self._queue:
+                return []
+            deadline = self._queue[0][0] + self.max_queue_delay
+            while not self._stopped:
+                queued = sum(item[1] for item in self._queue)
+                left = deadline - time.perf_counter()
+                if queued >= self.max_batch_size or left <= 0:
+                    break
+                self._ready.wait(left)
+            batch = [self._queue.popleft()]
+            rows = batch[0][1]
+            while self._queue and rows + self._queue[0][1] <= self.max_batch_size:
+                item = self._queue.popleft()
+                batch.append(item)
+                rows += item[1]
+            return batch
+
+    def _run(self) -> None:
+        while True:
+            batch = self._take()
+            if not batch:
+                return
+            try:
+                results, snapshot = self.predictor.predict_many([(b[2], b[3]) for b in batch])
+            except Exception as e:  # the whole call failed (unreadable data): every request
+                log.error("a batch of %d requests failed: %s", len(batch), e)
+                for item in batch:
+                    item[4].set_exception(_refusal(e))
+                continue
+            if self.metrics is not None:
+                self.metrics.batch_rows.labels(self.predictor.model_name).observe(
+                    sum(item[1] for item in batch))
+                self.metrics.batch_requests.labels(self.predictor.model_name).observe(len(batch))
+            for item, result in zip(batch, results):
+                if isinstance(result, Exception):
+                    item[4].set_exception(_refusal(result))
+                else:
+                    item[4].set_result(({"probability": result}, snapshot))
+
+    def close(self) -> None:
+        with self._ready:
+            self._stopped = True
+            self._ready.notify_all()
+        self._thread.join(timeout=10)
+        for item in list(self._queue):
+            item[4].set_exception(ProtocolError("the server is shutting down", 503))
+        self._queue.clear()
+
+
+class Service:
+    """A ``Predictor`` answering inference requests of either front end.
+
+    max_batch_size: rows a merged batch holds (1: dynamic batching off); max_queue_delay:
+    seconds a request waits for others to merge with."""
+
+    def __init__(self, predictor: Predictor, max_batch_size: int = 1,
+                 max_queue_delay: float = 0.0, metrics: bool = True):
+        self.predictor = predictor
+        self.metrics = Metrics(predictor) if metrics else None
+        self.batcher = Batcher(predictor, max_batch_size, max_queue_delay, self.metrics) \
+            if max_batch_size > 1 else None
+        self._pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="one_embedding-infer")
+
+    def _run(self, name: str, inputs: tuple) -> tuple[dict, str]:
+        outputs, snapshot = run_model(self.predictor, name, inputs)
+        if self.metrics is not None:
+            self.metrics.batch_rows.labels(name).observe(inputs[0].shape[0])
+            self.metrics.batch_requests.labels(name).observe(1)
+        return outputs, snapshot
+
+    def submit(self, name: str, tensors: dict) -> Future:
+        """A request's decoded tensors -> Future of ({output name: array}, snapshot). Raises
+        ProtocolError at once for a request refused by its names, types or shapes."""
+        inputs = model_inputs(self.predictor, name, tensors)
+        if self.batcher is not None and name != "embedding":
+            return self.batcher.submit(*inputs)
+        return self._pool.submit(self._run, name, inputs)
+
+    def call(self, name: str, tensors: dict) -> tuple[dict, str]:
+        """``submit``, waited for; without batching the model runs in the calling thread (a
+        gRPC worker: no second thread hop)."""
+        inputs = model_inputs(self.predictor, name, tensors)
+        if self.batcher is not None and name != "embedding":
+            return self.batcher.submit(*inputs).result()
+        return self._run(name, inputs)
+
+    def answered(self, model: str, protocol: str, code: int, started: float, rows: int,
+                 snapshot: str | None = None) -> None:
+        """Record one answered request in the metrics (no-op without them); a model this
+        server does not have is counted as "unknown"."""
+        if self.metrics is not None:
+            if model not in ("embedding", self.predictor.model_name):
+                model = "unknown"
+            self.metrics.answered(model, protocol, code, time.perf_counter() - started, rows)
+            if snapshot is not None:
+                self.metrics.served(snapshot)
+
+    def close(self) -> None:
+        if self.batcher is not None:
+            self.batcher.close()
+        self._pool.shutdown(wait=True)

@@ -1,0 +1,126 @@
+"""Serving side by side: an inference forward keeps no activations, so requests run their forwards
+concurrently without a lock; the dynamic batcher merges concurrent requests and answers each
+as it would have been answered alone."""
+import os
+import threading
+
+import numpy as np
+import pytest
+
+from one_embedding.config import TrainConfig
+from one_embedding.data.features import FeatureTransform
+from one_embedding.serving import Predictor
+from one_embedding.training import train
+
+CFG = dict(steps=4, batch_size=128, synthetic_rows=5000, eval_batches=1)
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    path = tmp_path_factory.mktemp("serving") / "run"
+    train(TrainConfig(persistent_path=str(path), **CFG), metrics_path=os.devnull, progress=False)
+    return path
+
+
+def raw_rows(n: int, seed: int):
+    """n raw synthetic requests rows: dense (n, 13) with NaNs, categorical (n, 26) strings."""
+    rng = np.random.default_rng(seed)
+    t = FeatureTransform.for_config(TrainConfig(**CFG))
+    dense = rng.integers(0, 50, (n, 13)).astype(np.float32)
+    dense[rng.random((n, 13)) < 0.2] = np.nan
+    cat = np.array([[str(int(rng.integers(0, c))) for c in t.cardinalities] for _ in range(n)],
+                   dtype=object)
+    return dense, cat
+
+
+def activations(model) -> list:
+    """Names of the arrays a model's modules hold for a backward pass."""
+    held = []
+    for m in model.modules():
+        for name in ("_x", "_mask", "_xs", "_keep"):
+            if getattr(m, name, None) is not None:
+                held.append(f"{type(m).__name__}.{name}")
+    return held
+
+
+def test_an_inference_forward_keeps_no_activations_and_runs_side_by_side(run):
+    requests = [raw_rows(int(n), seed) for seed, n in enumerate([1, 7, 64, 3, 200, 64, 2, 31])]
+    with Predictor(run) as p:
+        alone = [p.predict(d, c) for d, c in requests]
+        assert activations(p._current.model) == []
+        got = [None] * (len(requests) * 4)
+        start = threading.Barrier(8)
+
+        def work(k):
+            start.wait()
+            for i in range(k, len(got), 8):
+                got[i] = p.predict(*requests[i % len(requests)])
+
+        threads = [threading.Thread(target=work, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        for i, g in enumerate(got):
+            np.testing.assert_array_equal(g, alone[i % len(requests)])
+        assert activations(p._current.model) == []
+
+
+def test_the_batcher_merges_concurrent_requests_and_answers_each_as_alone(run, monkeypatch):
+    """Requests queued together are one model call (the metrics count a merged batch), and each
+    gets the scores ``predict`` gives it alone, up to float32 rounding: OpenBLAS picks other
+    kernels (other summation orders) for other row counts, so a row's logit can differ in its
+    last bits between a 1-row and a 130-row call, as under Triton's batching. A bad request in
+    the batch is refused alone while the others are answered."""
+    from one_embedding.serving.protocol import ProtocolError
+    from one_embedding.serving.service import Service
+
+    requests = [raw_rows(int(n), 100 + seed) for seed, n in enumerate([1, 5, 64, 1, 33, 2, 17, 9])]
+    bad_dense, bad_cat = raw_rows(3, 99)
+    bad_cat[1, 2] = "x"
+    from one_embedding.serving import predictor as predictor_module
+
+    joint = []
+    transform_together = predictor_module._joint_inputs
+    monkeypatch.setattr(predictor_module, "_joint_inputs",
+                        lambda *a: joint.append(transform_together(*a)) or joint[-1])
+    with Predictor(run) as p:
+        alone = [p.predict(d, c) for d, c in requests]
+        service = Service(p, max_batch_size=4096, max_queue_delay=0.5)
+        try:
+            for with_bad in (False, True):  # transformed together; one by one around the bad one
+                futures = [service.submit("dlrm", {"dense": d, "categorical": c})
+                           for d, c in requests]
+                if with_bad:
+                    refused = service.submit("dlrm", {"dense": bad_dense, "categorical": bad_cat})
+                for f, want in zip(futures, alone):
+                    outputs, snapshot = f.result(timeout=60)
+                    assert snapshot == "final"
+                    assert outputs["probability"].shape == want.shape
+                    np.testing.assert_allclose(outputs["probability"], want, rtol=0, atol=1e-6)
+            with pytest.raises(ProtocolError, match=r"categorical\[1, 2\] = 'x'") as e:
+                refused.result(timeout=60)
+            assert e.value.status == 400
+            assert any(j is not None for j in joint) and any(j is None for j in joint)
+            merged = {s.name: s.value for s in service.metrics.registry.collect()
+                      for s in s.samples if s.name == "one_embedding_batch_requests_sum"}
+            assert merged["one_embedding_batch_requests_sum"] == 2 * len(requests) + 1
+            count = {s.name: s.value for m in service.metrics.registry.collect()
+                     for s in m.samples if s.name == "one_embedding_batch_requests_count"}
+            assert count["one_embedding_batch_requests_count"] < 2 * len(requests), count  # merged
+        finally:
+            service.close()
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--max-batch-size", "0"], "--max-batch-size 0 must be >= 1"),
+    (["--max-queue-delay-us", "-5"], "--max-queue-delay-us -5.0 must be >= 0"),
+    (["--grpc-port", "8000"], "--grpc-port 8000 must be in 1..65535 and differ from --port 8000"),
+    (["--grpc-port", "70000"], "--grpc-port 70000 must be in 1..65535"),
+    (["--blas-threads", "0"], "--blas-threads 0 must be >= 1"),
+])
+def test_serve_refuses_bad_batching_and_grpc_options(run, capsys, argv, words):
+    from one_embedding import cli
+
+    assert cli.main(["serve", "--persistent-path", str(run), *argv]) == 2
+    assert words in capsys.readouterr().err
