@@ -36,7 +36,7 @@ def proc_tools():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location(
-        "bench_scale_procstats", os.path.join(ROOT, "one_embedding", "procstats.py"))
+        "bench_scale_procstats", os.path.join(ROOT, "src", "one_embedding", "procstats.py"))
     procstats = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(procstats)
     return procstats.rss_anon, procstats.trim_heap, procstats.bytes_written, "procstats"

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Compile every CUDA source of one_embedding/kernels/cuda with nvcc for each target architecture.
+# Compile every CUDA source of src/one_embedding/kernels/cuda with nvcc for each target architecture.
 #
 # Each <family>.cu is built as a cubin with -DONE_EMBEDDING_INSTANTIATE, which turns its
 # ONE_EMBEDDING_KERNEL(name) lines into explicit float and double instantiations, so every template
@@ -11,7 +11,7 @@
 set -u -o pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-cuda_dir="$root/one_embedding/kernels/cuda"
+cuda_dir="$root/src/one_embedding/kernels/cuda"
 nvcc="${NVCC:-nvcc}"
 archs=("$@")
 [ "${#archs[@]}" -eq 0 ] && archs=(sm_80 sm_90)

@@ -11,6 +11,8 @@ from one_embedding.tiers import TierCounters
 #: the tests folder, the repository, and the real Criteo rows beside the repository
 TESTS = Path(__file__).resolve().parent
 ROOT = TESTS.parent
+#: the package's source folder in the checkout (a src/ layout)
+PACKAGE = ROOT / "src" / "one_embedding"
 CRITEO_DIR = ROOT.parent / "shared" / "data" / "criteo"
 
 #: the relative tolerance of parity with PyTorch autograd and the numpy references

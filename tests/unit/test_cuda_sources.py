@@ -525,7 +525,7 @@ def test_cuda_ops_launch_arguments_match_kernel_signatures():
     # would silently corrupt memory on the GPU, so it is checked here, statically, without one
     import ast
 
-    source = (ROOT / "one_embedding" / "kernels" / "cuda_ops.py").read_text()
+    source = (helpers.PACKAGE / "kernels" / "cuda_ops.py").read_text()
     signatures = {}
     for family in cm.DENSE_FAMILIES:     # the embedding families: tests/test_device_cache_emulation.py
         signatures.update(_kernel_parameter_kinds(family))

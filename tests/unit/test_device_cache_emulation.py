@@ -612,7 +612,7 @@ def test_codec_argument_checks(launch):
 def _glue_launches():
     """{(family, name)} of every launch_threads / launch_warps call in the device glue."""
     found = set()
-    package = ROOT / "one_embedding"
+    package = helpers.PACKAGE
     for path in [package / "kernels" / "device_ops.py", package / "cache" / "device.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (

@@ -67,7 +67,7 @@ def _targets(module: str, is_package: bool, node, modules: dict) -> list:
     return out
 
 
-def import_graph(root=helpers.ROOT) -> dict:
+def import_graph(root=helpers.PACKAGE.parent) -> dict:
     """module -> {modules it imports}, over every one_embedding/**/*.py"""
     modules = _modules(root)
     graph = {}

@@ -166,6 +166,6 @@ def test_options_and_store_dict_import_no_cycle(root):
     imported the other inside functions)."""
     import ast
 
-    tree = ast.parse((root / "one_embedding" / "store_dict.py").read_text())
+    tree = ast.parse((root / "src" / "one_embedding" / "store_dict.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "options" not in imported and imported <= {"__future__", "errors"}

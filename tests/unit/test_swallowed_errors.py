@@ -17,7 +17,7 @@ from one_embedding.errors import SnapshotError, StoreError
 from one_embedding.store import segments as seg_mod
 from one_embedding.store.segments import SegmentInfo, SegmentPool
 
-LIBRARY = helpers.ROOT / "one_embedding"
+LIBRARY = helpers.PACKAGE
 BROAD = {"Exception", "BaseException"}
 REPORTS = {"debug", "info", "warning", "error", "exception", "critical", "warn", "print_exc",
            "print_exception"}
