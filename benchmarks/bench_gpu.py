@@ -214,6 +214,22 @@ def run_one_embedding(dev: Device, table_rows, batches, args) -> dict:
             "final_loss": float(loss), "rows_stored": stats["rows"]}
 
 
+def time_torch_steps(torch, device, step, warmup: int, steps: int, batch_size: int) -> dict:
+    """``step(i)`` (a PyTorch training step returning its loss) ``warmup`` times, then ``steps``
+    timed times between device synchronizations -> samples/s, seconds, the last loss."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    for i in range(warmup):
+        step(i)
+    sync()
+    start = time.perf_counter()
+    for i in range(warmup, warmup + steps):
+        loss = step(i)
+    sync()
+    seconds = time.perf_counter() - start
+    return {"samples_per_s": steps * batch_size / seconds, "seconds": seconds,
+            "final_loss": float(loss), "torch": torch.__version__}
+
+
 def run_torch(dev: Device, table_rows, batches, args) -> dict:
     import torch
     from torch import nn
@@ -266,17 +282,7 @@ def run_torch(dev: Device, table_rows, batches, args) -> dict:
         dense_opt.step()
         return loss.detach()
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for i in range(args.warmup):
-        step(i)
-    sync()
-    start = time.perf_counter()
-    for i in range(args.warmup, args.warmup + args.steps):
-        loss = step(i)
-    sync()
-    seconds = time.perf_counter() - start
-    return {"samples_per_s": args.steps * args.batch_size / seconds, "seconds": seconds,
-            "final_loss": float(loss), "torch": torch.__version__}
+    return time_torch_steps(torch, device, step, args.warmup, args.steps, args.batch_size)
 
 
 def bench_cli(dev: Device, args, amp: str = "off", steps: int | None = None) -> dict:
@@ -345,17 +351,7 @@ def run_torch_one_table(dev: Device, table_rows, batches, args, autocast: bool) 
             table.index_add_(0, ids, rows.grad, alpha=-args.lr)
         return loss.detach()
 
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
-    for i in range(args.warmup):
-        step(i)
-    sync()
-    start = time.perf_counter()
-    for i in range(args.warmup, args.warmup + args.amp_steps):
-        loss = step(i)
-    sync()
-    seconds = time.perf_counter() - start
-    return {"samples_per_s": args.amp_steps * args.batch_size / seconds, "seconds": seconds,
-            "final_loss": float(loss), "torch": torch.__version__}
+    return time_torch_steps(torch, device, step, args.warmup, args.amp_steps, args.batch_size)
 
 
 def bench_amp(dev: Device, args, batches=None) -> dict:
