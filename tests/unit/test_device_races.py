@@ -157,6 +157,19 @@ def test_device_write_log_is_written_and_read_by_the_consumer_thread_only(launch
         emb.backward(np.ones(out.shape, np.float32))
         opt.step()
         opt.zero_grad()
+    # and, whatever the prefetch thread's timing on a busy machine, lookups that surely precede
+    # a put: each next batch prepared on another thread before this step's put
+    states = {0: emb.prepare(batches[0])}
+    for i in range(len(batches)):
+        if i + 1 < len(batches):
+            ahead = threading.Thread(target=lambda j=i + 1: states.__setitem__(
+                j, emb.prepare(batches[j])), name="lookahead")
+            ahead.start()
+            ahead.join()
+        out = emb.embed(states.pop(i))
+        emb.backward(np.ones(out.shape, np.float32))
+        opt.step()
+        opt.zero_grad()
     emb.close()
     main = threading.current_thread().name
     assert seen["put"] == {main} and seen["patch"] == {main}, seen
