@@ -50,7 +50,7 @@ from . import common
 from .common import markdown_table, print_header, save_result
 from .scale_training import b_tables, part_b, train_worker
 from .scale_workers import (ROOT, disk_bytes, fmt, peak_rss, proc_tools, read_result,
-                            run_worker)
+                            package_parent, run_worker)
 
 
 # ---- (a): the table of the issue
@@ -325,7 +325,7 @@ def part_a(args, root: str) -> dict:
                 t0 = time.perf_counter()
                 raw = read_result(run_worker("table", job, lib, root), job, f"{code} {engine}")
                 shutil.rmtree(path, ignore_errors=True)
-                if os.path.realpath(raw["library"]) != os.path.realpath(lib):
+                if os.path.realpath(raw["library"]) != os.path.realpath(package_parent(lib)):
                     raise SystemExit(f"the {code} worker imported one_embedding from "
                                      f"{raw['library']}, not {lib}")
                 if raw["reopened_rows"] != raw["table_rows"]:

@@ -62,6 +62,13 @@ def disk_bytes(path: str) -> int:
     return total
 
 
+def package_parent(checkout: str) -> str:
+    """The folder that holds a checkout's ``one_embedding`` package: ``src/`` (today's layout)
+    or the checkout itself (the flat layout of older commits, a baseline's)."""
+    src = os.path.join(checkout, "src")
+    return src if os.path.isfile(os.path.join(src, "one_embedding", "__init__.py")) else checkout
+
+
 def run_worker(kind: str, job: dict, lib: str, cwd: str,
                preexec_fn=None) -> subprocess.CompletedProcess:
     """This module's ``--worker kind`` in a fresh Python on the ``one_embedding`` under ``lib``;
@@ -70,7 +77,8 @@ def run_worker(kind: str, job: dict, lib: str, cwd: str,
     memory in use rather than what the allocator keeps around."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update(MALLOC_MMAP_THRESHOLD_="131072", MALLOC_ARENA_MAX="2")
-    cmd = [sys.executable, "-c", _BOOT, lib, ROOT, "--worker", kind, "--job", json.dumps(job)]
+    cmd = [sys.executable, "-c", _BOOT, package_parent(lib), ROOT, "--worker", kind, "--job",
+           json.dumps(job)]
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
                           preexec_fn=preexec_fn)
 

@@ -51,7 +51,7 @@ def test_bench_scale_measures_new_and_baseline_code_and_a_limited_training_run(t
         assert all(v is None or math.isfinite(v) for v in f.values()), key
     for engine in ("slots", "rocksdb"):  # this checkout can delete snapshots and reports procstats
         new = a["runs"][f"new/{engine}"]
-        assert os.path.realpath(new["library"]) == os.path.realpath(ROOT)
+        assert os.path.realpath(new["library"]) == os.path.realpath(helpers.PACKAGE.parent)
         assert new["proc_tools"] == "procstats"
         assert new["has_delete_snapshot"] and new["disk_kept_bytes"] <= new["disk_all_bytes"]
     if has_ref:  # the same worker ran the old code from a worktree, then the worktree went
