@@ -236,8 +236,8 @@ class MultiTableMultiColumnEmbedding:
             lo = int(host_sync.scalar(ids.min(), "embedding: id range check"))
             hi = int(host_sync.scalar(ids.max(), "embedding: id range check"))
             info = np.iinfo(self.key_type)
-            if int(lo) < info.min or int(hi) > info.max:
-                bad = int(lo) if int(lo) < info.min else int(hi)
+            if lo < info.min or hi > info.max:
+                bad = lo if lo < info.min else hi
                 hint = "negative ids need a signed key_type" if bad < 0 else "use a wider key_type"
                 raise InputError(
                     f"id {bad} does not fit key_type={self.key_type.name} "

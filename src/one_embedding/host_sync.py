@@ -9,11 +9,7 @@ metrics, the losses and the step's error flags, once every ``--log-interval`` st
 Code on the step's path calls these functions instead of reading arrays directly, so that the
 reads are counted wherever they happen, by reason:
 
-    >>> from typing import Callable
-
-import numpy as np
-
-from .errors import InputError
+    >>> import numpy as np
     >>> from one_embedding import host_sync
     >>> with host_sync.counting() as reads:
     ...     host_sync.to_host(np.arange(3), "example")
@@ -23,10 +19,10 @@ from .errors import InputError
     >>> reads.total, reads.by_reason["example"]
     (2, 2)
 
-Checks of values on the device (ids, NaN inputs, labels) use ``check``: outside ``deferring`` it
-reads its flag at once and raises; inside (the trainer's device path) the flag stays on the
-device and ``DeferredChecks.read`` raises the first failed one at the next metrics read, naming
-the step, in the same read that brings the losses back.
+Checks of values on the device (NaN inputs, labels, gradients) use ``check``: outside
+``deferring`` it reads its flag at once and raises; inside (the trainer's device path) the flag
+stays on the device and ``DeferredChecks.read`` raises the first failed one at the next metrics
+read, naming the step, in the same read that brings the losses back.
 
 The counts cover every backend alike (a numpy "read" costs nothing, but it is counted the
 same), so the CPU dry run of the device path counts what a GPU run would do.
@@ -37,7 +33,6 @@ import contextlib
 import threading
 from collections import Counter
 from dataclasses import dataclass, field
-
 from typing import Callable
 
 import numpy as np
@@ -172,10 +167,13 @@ class DeferredChecks:
         host = to_host(xp.concatenate(parts), reason)
         for c, bad in zip(pending, host[len(values):]):
             if bad:  # its details in their own dtypes (a 64-bit key does not fit a float64)
-                details = [to_host(d, c.reason + " (details)").reshape(()).item()
-                           for d in c.details]
-                raise c.error(f"step {c.step}: {c.message(*details)}")
+                raise c.error(f"step {c.step}: {c.message(*_read_details(c.details, c.reason))}")
         return host[:len(values)]
+
+
+def _read_details(values, reason: str) -> list:
+    """The Python scalars of a failed check's 0-d device details, each read in its own dtype."""
+    return [to_host(v, reason + " (details)").reshape(()).item() for v in values]
 
 
 _deferred: DeferredChecks | None = None
@@ -212,8 +210,6 @@ def check(bad, message: Callable[..., str], reason: str, *, details: Callable[[]
     queue = _deferred
     if queue is None:
         if flag(bad, reason):
-            values = details()
-            host = [to_host(v, reason + " (details)").reshape(()).item() for v in values]
-            raise error(message(*host))
+            raise error(message(*_read_details(details(), reason)))
         return
     queue.add(_Check(queue.step, bad, tuple(details()), message, error, reason))

@@ -36,6 +36,11 @@ class TierCounters:
     evictions: int = 0  # lines this level pushed out to the level below
     writes: int = 0  # lines written into this level (puts, evictions from above, flushes)
 
+    def __post_init__(self):
+        # finds whose missing count is still on the device (not fields: ``as_dict`` settles them)
+        self._queried_on_device = 0
+        self._missing_on_device = None
+
     def record_find(self, queried: int, missing) -> None:
         """missing: an int, or a 0-d device count, summed on the device and read (once, counted)
         when the counters are (``as_dict``), not during the step."""
@@ -43,8 +48,8 @@ class TierCounters:
             self.hits += queried - int(missing)
             self.misses += int(missing)
             return
-        self._queried_on_device = getattr(self, "_queried_on_device", 0) + queried
-        pending = getattr(self, "_missing_on_device", None)
+        self._queried_on_device += queried
+        pending = self._missing_on_device
         self._missing_on_device = missing if pending is None else pending + missing
 
     def record_write(self, written: int, evicted: int) -> None:
@@ -52,7 +57,7 @@ class TierCounters:
         self.evictions += evicted
 
     def as_dict(self) -> dict:
-        pending = getattr(self, "_missing_on_device", None)
+        pending = self._missing_on_device
         if pending is not None:
             from .. import host_sync
 
