@@ -11,8 +11,11 @@ value strings, binary tensors as tritonclient sends them) in batches of 1 and 64
   and BLAS's default threads: the better is the baseline), measured first and again right before
   each server's cells of a batch size: on a shared machine the rate moves, so each cell is
   compared with the baseline measured next to it;
-- REST: ApacheBench (`ab -k -c CLIENTS`, a C client with keep-alive; installed with apt-get when
-  missing) posting the same request body;
+- REST: wrk (`wrk -t1 -cCLIENTS --latency`, a C load generator keeping its HTTP/1.1
+  connections alive as tritonclient.http does; installed with apt-get when missing) posting the
+  same request body. (ApacheBench, used before, speaks HTTP/1.0, whose keep-alive uvicorn does
+  not honour: every ab request opened a new connection, half the rate of batch-1 requests
+  measured back to back, 570 against 1,127 requests/s on 2026-11-27);
 - gRPC: h2load (nghttp2's C HTTP/2 load generator, installed with apt-get when missing) posting
   the gRPC-framed `ModelInferRequest` with CLIENTS streams in flight (rate and mean latency; the
   server's /metrics count gRPC-level failures, which h2load cannot see), and
@@ -21,7 +24,7 @@ value strings, binary tensors as tritonclient sends them) in batches of 1 and 64
   installable here;
 - each with dynamic batching off (`--max-batch-size 1`) and on (`--max-batch-size 1024`).
 
-The load generator shares the machine's cores with the server. Then batch 64 again under ab while
+The load generator shares the machine's cores with the server. Then batch 64 again under wrk while
 a training run resumes on the same path and publishes a checkpoint every 5 steps (keeping 1), so
 the server switches snapshots under load: failed requests must stay 0. Writes results/serve.json
 and prints the markdown table.
@@ -93,10 +96,42 @@ def in_process(predictor, requests, concurrency: int, seconds: float) -> dict:
                 lat.append(time.perf_counter() - t)
             i += concurrency
 
-    t0 = time.perf_counter()
+    t0, cpu0 = time.perf_counter(), time.process_time()
     with ThreadPoolExecutor(concurrency) as pool:
         list(pool.map(worker, range(concurrency)))
-    return summarize(lat, time.perf_counter() - t0, requests[0][0].shape[0])
+    out = summarize(lat, time.perf_counter() - t0, requests[0][0].shape[0])
+    # CPU seconds of every thread of this process (BLAS's included) per call
+    out["cpu_ms_per_request"] = (time.process_time() - cpu0) * 1e3 / max(1, len(lat))
+    return out
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of process ``pid`` so far, all its threads (/proc/PID/stat)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's finished children (the load generators)."""
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def batching_ceiling(server_off_ms: float, client_ms: float, model_one_ms: float,
+                     model_row_ms: float) -> tuple[float, float]:
+    """The most dynamic batching can multiply batch-1 rows/s by, from measured CPU costs per
+    request: with batching off a request costs the server ``server_off_ms`` (of which the model's
+    one-row forward, ``model_one_ms``, in process) and the load generator ``client_ms``; merged, a
+    row's share of the model can fall at best to ``model_row_ms`` (a row of a 64-row forward),
+    the rest of the request (HTTP, decoding, the response) stays. Returns (server CPU only,
+    server and client sharing the cores)."""
+    rest = max(server_off_ms - model_one_ms, 0.0)
+    server_only = server_off_ms / (rest + model_row_ms)
+    shared = (server_off_ms + client_ms) / (rest + model_row_ms + client_ms)
+    return server_only, shared
 
 
 def free_port() -> int:
@@ -151,8 +186,9 @@ def drive_h2load(h2load: str, server: "Server", body_file: str, clients: int,
             + grpc_failures(server) - before}
 
 
-def grpc_failures(server: "Server") -> float:
-    """The server's count of refused or failed gRPC requests (its /metrics)."""
+def server_count(server: "Server", sample: str, **labels) -> float:
+    """The sum of the server's /metrics samples named ``sample`` whose labels include
+    ``labels``."""
     import urllib.request
 
     from prometheus_client.parser import text_string_to_metric_families
@@ -160,8 +196,13 @@ def grpc_failures(server: "Server") -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
         text = r.read().decode()
     return sum(s.value for family in text_string_to_metric_families(text)
-               for s in family.samples if s.name == "one_embedding_request_failures_total"
-               and s.labels.get("protocol") == "grpc")
+               for s in family.samples if s.name == sample
+               and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def grpc_failures(server: "Server") -> float:
+    """The server's count of refused or failed gRPC requests (its /metrics)."""
+    return server_count(server, "one_embedding_request_failures_total", protocol="grpc")
 
 
 def rest_body(dense, cat) -> tuple[bytes, int]:
@@ -192,43 +233,50 @@ def grpc_body(dense, cat) -> bytes:
     return req.SerializeToString()
 
 
-def drive_rest(ab: str, port: int, body_file: str, header: int, clients: int,
-               seconds: float, folder: str) -> dict:
-    """ab -k -c clients for ``seconds``: requests/s, p50/p99 (its percentile CSV), failures."""
-    csv = os.path.join(folder, "ab.csv")
-    # ab reads -t as whole seconds (0: no limit)
-    cmd = [ab, "-q", "-k", "-c", str(clients), "-t", str(max(1, round(seconds))), "-n", "100000000",
-           "-s", "120", "-p", body_file, "-T", "application/octet-stream",
-           "-H", f"Inference-Header-Content-Length: {header}", "-e", csv,
-           f"http://127.0.0.1:{port}/v2/models/dlrm/infer"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180)
-    if out.returncode != 0:
-        raise SystemExit(f"ab failed: {out.stderr[-2000:]}")
+_WRK_SCRIPT = """\
+local f = assert(io.open({body!r}, "rb"))
+wrk.method = "POST"
+wrk.body = f:read("*all")
+f:close()
+wrk.headers["Content-Type"] = "application/octet-stream"
+wrk.headers["Inference-Header-Content-Length"] = "{header}"
+"""
 
-    def field(label, default=0.0):
-        for line in out.stdout.splitlines():
-            if line.startswith(label):
-                return float(line.split(":", 1)[1].split()[0])
-        return default
 
-    # ab counts a response whose length differs from the first one's as failed ("Length"):
-    # while snapshots switch, the snapshot's name in the answer changes its length. Failed here
-    # means a connection or receive error, an exception, or a non-2xx status.
+def _wrk_ms(text: str) -> float:
+    """A wrk duration ("812.00us", "14.43ms", "1.20s") in milliseconds."""
     import re
 
-    broken = re.search(r"\(Connect: (\d+), Receive: (\d+), Length: (\d+), Exceptions: (\d+)\)",
-                       out.stdout)
-    connect, receive, length, exceptions = map(int, broken.groups()) if broken else (0, 0, 0, 0)
-    pct = {}
-    with open(csv) as f:
-        for line in f.read().splitlines()[1:]:
-            k, v = line.split(",")
-            pct[int(float(k))] = float(v)
-    done = field("Complete requests")
-    return {"requests": int(done), "qps": field("Requests per second"),
-            "failed": connect + receive + exceptions + int(field("Non-2xx responses")),
-            "other_length": length,
-            "p50_ms": pct[50], "p99_ms": pct[99]}
+    value, unit = re.fullmatch(r"([\d.]+)(us|ms|s|m)", text).groups()
+    return float(value) * {"us": 1e-3, "ms": 1.0, "s": 1e3, "m": 6e4}[unit]
+
+
+def drive_rest(wrk: str, port: int, body_file: str, header: int, clients: int,
+               seconds: float, folder: str) -> dict:
+    """wrk (one thread, ``clients`` HTTP/1.1 keep-alive connections, as tritonclient.http keeps
+    them) posting ``body_file`` for ``seconds``: requests/s, p50/p99 (``--latency``), failures
+    (non-2xx answers and socket errors)."""
+    import re
+
+    script = os.path.join(folder, "post.lua")
+    with open(script, "w") as f:
+        f.write(_WRK_SCRIPT.format(body=body_file, header=int(header)))
+    cmd = [wrk, "-t1", f"-c{clients}", f"-d{max(1, round(seconds))}s", "--timeout", "120s",
+           "--latency", "-s", script, f"http://127.0.0.1:{port}/v2/models/dlrm/infer"]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180)
+    if out.returncode != 0:
+        raise SystemExit(f"wrk failed: {out.stderr[-2000:]}{out.stdout[-2000:]}")
+    text = out.stdout
+    done = re.search(r"(\d+) requests in ([\d.]+)(us|ms|s|m),", text)
+    pct = dict(re.findall(r"^\s+(\d+)%\s+(\S+)$", text, re.MULTILINE))
+    non_2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", text)
+    sockets = re.search(r"Socket errors: connect (\d+), read (\d+), write (\d+), timeout (\d+)",
+                        text)
+    failed = (int(non_2xx.group(1)) if non_2xx else 0) + \
+        (sum(map(int, sockets.groups())) if sockets else 0)
+    return {"requests": int(done.group(1)),
+            "qps": float(re.search(r"Requests/sec:\s+([\d.]+)", text).group(1)),
+            "failed": failed, "p50_ms": _wrk_ms(pct["50"]), "p99_ms": _wrk_ms(pct["99"])}
 
 
 def drive_grpc(port: int, body_file: str, clients: int, seconds: float) -> dict:
@@ -272,6 +320,9 @@ class Server:
                 raise SystemExit("the server did not come up")
             time.sleep(0.2)
 
+    def cpu_seconds(self) -> float:
+        return process_cpu_seconds(self.proc.pid)
+
     def close(self) -> None:
         self.proc.terminate()
         self.proc.wait()
@@ -305,13 +356,13 @@ def main(argv=None) -> None:
                    help="the server's --max-queue-delay-us with dynamic batching on")
     p.add_argument("--dir", default=None, help="folder for the run (default: $TMPDIR)")
     args = p.parse_args(argv)
-    ab = ensure_tool("ab", "apache2-utils", "ApacheBench")
+    wrk = ensure_tool("wrk", "wrk", "wrk")
     h2load = ensure_tool("h2load", "nghttp2-client", "h2load")
     config = {"model": "dlrm", "store": "cached_ssd slots", "steps": args.steps,
               "batches": BATCHES, "clients": args.clients, "seconds per cell": args.seconds,
               "batching on": f"--max-batch-size {args.max_batch_size} --max-queue-delay-us "
                              f"{args.max_queue_delay_us:g}",
-              "REST load": "ab -k", "gRPC load": "h2load (rate, mean latency); "
+              "REST load": "wrk -t1 (HTTP/1.1 keep-alive)", "gRPC load": "h2load (rate, mean latency); "
               "benchmarks.grpc_load (grpcio aio client, own process: p50 / p99)"}
     machine = print_header("serving: one-embedding serve over REST and gRPC vs Predictor "
                            "in-process", config)
@@ -357,8 +408,11 @@ def main(argv=None) -> None:
                     print(f"in-process batch {batch:3d}: {adjacent['qps'] * batch:9.0f} rows/s",
                           flush=True)
                     for proto in ("REST", "gRPC", "gRPC aio client"):
+                        answered = server_count(server, "one_embedding_requests_total",
+                                                model="dlrm")
+                        server_cpu, client_cpu = server.cpu_seconds(), children_cpu_seconds()
                         if proto == "REST":
-                            r = drive_rest(ab, server.port, rest_file, header, args.clients,
+                            r = drive_rest(wrk, server.port, rest_file, header, args.clients,
                                            args.seconds, root)
                         elif proto == "gRPC":
                             r = drive_h2load(h2load, server, h2_file, args.clients, args.seconds)
@@ -366,18 +420,27 @@ def main(argv=None) -> None:
                             r = drive_grpc(server.grpc_port, grpc_file, args.clients,
                                            args.seconds)
                         base = adjacent
+                        # CPU per request answered (the server's own count, h2load's warm-up
+                        # included): the server's, all its threads, and the load generator's
+                        server_cpu = server.cpu_seconds() - server_cpu
+                        client_cpu = children_cpu_seconds() - client_cpu
+                        served = max(1.0, server_count(server, "one_embedding_requests_total",
+                                                       model="dlrm") - answered)
+                        server_ms, client_ms = server_cpu * 1e3 / served, client_cpu * 1e3 / served
                         row = {"mode": f"{proto}, batching {batching}", "batch": batch,
                                "clients": args.clients, "qps": r["qps"],
                                "rows_per_s": r["qps"] * batch, "p50_ms": r.get("p50_ms"),
                                "p99_ms": r.get("p99_ms"), "mean_ms": r.get("mean_ms"),
-                               "failed": r["failed"], "vs_in_process": r["qps"] / base["qps"]}
+                               "failed": r["failed"], "vs_in_process": r["qps"] / base["qps"],
+                               "server_cpu_ms": server_ms, "client_cpu_ms": client_ms}
                         row = {k: v for k, v in row.items() if v is not None}
                         rows.append(row)
                         latency = f"mean {r['mean_ms']:.1f} ms" if "mean_ms" in r else \
                             f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms"
                         print(f"{row['mode']:32s} batch {batch:3d} x{args.clients}: "
                               f"{row['rows_per_s']:9.0f} rows/s ({row['vs_in_process']:.2f}x "
-                              f"in-process), {latency}, {r['failed']} failed", flush=True)
+                              f"in-process), {latency}, {r['failed']} failed; CPU per request: "
+                              f"server {server_ms:.3f} ms, client {client_ms:.3f} ms", flush=True)
             finally:
                 server.close()
         # under load while training publishes: snapshots switch, no request fails
@@ -407,7 +470,7 @@ def main(argv=None) -> None:
             while len(seen) < 2 and time.monotonic() < deadline and trainer.poll() is None:
                 time.sleep(0.1)  # until the resumed run has published its first checkpoint
             rest_file, header = bodies[64][:2]
-            r = drive_rest(ab, server.port, rest_file, header, args.clients,
+            r = drive_rest(wrk, server.port, rest_file, header, args.clients,
                            max(args.seconds, 10.0), root)
             stop.set()
             watcher.join()
@@ -422,7 +485,8 @@ def main(argv=None) -> None:
         print(f"during reload: {r['qps'] * 64:.0f} rows/s, p99 {r['p99_ms']:.1f} ms, {len(seen)} "
               f"snapshots served, {r['failed'] + len(probe_failures)} failed", flush=True)
     columns = ["mode", "batch", "clients", "rows_per_s", "qps", "p50_ms", "p99_ms", "mean_ms",
-               "vs_in_process", "snapshots_served", "failed"]
+               "vs_in_process", "server_cpu_ms", "client_cpu_ms", "cpu_ms_per_request",
+               "snapshots_served", "failed"]
     print(markdown_table(rows, columns))
 
     def rate(mode, batch):
@@ -443,10 +507,37 @@ def main(argv=None) -> None:
         "batch 1 x clients, batching on / off, gRPC (goal >= 5)":
             rate("gRPC, batching on", 1) / rate("gRPC, batching off", 1),
     }
+    def cell(mode, batch):
+        return next(x for x in rows if x["mode"] == mode and x["batch"] == batch)
+
+    # what batching could give at best here, from the CPU each part of a request costs
+    # the one-row forward measured right before the batching-off cells; a merged row at the
+    # cheapest 64-row forward measured (the ceiling leans high, never low)
+    model_one = next(x for x in rows if x["mode"].startswith("in-process") and x["batch"] == 1
+                     and x is not cell("in-process, 1 thread", 1))["cpu_ms_per_request"]
+    model_row = min(x["cpu_ms_per_request"] for x in rows
+                    if x["mode"].startswith("in-process") and x["batch"] == 64) / 64
+    ceilings = {}
+    for proto in ("REST", "gRPC"):
+        off = cell(f"{proto}, batching off", 1)
+        server_only, shared = batching_ceiling(off["server_cpu_ms"], off["client_cpu_ms"],
+                                               model_one, model_row)
+        ceilings[proto] = {"server_cpu_ms_batching_off": off["server_cpu_ms"],
+                           "client_cpu_ms": off["client_cpu_ms"], "model_one_row_ms": model_one,
+                           "model_ms_per_row_merged": model_row,
+                           "ceiling_server_cpu_only": server_only,
+                           "ceiling_with_client_on_the_cores": shared}
+        goals[f"batch 1, batching on / off, {proto}: the most the measured CPU costs allow"] = \
+            shared
+        print(f"{proto} batch 1, batching off: the server spends {off['server_cpu_ms']:.3f} ms of "
+              f"CPU per request, the model {model_one:.3f} ms of it (in process); merged, a row "
+              f"costs the model {model_row:.4f} ms; the load generator {off['client_cpu_ms']:.3f} "
+              f"ms. So batching can multiply batch-1 rows/s by at most {server_only:.2f} (server "
+              f"CPU alone) or {shared:.2f} (client on the same cores)", flush=True)
     for what, value in goals.items():
         print(f"{what}: {value:.2f}")
     print("wrote", save_result("serve", {"machine": machine, "config": config, "rows": rows,
-                                         "ratios": goals}))
+                                         "ratios": goals, "batching_ceiling": ceilings}))
 
 
 if __name__ == "__main__":

@@ -98,3 +98,12 @@ def test_bench_serve_measures_server_and_in_process(tmp_path):
     assert ("in-process, 1 thread", 64) in modes
     assert all(r["qps"] > 0 for r in rows)
     assert all(r.get("failed", 0) == 0 for r in rows)
+    # each server cell says what a request cost the server's and the load generator's CPU, and
+    # the batching ceiling follows from those costs (a server request costs more than the model)
+    served = [r for r in rows if r["mode"].startswith(("REST", "gRPC")) and "server_cpu_ms" in r]
+    assert len(served) >= 12 and all(r["server_cpu_ms"] > 0 for r in served)
+    ceiling = json.loads((tmp_path / "serve.json").read_text())["batching_ceiling"]
+    for proto in ("REST", "gRPC"):
+        c = ceiling[proto]
+        assert 1.0 <= c["ceiling_with_client_on_the_cores"] <= c["ceiling_server_cpu_only"]
+        assert "the most the measured CPU costs allow" in out
