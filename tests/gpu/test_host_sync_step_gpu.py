@@ -67,3 +67,57 @@ def test_the_steps_own_thread_reads_only_the_losses(tmp_path):
     print(f"main-thread host reads per steady-state step: {per_step:.2f}; over 20 steps: "
           f"{breakdown}")
     assert breakdown == {"losses": 2}, breakdown
+
+
+def _hidden(tmp_path, steps: int):
+    import hidden_syncs
+    from one_embedding.config import TrainConfig
+    from one_embedding.training import Trainer
+
+    with hidden_syncs.strict() as seen:
+        cfg = TrainConfig(steps=steps, batch_size=256, synthetic_rows=50_000, embedding_dim=16,
+                          store="device_mem", cache_mb=1.0, optimizer="adagrad", eval_batches=1,
+                          device="cuda", prefetch_depth=2, log_interval=10,
+                          persistent_path=str(tmp_path / f"run{steps}"))
+        Trainer(cfg, metrics_path=os.devnull, progress=False).run()
+    return seen
+
+
+@pytest.mark.skipif(not DRY, reason="the dry run's strict arrays see CuPy's implicit reads; "
+                                    "on a GPU the counted reads above are what can be seen")
+def test_a_steady_state_step_makes_no_hidden_read(tmp_path):
+    """No implicit device read (bool() of a device value, boolean-mask indexing, CuPy's
+    nonzero / unique / bincount, ...) in a steady-state step: each would stall the host like a
+    counted read, uncounted (tests/hidden_syncs.py)."""
+    steady = _hidden(tmp_path / "long", 30)
+    steady.subtract(_hidden(tmp_path / "short", 10))
+    per_step = {k: v / 20 for k, v in sorted(steady.items()) if v > 0}
+    assert not per_step, f"hidden reads per steady-state step: {per_step}"
+
+
+@pytest.mark.skipif(not DRY, reason="checks the dry run's strict arrays themselves")
+def test_strict_arrays_record_what_cupy_reads_and_nothing_else():
+    """The strict arrays see CuPy's implicit reads (so the test above can fail) and nothing
+    that stays on the device: arithmetic, reductions, integer indexing, searchsorted."""
+    import cupy
+    import hidden_syncs
+
+    with hidden_syncs.strict() as seen:
+        a = cupy.arange(10, dtype=cupy.int64)
+        b = (a * 2 + 1).sum()                        # stays a 0-d device array
+        c = a[cupy.argmax(a)] + a[3] + cupy.searchsorted(a, a[::2])
+        host_sync.scalar(b, "test")                  # counted by host_sync, not hidden
+    assert not seen, seen
+    assert type(b).__name__ == "DeviceArray" and b.ndim == 0 and c.shape == (5,)
+    with hidden_syncs.strict() as seen:
+        a = cupy.arange(10, dtype=cupy.int64)
+        if a.any():
+            pass
+        a[a > 4]
+        a[a > 4] = 0
+        cupy.bincount(a, minlength=12)
+        cupy.nonzero(a)
+        int(a.max())
+    kinds = sorted(k.split(" at ")[0] for k in seen)
+    assert kinds == ["bincount()", "bool()", "boolean-mask assignment", "boolean-mask indexing",
+                     "int()", "nonzero()"], kinds

@@ -362,6 +362,14 @@ def unique_ids_by_sorting(keys, launch: Launcher | None = None, return_first: bo
     return keys[first], inverse
 
 
+def segment_offsets(xp, sorted_ids, n_segments: int):
+    """sorted_ids: (n,) int64 ascending, in [0, n_segments) -> (n_segments + 1,) int64: where
+    each id's run starts (the last entry n), by a binary search per id, so nothing is read back
+    (``bincount`` would be: CuPy's reads the ids' maximum and checks their sign on the host)."""
+    bounds = xp.arange(int(n_segments) + 1, dtype=xp.int64)
+    return xp.searchsorted(sorted_ids, bounds, side="left").astype(xp.int64)
+
+
 def first_occurrence(inverse, n_unique: int, launch: Launcher | None = None):
     """inverse: (n,) int64 from ``unique_ids`` -> (n_unique,) int64 position of each unique key's
     first occurrence, as ``parallel.unique.first_occurrence``: (segment, position) packed into
@@ -408,12 +416,10 @@ def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None
                       "segment_sum: inverse range check"):
         raise InputError(f"inverse holds values outside [0, {n_segments}): pass the inverse of "
                          "unique_ids and its number of unique keys")
-    counts = xp.bincount(inverse, minlength=n_segments)
-    offsets = xp.zeros(n_segments + 1, dtype=xp.int64)
-    offsets[1:] = xp.cumsum(counts)
     # (segment, row) packed into one distinct int64 per row, so any sort groups each segment's
     # rows in ascending order (n**2 < 2**63 for n below 3e9)
     rows_by_segment = xp.argsort(inverse * n + xp.arange(n, dtype=xp.int64)).astype(xp.int64)
+    offsets = segment_offsets(xp, inverse[rows_by_segment], n_segments)
     launch_threads(launch, "embedding", "segment_sum", dtype, n_segments * dim,
                    (values, np.int32(dim), rows_by_segment, offsets, np.int64(n_segments), out))
     return out

@@ -92,11 +92,12 @@ def _partition_on_device(keys, table_ids, world: int, launch) -> LocalIds:
     if world == 1:
         return LocalIds(uniq, uniq_tables, inverse, np.array([uniq.shape[0]], np.int64))
     owners = owner_rank(uniq, world, xp)
-    counts = launch.to_host(xp.bincount(owners, minlength=world),
-                            reason="partition: per-rank counts for the exchange").astype(np.int64)
     # (owner, position) packed into one distinct int64: any sort is the stable grouping
     u = uniq.shape[0]
     order = xp.argsort(owners * max(u, 1) + xp.arange(u, dtype=xp.int64)).astype(xp.int64)
+    # the exchange sizes its messages with them: one counted read (no bincount, which reads too)
+    offsets = device_ops.segment_offsets(xp, owners[order].astype(xp.int64), world)
+    counts = np.diff(launch.to_host(offsets, reason="partition: per-rank counts for the exchange"))
     uniq, uniq_tables = uniq[order], uniq_tables[order]
     position = xp.empty_like(order)
     position[order] = xp.arange(u, dtype=xp.int64)
