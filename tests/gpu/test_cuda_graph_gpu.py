@@ -1,0 +1,204 @@
+"""Issue 30 item 3: the training step's dense part captured once as a CUDA graph and replayed
+(``cuda_graph.StepGraph``; ``--no-cuda-graph`` switches it off).
+
+Runs on a GPU with CuPy (real capture and replay), and on the CPU dry run of the device path
+(``-p gpu_dry_run``), where a graph is emulated: its capture records the kernels launched (the
+emulator's and the numpy kernels standing in for the dense CUDA kernels), and each replay runs
+the function again and fails when that trace differs from the capture's.
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import numpy as np
+import pytest
+
+from one_embedding import host_sync
+from one_embedding.backend import cupy_available, to_numpy
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA device"),
+]
+
+DRY = bool(os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN"))
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _bits(a) -> np.ndarray:
+    return np.ascontiguousarray(to_numpy(a)).view(np.uint8)
+
+
+# ---------------------------------------------------------------- the trainer
+
+
+def _train(tmp_path, model: str, amp: str, cuda_graph: bool, steps: int = 7, **extra):
+    from one_embedding.config import TrainConfig
+    from one_embedding.training import Trainer
+
+    cfg = TrainConfig(model=model, steps=steps, batch_size=128 if DRY else 4096,
+                      synthetic_rows=20_000, embedding_dim=8, store="device_mem", cache_mb=1.0,
+                      eval_batches=1, device="cuda", amp=amp, cuda_graph=cuda_graph,
+                      log_interval=3, bottom_mlp=(16, 8), top_mlp=(16, 1), dnn=(16, 8),
+                      persistent_path=str(tmp_path / f"{model}-{amp}-{cuda_graph}"), **extra)
+    trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
+    final = trainer.run()
+    weights = [_bits(p.data) for p in trainer.model.parameters()]
+    return trainer, final, weights
+
+
+@pytest.mark.parametrize("model, amp", [("dlrm", "off"), ("dlrm", "bf16"), ("dcn", "off"),
+                                        ("deepfm", "bf16")])
+def test_graph_replay_trains_bit_for_bit_as_uncaptured_steps(tmp_path, model, amp):
+    """7 steps with the graph (2 warm-up steps, a capture, 4 replays) give the losses, the dense
+    weights and the evaluation (which reads the embedding rows) of --no-cuda-graph, bit for
+    bit."""
+    graphed, final, weights = _train(tmp_path, model, amp, cuda_graph=True)
+    plain, plain_final, plain_weights = _train(tmp_path, model, amp, cuda_graph=False)
+    assert final["cuda_graph"] == "replaying", final["cuda_graph"]
+    assert final["cuda_graph_replays"] == 7 - 3 and graphed.step_graph.stats.captures == 1
+    assert plain_final["cuda_graph"] == "off: --no-cuda-graph"
+    assert plain.step_graph.stats.replays == 0
+    assert np.array(graphed.progress.losses).tobytes() == np.array(plain.progress.losses).tobytes()
+    for mine, theirs in zip(weights, plain_weights):
+        assert np.array_equal(mine, theirs)
+    for key in ("auc", "logloss", "rows_stored", "loss_first_10pct", "loss_last_10pct"):
+        assert np.float64(final[key]).tobytes() == np.float64(plain_final[key]).tobytes(), key
+
+
+def test_dropout_runs_uncaptured_and_says_why(tmp_path):
+    """DCN's dropout draws each step's mask from a host counter: the trainer does not graph it."""
+    trainer, final, _ = _train(tmp_path, "dcn", "off", cuda_graph=True, steps=4, dropout=0.2)
+    assert final["cuda_graph"].startswith("off: dropout"), final["cuda_graph"]
+    assert trainer.step_graph.stats.captures == 0
+
+
+def test_a_failed_capture_falls_back_to_uncaptured_steps(tmp_path, monkeypatch, caplog):
+    """A host read inside the dense step: the capture raises, the trainer logs a warning and
+    trains on uncaptured, with the results of --no-cuda-graph."""
+    from one_embedding.models.dlrm import DLRM
+
+    forward = DLRM.forward_from_embeddings
+
+    def reading_forward(self, dense, embedded):
+        host_sync.scalar(dense[0, 0], "test: a read in the dense step")
+        return forward(self, dense, embedded)
+
+    monkeypatch.setattr(DLRM, "forward_from_embeddings", reading_forward)
+    with caplog.at_level(logging.WARNING, logger="one_embedding.cuda_graph"):
+        graphed, final, weights = _train(tmp_path, "dlrm", "off", cuda_graph=True, steps=5)
+    plain, _, plain_weights = _train(tmp_path, "dlrm", "off", cuda_graph=False, steps=5)
+    assert final["cuda_graph"].startswith("failed: HostReadInCapture"), final["cuda_graph"]
+    assert "test: a read in the dense step" in final["cuda_graph"]
+    assert any("capture failed" in r.getMessage() for r in caplog.records)
+    assert graphed.step_graph.stats.replays == 0
+    assert graphed.progress.losses == plain.progress.losses
+    for mine, theirs in zip(weights, plain_weights):
+        assert np.array_equal(mine, theirs)
+
+
+# ---------------------------------------------------------------- StepGraph itself
+
+
+def _affine(x, w):
+    """A fixed-shape function with a reduction and an in-place update of a persistent array."""
+    cp = _cp()
+    y = x * w + cp.float32(0.5)
+    w += y.sum(axis=0) * cp.float32(1e-3)   # in place: a replay updates the same w
+    return y, y.max()
+
+
+def test_step_graph_replays_bit_for_bit_and_runs_other_shapes_uncaptured():
+    from one_embedding.cuda_graph import StepGraph
+
+    cp = _cp()
+    rng = np.random.default_rng(0)
+    w_graph = cp.asarray(rng.standard_normal(64).astype(np.float32))
+    w_plain = w_graph.copy()
+    graph = StepGraph(lambda x: _affine(x, w_graph), cp, warmup=2, persistent=lambda: [w_graph])
+    shapes = [(32, 64)] * 4 + [(7, 64)] + [(32, 64)] * 3
+    for i, shape in enumerate(shapes):
+        x = cp.asarray(rng.standard_normal(shape).astype(np.float32))
+        y, top = graph(x)
+        y_plain, top_plain = _affine(x, w_plain)
+        assert np.array_equal(_bits(y), _bits(y_plain)), i
+        assert np.array_equal(_bits(top), _bits(top_plain)), i
+        assert np.array_equal(_bits(w_graph), _bits(w_plain)), i
+        if shape == (7, 64):
+            assert graph.status == "uncaptured"
+    assert graph.stats.captures == 1 and graph.stats.replays == 4 and graph.stats.uncaptured == 3
+
+
+def test_a_host_read_while_capturing_raises_and_the_graph_falls_back(caplog):
+    from one_embedding.cuda_graph import StepGraph
+
+    cp = _cp()
+
+    def reads(x):
+        if host_sync.flag((x > 0).any(), "test: branch on a device value"):
+            return x * cp.float32(2)
+        return x
+
+    with pytest.raises(host_sync.HostReadInCapture, match="test: branch on a device value"):
+        with host_sync.capturing("a test"):
+            reads(cp.ones(4, cp.float32))
+    graph = StepGraph(reads, cp, warmup=1)
+    x = cp.arange(4, dtype=cp.float32)
+    with caplog.at_level(logging.WARNING, logger="one_embedding.cuda_graph"):
+        outs = [graph(x) for _ in range(3)]
+    assert graph.status.startswith("failed: HostReadInCapture")
+    assert graph.stats.captures == 0 and graph.stats.uncaptured == 3
+    for out in outs:
+        assert np.array_equal(to_numpy(out), np.arange(4, dtype=np.float32) * 2)
+    assert any("capture failed" in r.getMessage() for r in caplog.records)
+
+
+def test_a_rebound_persistent_array_makes_a_new_capture():
+    """An optimizer that rebinds a weight instead of updating it in place would leave a replay
+    reading the old memory: the graph notices and captures again."""
+    from one_embedding.cuda_graph import StepGraph
+
+    cp = _cp()
+    box = {"w": cp.ones(8, cp.float32)}
+    graph = StepGraph(lambda x: x * box["w"], cp, warmup=0, persistent=lambda: [box["w"]])
+    x = cp.arange(8, dtype=cp.float32)
+    graph(x)
+    graph(x)
+    box["w"] = cp.full(8, 3, cp.float32)
+    assert np.array_equal(to_numpy(graph(x)), np.arange(8, dtype=np.float32) * 3)
+    assert graph.stats.captures == 2 and graph.stats.recaptures
+
+
+@pytest.mark.skipif(not DRY, reason="the emulated graph's trace check exists on the dry run only "
+                                    "(a real replay keeps the captured scalar silently)")
+def test_a_changing_python_scalar_fails_the_emulated_replay():
+    """A dropout counter that advances each call: a real replay would reuse the captured mask;
+    the dry run's replay sees the scalar differ from the capture's and raises."""
+    import gpu_dry_run
+    from one_embedding.cuda_graph import StepGraph
+    from one_embedding.kernels import reference
+
+    counter = {"step": 0}
+
+    def dropout(x):
+        y, keep = reference.dropout_forward(x, 0.5, 7, counter["step"])
+        counter["step"] += 1
+        return y
+
+    graph = StepGraph(dropout, _cp(), warmup=1)
+    x = np.ones((4, 32), np.float32)
+    graph(x)                      # warm-up
+    graph(x)                      # capture
+    with pytest.raises(gpu_dry_run.GraphReplayMismatch, match="reference.dropout_forward"):
+        graph(x)
+    # the same function with a constant counter replays
+    steady = StepGraph(lambda x: reference.dropout_forward(x, 0.5, 7, 3)[0], _cp(), warmup=1)
+    for _ in range(4):
+        steady(x)
+    assert steady.stats.replays == 2
