@@ -38,14 +38,15 @@ def _bits(a) -> np.ndarray:
 # ---------------------------------------------------------------- the trainer
 
 
-def _train(tmp_path, model: str, amp: str, cuda_graph: bool, steps: int = 7, **extra):
+def _train(tmp_path, model: str, amp: str, cuda_graph: bool, steps: int = 7, log_interval=3,
+           **extra):
     from one_embedding.config import TrainConfig
     from one_embedding.training import Trainer
 
     cfg = TrainConfig(model=model, steps=steps, batch_size=128 if DRY else 4096,
                       synthetic_rows=20_000, embedding_dim=8, store="device_mem", cache_mb=1.0,
                       eval_batches=1, device="cuda", amp=amp, cuda_graph=cuda_graph,
-                      log_interval=3, bottom_mlp=(16, 8), top_mlp=(16, 1), dnn=(16, 8),
+                      log_interval=log_interval, bottom_mlp=(16, 8), top_mlp=(16, 1), dnn=(16, 8),
                       persistent_path=str(tmp_path / f"{model}-{amp}-{cuda_graph}"), **extra)
     trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
     final = trainer.run()
@@ -53,8 +54,8 @@ def _train(tmp_path, model: str, amp: str, cuda_graph: bool, steps: int = 7, **e
     return trainer, final, weights
 
 
-@pytest.mark.parametrize("model, amp", [("dlrm", "off"), ("dlrm", "bf16"), ("dcn", "off"),
-                                        ("deepfm", "bf16")])
+@pytest.mark.parametrize("model, amp", [("dlrm", "off"), ("dlrm", "bf16"), ("dlrm", "fp16"),
+                                        ("dcn", "off"), ("deepfm", "bf16")])
 def test_graph_replay_trains_bit_for_bit_as_uncaptured_steps(tmp_path, model, amp):
     """7 steps with the graph (2 warm-up steps, a capture, 4 replays) give the losses, the dense
     weights and the evaluation (which reads the embedding rows) of --no-cuda-graph, bit for
@@ -79,6 +80,26 @@ def test_dropout_runs_uncaptured_and_says_why(tmp_path):
     assert trainer.step_graph.stats.captures == 0
 
 
+@pytest.mark.skipif(not DRY, reason="the emulated graph's trace check exists on the dry run only")
+def test_a_graph_of_a_dropout_step_would_replay_a_stale_mask(tmp_path):
+    """Why dropout stays uncaptured: graphed anyway, the replay launches the dropout kernel with
+    the captured step counter, and the dry run's trace check says so."""
+    import gpu_dry_run
+    from one_embedding.config import TrainConfig
+    from one_embedding.cuda_graph import StepGraph
+    from one_embedding.training import Trainer
+
+    cfg = TrainConfig(model="dcn", steps=5, batch_size=128, synthetic_rows=20_000,
+                      embedding_dim=8, store="device_mem", cache_mb=1.0, eval_batches=1,
+                      device="cuda", dnn=(16, 8), dropout=0.2,
+                      persistent_path=str(tmp_path / "dropout"))
+    trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
+    trainer.step_graph = StepGraph(trainer.dense_step, trainer.xp, name="the dense step")
+    trainer.graph_off_reason = None
+    with pytest.raises(gpu_dry_run.GraphReplayMismatch, match="dropout_forward"):
+        trainer.run()
+
+
 def test_a_failed_capture_falls_back_to_uncaptured_steps(tmp_path, monkeypatch, caplog):
     """A host read inside the dense step: the capture raises, the trainer logs a warning and
     trains on uncaptured, with the results of --no-cuda-graph."""
@@ -101,6 +122,27 @@ def test_a_failed_capture_falls_back_to_uncaptured_steps(tmp_path, monkeypatch, 
     assert graphed.progress.losses == plain.progress.losses
     for mine, theirs in zip(weights, plain_weights):
         assert np.array_equal(mine, theirs)
+
+
+@pytest.mark.parametrize("cuda_graph", [True, False])
+def test_a_bad_label_in_a_replayed_step_raises_at_the_next_read_naming_its_step(
+        tmp_path, monkeypatch, cuda_graph):
+    """The labels check sits inside the graph: its flag, recomputed by each replay, is queued
+    after each launch, so a bad label in step 6 (a replay) raises at the loss read of step 8,
+    naming step 6, as without the graph."""
+    from one_embedding.errors import InputError
+    from one_embedding.training import Trainer
+
+    step = Trainer.train_step
+
+    def corrupting_step(self, batch, state=None):
+        if self.progress.step + 1 == 6:
+            batch.labels[3] = 2.5
+        return step(self, batch, state)
+
+    monkeypatch.setattr(Trainer, "train_step", corrupting_step)
+    with pytest.raises(InputError, match=r"step 6: labels\[3\] is 2.5"):
+        _train(tmp_path, "dlrm", "off", cuda_graph=cuda_graph, steps=8, log_interval=10)
 
 
 # ---------------------------------------------------------------- StepGraph itself
