@@ -197,6 +197,24 @@ def test_step_graph_replays_bit_for_bit_and_runs_other_shapes_uncaptured():
     assert graph.stats.captures == 1 and graph.stats.replays == 4 and graph.stats.uncaptured == 3
 
 
+def test_a_new_key_runs_uncaptured_until_it_is_captured_in_its_turn():
+    """A Python value baked into the captured kernels (fp16's loss scale) is part of the key:
+    a new value never replays the old graph; seen warmup + 1 times in a row, it is captured."""
+    from one_embedding.cuda_graph import StepGraph
+
+    cp = _cp()
+    scale = {"now": 2.0}
+    graph = StepGraph(lambda x: x * cp.float32(scale["now"]), cp, warmup=1)
+    x = cp.arange(6, dtype=cp.float32)
+    for now, status in ((2.0, "warming up"), (2.0, "replaying"), (2.0, "replaying"),
+                        (0.5, "uncaptured"), (0.5, "replaying"), (0.5, "replaying")):
+        scale["now"] = now
+        out = graph(x, key=now)
+        assert np.array_equal(to_numpy(out), np.arange(6, dtype=np.float32) * np.float32(now))
+        assert graph.status == status, (now, graph.status)
+    assert graph.stats.captures == 2 and graph.stats.replays == 2
+
+
 def test_a_host_read_while_capturing_raises_and_the_graph_falls_back(caplog):
     from one_embedding.cuda_graph import StepGraph
 

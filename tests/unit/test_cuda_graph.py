@@ -43,6 +43,16 @@ def test_the_cpu_path_has_no_graph_and_reports_none(tmp_path):
     assert plain["loss_last_10pct"] == final["loss_last_10pct"]
 
 
+def test_a_run_resumes_with_the_graph_switched_off(tmp_path):
+    """--no-cuda-graph changes how a step runs, never its results: a resume may change it."""
+    common = dict(batch_size=64, synthetic_rows=5_000, embedding_dim=4, bottom_mlp=(8, 4),
+                  top_mlp=(8, 1), persistent_path=str(tmp_path / "run"), snapshot_interval=2)
+    Trainer(TrainConfig(steps=2, **common), metrics_path=os.devnull, progress=False).run()
+    final = Trainer(TrainConfig(steps=4, resume=True, cuda_graph=False, **common),
+                    metrics_path=os.devnull, progress=False).run()
+    assert final["steps"] == 4
+
+
 def test_step_graph_on_numpy_runs_the_function_as_it_is():
     calls = []
 
