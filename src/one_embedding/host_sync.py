@@ -256,6 +256,11 @@ def capturing(what: str):
         _capture.what = _capture.checks = None
 
 
+def capture_in_progress() -> bool:
+    """True while this thread captures a CUDA graph (inside ``capturing``)."""
+    return getattr(_capture, "what", None) is not None
+
+
 def requeue(check: _Check, queue: DeferredChecks, copy) -> None:
     """Queue into ``queue`` (at its current step) a check that a capture kept, with its flag and
     details copied by ``copy`` (a device copy: the next launch of the graph overwrites them)."""

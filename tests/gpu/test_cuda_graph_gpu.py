@@ -54,13 +54,6 @@ def _train(tmp_path, model: str, amp: str, cuda_graph: bool, steps: int = 7, log
     return trainer, final, weights
 
 
-#: CuPy refuses every cuBLAS call while a stream captures (its cuBLAS wrappers' setStream raises
-#: NotImplementedError, CuPy 13/14), and the dense step's matrix products run in cuBLAS: on a
-#: GPU the capture fails there and the trainer falls back to uncaptured steps (bit for bit the
-#: same, which the test below checks everywhere) until the products reach cuBLAS another way
-CUBLAS_REFUSED = ("on a GPU CuPy refuses cuBLAS calls during stream capture: the dense step's "
-                  "capture fails at its first matrix product and the trainer runs uncaptured")
-
 MODELS_AMPS = [("dlrm", "off"), ("dlrm", "bf16"), ("dlrm", "fp16"), ("dcn", "off"),
                ("deepfm", "bf16")]
 
@@ -69,7 +62,7 @@ MODELS_AMPS = [("dlrm", "off"), ("dlrm", "bf16"), ("dlrm", "fp16"), ("dcn", "off
 def test_graph_replay_trains_bit_for_bit_as_uncaptured_steps(tmp_path, model, amp):
     """7 steps with the graph (2 warm-up steps, a capture, 4 replays) give the losses, the dense
     weights and the evaluation (which reads the embedding rows) of --no-cuda-graph, bit for
-    bit (on a GPU, whatever the graph's status: a failed capture must cost no bit either)."""
+    bit (whatever the graph's status: a failed capture must cost no bit either)."""
     graphed, final, weights = _train(tmp_path, model, amp, cuda_graph=True)
     plain, plain_final, plain_weights = _train(tmp_path, model, amp, cuda_graph=False)
     print(f"{model} --amp {amp}: cuda_graph {final['cuda_graph']!r}, "
@@ -83,10 +76,11 @@ def test_graph_replay_trains_bit_for_bit_as_uncaptured_steps(tmp_path, model, am
         assert np.float64(final[key]).tobytes() == np.float64(plain_final[key]).tobytes(), key
 
 
-@pytest.mark.xfail(not DRY, strict=True, reason=CUBLAS_REFUSED)
-@pytest.mark.parametrize("model, amp", [("dlrm", "off"), ("dcn", "off"), ("deepfm", "bf16")])
+@pytest.mark.parametrize("model, amp", [("dlrm", "off"), ("dlrm", "bf16"), ("dcn", "off"),
+                                        ("deepfm", "bf16")])
 def test_the_trainer_replays_the_dense_step(tmp_path, model, amp):
-    """The dense step is captured at step 3 and replayed from step 4 on."""
+    """The dense step is captured at step 3 and replayed from step 4 on (on a GPU its cuBLAS
+    products included: kernels.gemm issues them without CuPy's capture guard)."""
     graphed, final, _ = _train(tmp_path, model, amp, cuda_graph=True)
     assert final["cuda_graph"] == "replaying", final["cuda_graph"]
     assert final["cuda_graph_replays"] == 7 - 3 and graphed.step_graph.stats.captures == 1
@@ -148,8 +142,7 @@ def test_a_bad_label_in_a_replayed_step_raises_at_the_next_read_naming_its_step(
         tmp_path, monkeypatch, cuda_graph):
     """The labels check sits inside the graph: its flag, recomputed by each replay, is queued
     after each launch, so a bad label in step 6 (a replay) raises at the loss read of step 8,
-    naming step 6, as without the graph (on a GPU, while CuPy refuses cuBLAS under capture,
-    step 6 runs uncaptured)."""
+    naming step 6, as without the graph."""
     from one_embedding.errors import InputError
     from one_embedding.training import Trainer
 
@@ -195,6 +188,33 @@ def test_step_graph_replays_bit_for_bit_and_runs_other_shapes_uncaptured():
         if shape == (7, 64):
             assert graph.status == "uncaptured"
     assert graph.stats.captures == 1 and graph.stats.replays == 4 and graph.stats.uncaptured == 3
+
+
+@pytest.mark.skipif(DRY, reason="cuBLAS: a GPU only (the dry run's products are numpy's)")
+@pytest.mark.parametrize("precision", ["fp32", "tf32", "bf16", "fp16"])
+def test_captured_cublas_products_give_the_uncaptured_bits(precision):
+    """kernels.gemm's products, which CuPy's matmul cannot issue while a stream captures,
+    captured and replayed: the bits of the same products run uncaptured."""
+    from one_embedding.cuda_graph import StepGraph
+    from one_embedding.kernels import gemm
+
+    cp = _cp()
+    rng = np.random.default_rng(3)
+    w = cp.asarray(rng.standard_normal((96, 80)).astype(np.float32))
+
+    def products(x, xb):
+        return (gemm.matmul(x, w.T, precision), gemm.matmul(x.T, x, precision),
+                gemm.matmul(xb, xb.transpose(0, 2, 1), precision))
+
+    graph = StepGraph(products, cp, warmup=1)
+    for i in range(4):
+        x = cp.asarray(rng.standard_normal((64, 80)).astype(np.float32))
+        xb = cp.asarray(rng.standard_normal((16, 27, 32)).astype(np.float32))
+        got = [to_numpy(a) for a in graph(x, xb)]
+        want = [to_numpy(a) for a in products(x, xb)]
+        for g, ref in zip(got, want):
+            assert np.array_equal(g.view(np.uint8), ref.view(np.uint8)), (precision, i)
+    assert graph.status == "replaying" and graph.stats.replays == 2, graph.status
 
 
 def test_a_new_key_runs_uncaptured_until_it_is_captured_in_its_turn():

@@ -88,3 +88,36 @@ def test_every_host_read_raises_while_capturing_and_checks_are_kept_for_the_grap
     host_sync.requeue(kept[0], queue, np.copy)
     with pytest.raises(InputError, match="step 9: bad"):
         queue.read(np)
+
+
+def test_gemm_bypasses_cupys_cublas_wrappers_only_while_capturing(monkeypatch):
+    """CuPy's cuBLAS wrappers raise while a stream captures: kernels.gemm issues its calls
+    through ctypes then, and through CuPy's wrappers otherwise."""
+    import sys
+    import types
+
+    from one_embedding.kernels import gemm
+
+    wrappers = types.ModuleType("cupy.cuda.cublas")
+    cuda = types.ModuleType("cupy.cuda")
+    cuda.cublas = wrappers
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = cuda
+    for name, module in (("cupy", cupy), ("cupy.cuda", cuda), ("cupy.cuda.cublas", wrappers)):
+        monkeypatch.setitem(sys.modules, name, module)
+    assert gemm._cublas_calls() is wrappers
+    direct = object()
+    monkeypatch.setattr(gemm, "_captured_cublas", direct)
+    with host_sync.capturing("a test"):
+        assert gemm._cublas_calls() is direct
+    assert gemm._cublas_calls() is wrappers
+
+
+def test_the_direct_cublas_calls_need_the_library_cupy_loaded():
+    from one_embedding.kernels import gemm
+
+    with open("/proc/self/maps") as maps:
+        if "/libcublas.so" in maps.read():
+            pytest.skip("this process has cuBLAS loaded")
+    with pytest.raises(RuntimeError, match="no libcublas.so in this process"):
+        gemm._CapturedCublas()
