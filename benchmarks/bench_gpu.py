@@ -24,6 +24,8 @@
    metrics records, prefetch) against part 2's pre-built batches, measured in the same run. Goal
    (issue 30): within 10% of part 2's samples/s, the ``wait`` phase (the step waiting for its
    batch) under 5% of the step; the host reads per step (``host_sync``) are counted and printed.
+   It runs twice: with the dense step replayed as a CUDA graph (the default) and, as its
+   baseline in the same run, with ``--no-cuda-graph``.
 4. Tensor cores (issue 32): the CLI's path again, a few steps (``--amp-steps``) for each of
    ``--amp off / tf32 / fp16 / bf16``, beside a one-table PyTorch DLRM under bf16 autocast on
    part 2's shapes and batches (the 26 tables concatenated into one, rows gathered with
@@ -285,9 +287,11 @@ def run_torch(dev: Device, table_rows, batches, args) -> dict:
     return time_torch_steps(torch, device, step, args.warmup, args.steps, args.batch_size)
 
 
-def bench_cli(dev: Device, args, amp: str = "off", steps: int | None = None) -> dict:
+def bench_cli(dev: Device, args, amp: str = "off", steps: int | None = None,
+              cuda_graph: bool = True) -> dict:
     """Part 3: the Trainer, as ``one-embedding train`` runs it, on part 2's model shapes
-    (``--amp amp``; ``steps`` timed steps after the warmup, default ``--steps``)."""
+    (``--amp amp``; ``steps`` timed steps after the warmup, default ``--steps``; the dense step
+    replayed as a CUDA graph unless ``cuda_graph`` is False, ``--no-cuda-graph``)."""
     from one_embedding import host_sync
     from one_embedding.config import TrainConfig
     from one_embedding.training import Trainer
@@ -298,7 +302,8 @@ def bench_cli(dev: Device, args, amp: str = "off", steps: int | None = None) -> 
         synthetic_scale=args.cli_scale, synthetic_rows=max(steps + 2, 4) * args.batch_size * 2,
         embedding_dim=args.dim, bottom_mlp=tuple(args.bottom_mlp), top_mlp=tuple(args.top_mlp),
         batch_size=args.batch_size, steps=steps, optimizer="sgd", lr=args.lr, eval_batches=1,
-        prefetch_depth=args.prefetch_depth, device="cpu" if dev.dry_run else "cuda", amp=amp)
+        prefetch_depth=args.prefetch_depth, device="cpu" if dev.dry_run else "cuda", amp=amp,
+        cuda_graph=cuda_graph)
     trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
     with host_sync.counting() as reads:
         record = trainer.run()
@@ -308,7 +313,10 @@ def bench_cli(dev: Device, args, amp: str = "off", steps: int | None = None) -> 
             "skipped_steps": record.get("skipped_steps", 0), "final_loss": record.get("loss_last_10pct"),
             "wait_share": phases["wait"] / step_seconds if step_seconds else float("nan"),
             "phase_seconds": phases, "host_reads": reads.total,
-            "host_reads_per_step": reads.total / steps, "host_reads_by_reason": dict(reads.by_reason)}
+            "host_reads_per_step": reads.total / steps, "host_reads_by_reason": dict(reads.by_reason),
+            # None on the CPU (the dry run): graphs exist on the device path only
+            "cuda_graph": record.get("cuda_graph"),
+            "cuda_graph_replays": record.get("cuda_graph_replays", 0)}
 
 
 def run_torch_one_table(dev: Device, table_rows, batches, args, autocast: bool) -> dict:
@@ -467,23 +475,33 @@ def main(argv=None):
                        f"HugeCTR's 7.4 M/s per H100")
     if "cli" not in args.skip:
         cli = bench_cli(dev, args)
-        payload["cli"] = cli
+        # the same run with every kernel launched each step: the CUDA graph's baseline
+        plain = bench_cli(dev, args, cuda_graph=False)
+        payload["cli"], payload["cli_no_cuda_graph"] = cli, plain
         print(f"\n## the CLI's path (Trainer, synthetic mlperf40m x{args.cli_scale}), same shapes")
         prebuilt = payload.get("dlrm", {}).get("ours", {}).get("samples_per_s", float("nan"))
         ratio = cli["samples_per_s"] / prebuilt
         print(markdown_table([
             {"what": "one-embedding train (Trainer)", "samples_per_s": cli["samples_per_s"],
              "x pre-built": ratio, "wait share": cli["wait_share"],
-             "host reads/step": cli["host_reads_per_step"]},
+             "host reads/step": cli["host_reads_per_step"], "cuda graph": cli["cuda_graph"]},
+            {"what": "one-embedding train --no-cuda-graph", "samples_per_s": plain["samples_per_s"],
+             "x pre-built": plain["samples_per_s"] / prebuilt, "wait share": plain["wait_share"],
+             "host reads/step": plain["host_reads_per_step"], "cuda graph": plain["cuda_graph"]},
             {"what": "part 2, batches pre-built on the device", "samples_per_s": prebuilt,
              "x pre-built": 1.0}], ["what", "samples_per_s", "x pre-built", "wait share",
-                                    "host reads/step"]))
+                                    "host reads/step", "cuda graph"]))
+        print(f"CUDA graph: {cli['samples_per_s'] / plain['samples_per_s']:.2f}x the uncaptured "
+              f"steps ({cli['cuda_graph_replays']} of {cli['steps']} steps replayed; dense phase "
+              f"{cli['phase_seconds']['dense']:.3f} s vs {plain['phase_seconds']['dense']:.3f} s)")
         print(f"host reads by reason over {cli['steps']} steps (and the final evaluation): "
               f"{cli['host_reads_by_reason']}")
         verdict = "met" if ratio >= 0.9 and cli["wait_share"] < 0.05 else "not met"
         summary.append(f"CLI {cli['samples_per_s'] / 1e6:.2f} M samples/s = {ratio:.2f}x pre-built, "
                        f"wait {cli['wait_share']:.0%}, {cli['host_reads_per_step']:.1f} host "
-                       f"reads/step (goal >=0.9x, wait <5%: {verdict})")
+                       f"reads/step (goal >=0.9x, wait <5%: {verdict}); CUDA graph "
+                       f"{cli['cuda_graph']}: {cli['samples_per_s'] / plain['samples_per_s']:.2f}x "
+                       "--no-cuda-graph")
     if "amp" not in args.skip:
         amp = bench_amp(dev, args, payload.get("dlrm", {}).get("batches"))
         payload["amp"] = amp

@@ -6,19 +6,83 @@ test code, device glue, the embedding's device path, the CUDA kernels (emulated)
     PYTHONPATH=tests python -m pytest -p gpu_dry_run -m gpu tests/test_device_embedding_gpu.py
 
 What a dry run cannot check: CuPy's own functions and their numerics (numpy computes them),
-NVRTC, flush-to-zero, streams and concurrency, timing. It sets ONE_EMBEDDING_GPU_DRY_RUN=1, which
+NVRTC, flush-to-zero, streams and concurrency, timing.
+
+CUDA graphs (``Stream.begin_capture`` / ``end_capture``, ``one_embedding.cuda_graph``) are
+emulated: a capture runs its code at once (numpy) and records a trace of the kernels it launches
+(the emulator's launches, and the calls of the numpy kernels of ``kernels.reference`` and
+``kernels.cpu_ops`` that stand in for CUDA kernels here: name, scalar arguments, array shapes and
+dtypes). ``Graph.verify`` compares a replay's trace with the capture's, so a Python scalar that
+changed between calls, which a real replay would keep at its captured value, fails the dry run. It sets ONE_EMBEDDING_GPU_DRY_RUN=1, which
 the GPU tests read to shrink their sizes (the emulator runs kernels one thread at a time). With
 ONE_EMBEDDING_CUDA_EMULATION_SEED=<int> the emulator runs in its stress mode (tests/cuda_emulation.py).
 Never load it in a normal run: every array "on the GPU" is a numpy array.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
 import sys
+import threading
 import types
 from pathlib import Path
 
 import numpy as np
+
+
+#: per thread: the trace of the capture in progress, or None
+_capture = threading.local()
+
+
+def _describe(value):
+    """A launch argument as the trace keeps it: arrays by shape and dtype (their addresses
+    differ from call to call on numpy), scalars by type and value."""
+    if isinstance(value, np.ndarray):
+        return ("array", value.shape, value.dtype.str)
+    if isinstance(value, (np.dtype, type)):
+        return ("dtype", str(np.dtype(value)))
+    if isinstance(value, (bool, int, float, complex, str, np.generic)) or value is None:
+        return (type(value).__name__, repr(value))
+    if isinstance(value, (tuple, list)):
+        return tuple(_describe(v) for v in value)
+    return (type(value).__name__,)
+
+
+def record_launch(name: str, *args, **kwargs) -> None:
+    """Append one kernel launch to this thread's capture trace, when it captures."""
+    trace = getattr(_capture, "trace", None)
+    if trace is not None:
+        trace.append((name, _describe(args), tuple((k, _describe(v)) for k, v in sorted(kwargs.items()))))
+
+
+class GraphReplayMismatch(AssertionError):
+    """An emulated replay launched other kernels or arguments than its capture."""
+
+
+class Graph:
+    """An emulated CUDA graph: the trace of its capture (``one_embedding.cuda_graph`` re-runs
+    the captured function for a replay and hands the new capture to ``verify``)."""
+
+    emulated = True
+
+    def __init__(self, trace: list):
+        self.trace = trace
+
+    def launch(self, stream=None):
+        raise RuntimeError("an emulated graph holds a trace, not kernels: cuda_graph.StepGraph "
+                           "replays it by running the function again and calling verify()")
+
+    def verify(self, replay: "Graph", name: str = "graph") -> None:
+        """Raise GraphReplayMismatch naming the first launch where ``replay`` differs."""
+        for i, (mine, theirs) in enumerate(zip(self.trace, replay.trace)):
+            if mine != theirs:
+                raise GraphReplayMismatch(
+                    f"{name}: launch {i} of the replay differs from the capture (a real replay "
+                    f"would run the captured one): captured {mine}, now {theirs}")
+        if len(self.trace) != len(replay.trace):
+            raise GraphReplayMismatch(f"{name}: the replay launched {len(replay.trace)} kernels, "
+                                      f"the capture {len(self.trace)}")
 
 
 def _fake_cupy() -> types.ModuleType:
@@ -57,6 +121,34 @@ def _fake_cupy() -> types.ModuleType:
         def use(self):
             return self
 
+        def begin_capture(self, mode=None):
+            if self.ptr == 0:
+                raise RuntimeError("cannot capture on the default (legacy) stream")
+            if getattr(_capture, "trace", None) is not None:
+                raise RuntimeError("this thread captures already")
+            _capture.trace, _capture.stream = [], self
+
+        def end_capture(self):
+            if getattr(_capture, "stream", None) is not self:
+                raise RuntimeError("end_capture on a stream that does not capture")
+            trace, _capture.trace, _capture.stream = _capture.trace, None, None
+            return Graph(trace)
+
+        def is_capturing(self):
+            return getattr(_capture, "stream", None) is self
+
+    class MemoryPool:
+        """CuPy's pool, for a private graph pool: numpy allocates as it always does."""
+
+        def malloc(self, size):
+            raise RuntimeError("the dry run allocates with numpy, never through a pool")
+
+        def used_bytes(self):
+            return 0
+
+        def free_all_blocks(self):
+            return None
+
     null = Stream()
     null.ptr = 0
 
@@ -81,6 +173,9 @@ def _fake_cupy() -> types.ModuleType:
     cuda.Device = Device
     cuda.Stream = Stream
     cuda.Event = Event
+    cuda.Graph = Graph
+    cuda.MemoryPool = MemoryPool
+    cuda.using_allocator = lambda allocator=None: contextlib.nullcontext()
     cuda.get_current_stream = lambda: null
     cuda.runtime = types.SimpleNamespace(
         getDeviceCount=lambda: 1, runtimeGetVersion=lambda: 0,
@@ -110,6 +205,33 @@ def install(cache_folder: Path) -> None:
     launcher = EmulatedLauncher(build(families, cache_folder), families)
     device_ops.cupy_launcher = lambda: launcher
     device_ops._cupy_launchers.clear()
+    _trace_launches(launcher)
+
+
+def _traced(name: str, fn):
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        record_launch(name, *args, **kwargs)
+        return fn(*args, **kwargs)
+
+    run.__traced__ = True
+    return run
+
+
+def _trace_launches(launcher) -> None:
+    """Graph captures record the emulator's kernel launches, and the calls of the numpy kernels
+    that stand in for the dense CUDA kernels on the dry run (``kernels.reference``'s OPS and
+    ``kernels.cpu_ops``' public functions: numpy model arrays take those paths)."""
+    from one_embedding.kernels import OPS, cpu_ops, reference
+
+    launcher.run = _traced("launch", launcher.run)
+    for module, names in ((reference, OPS), (cpu_ops, [n for n in dir(cpu_ops)
+                                                        if not n.startswith("_")])):
+        for name in names:
+            fn = getattr(module, name)
+            if callable(fn) and getattr(fn, "__module__", None) == module.__name__ \
+                    and not getattr(fn, "__traced__", False) and not isinstance(fn, type):
+                setattr(module, name, _traced(f"{module.__name__.rsplit('.', 1)[-1]}.{name}", fn))
 
 
 def pytest_configure(config):

@@ -175,6 +175,11 @@ class TrainConfig:
                            "cores in tf32, fp16 (with a dynamic loss scale) or bf16, master "
                            "weights and rows in fp32; on CPU it gives a GPU run's numerics, not "
                            "its speed")
+    cuda_graph: bool = option(True, group="training",
+                              help="--device cuda: capture the step's dense part (forward, loss, "
+                                   "backward; fixed shapes) once as a CUDA graph and replay it "
+                                   "(same results, bit for bit); --no-cuda-graph launches every "
+                                   "kernel each step. Nothing changes on the CPU")
     prefetch_depth: int = option(1, group="training", at_least=0,
                                  help="batches whose ID shuffle and row lookups run ahead on a "
                                       "background thread while the current batch computes "
@@ -321,7 +326,11 @@ class TrainConfig:
             kwargs = {"dest": f.name, "default": default, "help": _help(f.metadata["help"], default)}
             if f.metadata["choices"]:
                 kwargs["choices"] = f.metadata["choices"]
-            if kind is bool:
+            flag = _flag(f.name)
+            if kind is bool and default is True:      # on by default: --no-cuda-graph
+                flag = _flag("no_" + f.name)
+                kwargs.update(action="store_false", help=f.metadata["help"])
+            elif kind is bool:
                 kwargs.update(action="store_true", help=f.metadata["help"])  # --resume
             elif kind is tuple and item is str:
                 kwargs.update(nargs="+", default=list(kwargs["default"]))   # --data a.tsv b.tsv
@@ -329,7 +338,7 @@ class TrainConfig:
                 kwargs["type"] = _int_list                                    # --dnn 256,128
             else:
                 kwargs["type"] = kind
-            groups[f.metadata["group"]].add_argument(_flag(f.name), **kwargs)
+            groups[f.metadata["group"]].add_argument(flag, **kwargs)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainConfig":

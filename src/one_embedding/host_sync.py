@@ -26,6 +26,11 @@ read, naming the step, in the same read that brings the losses back.
 
 The counts cover every backend alike (a numpy "read" costs nothing, but it is counted the
 same), so the CPU dry run of the device path counts what a GPU run would do.
+
+While a thread captures a CUDA graph (``capturing``, entered by ``cuda_graph.StepGraph``) a read
+is an error: the captured kernels have not run, so there is nothing to read, and on a GPU the
+capture would fail. Every function here then raises ``HostReadInCapture`` naming the read, on
+every backend, and ``check`` keeps its flag for the graph instead of queueing it.
 """
 from __future__ import annotations
 
@@ -39,12 +44,24 @@ import numpy as np
 
 from .errors import InputError
 
+class HostReadInCapture(RuntimeError):
+    """A host read or wait while the calling thread captures a CUDA graph (``capturing``)."""
+
+
 _lock = threading.Lock()
+#: per thread: the capture in progress (``capturing``), or none
+_capture = threading.local()
 _totals: Counter = Counter()  # reason -> reads since the process started
 _main_totals: Counter = Counter()  # ... of them, made by the main thread (the step's own)
 
 
 def _count(reason: str) -> None:
+    what = getattr(_capture, "what", None)
+    if what is not None:
+        raise HostReadInCapture(
+            f"host read {reason!r} while capturing the CUDA graph of {what}: a captured step "
+            "cannot read the device (its kernels have not run); keep the value on the device "
+            "(host_sync.check inside host_sync.deferring) or leave this code out of the graph")
     on_main = threading.current_thread() is threading.main_thread()
     with _lock:
         _totals[reason] += 1
@@ -207,9 +224,45 @@ def check(bad, message: Callable[..., str], reason: str, *, details: Callable[[]
     later is needed to write the message). Outside ``deferring``: one counted read (two when it
     fails); inside: none until ``DeferredChecks.read``.
     """
+    captured = getattr(_capture, "checks", None)
     queue = _deferred
+    if captured is not None and queue is not None:  # the graph recomputes the flag each replay
+        captured.append(_Check(queue.step, bad, tuple(details()), message, error, reason))
+        return
     if queue is None:
         if flag(bad, reason):
             raise error(message(*_read_details(details(), reason)))
         return
     queue.add(_Check(queue.step, bad, tuple(details()), message, error, reason))
+
+
+# ---------------------------------------------------------------- CUDA graph capture
+
+
+@contextlib.contextmanager
+def capturing(what: str):
+    """While inside, this thread captures a CUDA graph of ``what``: every read raises
+    ``HostReadInCapture``, and ``check`` inside ``deferring`` appends its check to the yielded
+    list instead of queueing it (``cuda_graph.StepGraph`` queues a copy of each after every
+    launch of the graph, whose kernels recompute the flags). Not nested."""
+    if getattr(_capture, "what", None) is not None:
+        raise RuntimeError(f"host_sync.capturing({what!r}) inside the capture of "
+                           f"{_capture.what!r}: one capture at a time per thread")
+    checks: list = []
+    _capture.what, _capture.checks = what, checks
+    try:
+        yield checks
+    finally:
+        _capture.what = _capture.checks = None
+
+
+def capture_in_progress() -> bool:
+    """True while this thread captures a CUDA graph (inside ``capturing``)."""
+    return getattr(_capture, "what", None) is not None
+
+
+def requeue(check: _Check, queue: DeferredChecks, copy) -> None:
+    """Queue into ``queue`` (at its current step) a check that a capture kept, with its flag and
+    details copied by ``copy`` (a device copy: the next launch of the graph overwrites them)."""
+    queue.add(_Check(queue.step, copy(check.bad), tuple(copy(d) for d in check.details),
+                     check.message, check.error, check.reason))

@@ -31,6 +31,7 @@ from typing import Iterator
 
 import numpy as np
 
+from .cuda_graph import StepGraph
 from .config import MODELS, OPTIMIZERS, STORES, TrainConfig, make_row_optimizer
 from .data import BatchLoader, SyntheticCriteo
 from .backend import array_namespace, cupy_available, embedding_device, to_numpy
@@ -239,7 +240,8 @@ LEGACY_CONFIG = {"ftrl_convention": "tensorflow"}
 
 RESUME_MAY_CHANGE = {"steps", "epochs", "log_interval", "eval_interval", "eval_batches", "snapshot_interval",
                      "snapshot_name", "keep_snapshots", "prefetch_depth", "read_ahead", "cache_mb",
-                     "host_cache_mb", "capacity", "resume", "overwrite", "persistent_path"}
+                     "host_cache_mb", "capacity", "resume", "overwrite", "persistent_path",
+                     "cuda_graph"}
 
 
 @dataclass
@@ -326,6 +328,7 @@ class Trainer:
         self.loss_fn = BCEWithLogits()
         # the device path's checks, read with the losses (None on the CPU: checks read at once)
         self.checks = host_sync.DeferredChecks() if self.xp is not np else None
+        self.step_graph = self._make_step_graph()
         self.progress = TrainProgress()
         # steps left out of the steady-state samples/s
         self.skip_steps = max(1, cfg.steps // 10) if cfg.steps else 0
@@ -353,17 +356,14 @@ class Trainer:
         t1 = clock()
         dense, labels = self.xp.asarray(batch.dense), self.xp.asarray(batch.labels)
         scaler = self.optimizer.loss_scaler
-        with amp.autocast(self.cfg.amp):
-            logits = self.model.forward_from_embeddings(dense, embedded)  # (b,)
-            loss = self.loss_fn(logits, labels)
-            dlogits = self.loss_fn.backward()
-            if self.comm.world > 1:  # the gradient of this rank's share of the global mean
-                dlogits = dlogits * np.float32(batch.labels.shape[0] / self.cfg.batch_size)
-            if scaler is not None:  # unscaled by Optimizer.step, which skips an overflowed step
-                dlogits = dlogits * np.float32(scaler.scale)
-            _, dembedded = self.model.backward_to_embeddings(dlogits)
+        if self.step_graph is None:
+            loss, grad = self.dense_step(dense, labels, embedded)
+        else:  # the loss scale reaches the captured kernels: a new scale, a new capture
+            loss, grad = self.step_graph(dense, labels, embedded, key=(
+                self.cfg.amp, None if scaler is None else float(scaler.scale)))
+            # the next replay overwrites the graph's loss, which is read steps later
+            loss = self.xp.array(loss, copy=True)
         t2 = clock()
-        grad = dembedded.astype(np.float32, copy=False)
         if scaler is not None:  # a non-finite gradient marks the step as overflowed instead
             scaler.backward(self.embedding, grad)
         else:
@@ -377,6 +377,52 @@ class Trainer:
         phases["dense"] += t2 - t1
         phases["update"] += t4 - t3
         return loss
+
+    def dense_step(self, dense, labels, embedded):
+        """The step's fixed-shape part: dense forward, loss, backward to the embeddings (dense
+        grads accumulate in place); what ``step_graph`` captures and replays on a GPU.
+
+        dense (b, 13) float32, labels (b,), embedded (b, F, E) float32 -> (loss: 0-d mean over
+        this rank's block, the embeddings' gradient (b, F, E) float32)."""
+        scaler = self.optimizer.loss_scaler
+        with amp.autocast(self.cfg.amp):
+            logits = self.model.forward_from_embeddings(dense, embedded)  # (b,)
+            loss = self.loss_fn(logits, labels)
+            dlogits = self.loss_fn.backward()
+            if self.comm.world > 1:  # the gradient of this rank's share of the global mean
+                dlogits = dlogits * np.float32(labels.shape[0] / self.cfg.batch_size)
+            if scaler is not None:  # unscaled by Optimizer.step, which skips an overflowed step
+                dlogits = dlogits * np.float32(scaler.scale)
+            _, dembedded = self.model.backward_to_embeddings(dlogits)
+        return loss, dembedded.astype(np.float32, copy=False)
+
+    def _make_step_graph(self) -> StepGraph | None:
+        """The CUDA graph of ``dense_step`` on the device path (None on the CPU); it runs
+        uncaptured with --no-cuda-graph, and with dropout, whose mask changes each step through
+        a host counter that a replay would keep at its captured value."""
+        if self.xp is np:
+            return None
+        cfg = self.cfg
+        self.graph_off_reason = None
+        if not cfg.cuda_graph:
+            self.graph_off_reason = "--no-cuda-graph"
+        elif cfg.dropout > 0 and cfg.model in ("dcn", "deepfm"):
+            self.graph_off_reason = ("dropout: each step's mask comes from a host counter that "
+                                     "a replay would keep at its captured value")
+        params = list(self.model.parameters())
+        return StepGraph(self.dense_step, self.xp, name="the dense step",
+                         persistent=lambda: [p.data for p in params] + [p.grad for p in params],
+                         enabled=self.graph_off_reason is None)
+
+    def cuda_graph_status(self) -> str | None:
+        """How the dense step runs on the device path (None on the CPU): "replaying",
+        "warming up", "uncaptured" (the last step's shapes were not the graph's), "off: <why>",
+        "failed: <why>"."""
+        if self.step_graph is None:
+            return None
+        if self.graph_off_reason is not None:
+            return f"off: {self.graph_off_reason}"
+        return self.step_graph.status
 
     def batches(self) -> Iterator:
         """This rank's block of each global training batch, epoch after epoch, until ``steps``
@@ -587,8 +633,10 @@ class Trainer:
                         if bar is not None:
                             bar.set_postfix_str(progress_postfix(progress))
                     if step % cfg.log_interval == 0 or step == 1:
+                        graph = self.cuda_graph_status()
                         self.write({"event": "train", "step": step, "loss": progress.losses[-1],
-                                    "samples_per_s": progress.samples / progress.train_seconds})
+                                    "samples_per_s": progress.samples / progress.train_seconds,
+                                    **({"cuda_graph": graph} if graph is not None else {})})
                     self.maybe_evaluate(step)
                     self.maybe_snapshot(step)
                     if cfg.steps is not None and step >= cfg.steps:
@@ -670,6 +718,9 @@ class Trainer:
             **({"loss_scale": scaler.scale, "skipped_steps": scaler.skipped_steps}
                if scaler is not None else {}),
             "phase_seconds": dict(p.phase_seconds),
+            **({"cuda_graph": self.cuda_graph_status(),
+                "cuda_graph_replays": self.step_graph.stats.replays}
+               if self.step_graph is not None else {}),
         }
 
     def close(self) -> None:

@@ -40,7 +40,9 @@ def test_every_field_is_a_flag_and_no_old_flag_is_lost(command, capsys):
     flags = flags_of(command, capsys)
     assert set(FLAGS_BEFORE) <= flags
     for f in dataclasses.fields(TrainConfig):
-        assert "--" + f.name.replace("_", "-") in flags
+        name = f.name.replace("_", "-")
+        # a switch that is on by default is offered as its "off" form (--no-cuda-graph)
+        assert (f"--no-{name}" if f.default is True else f"--{name}") in flags
 
 
 @pytest.mark.parametrize("command", ["train", "bench"])

@@ -3,7 +3,7 @@
 Each function validates its inputs (``InputError`` naming the value and the fix), then launches
 the kernels of ``cuda/<family>.cu`` through ``cuda_module``. Arrays are C-contiguous float32, or
 float64 for finite-difference gradient checks; outputs keep the input dtype. GEMMs (the batched
-X Xᵀ of the dot interaction, the DCN v2 matmuls) run in cuBLAS through ``cupy.matmul``; the
+X Xᵀ of the dot interaction, the DCN v2 matmuls) run in cuBLAS through ``gemm.matmul``; the
 kernels fuse the elementwise work and reductions around them. Column reductions write per-chunk
 partial sums that are then summed in a fixed order, so every result is deterministic run to run.
 
@@ -70,6 +70,16 @@ def _check_mask(name, mask, n):
 def _check_rate(rate):
     if not 0.0 <= float(rate) < 1.0:
         raise InputError(f"dropout rate={rate!r} must lie in [0, 1)")
+
+
+def _matmul(a, b):
+    """``a @ b`` of float32 cupy arrays through ``gemm.matmul`` (cuBLAS's fp32 product; a CUDA
+    graph can capture it, where CuPy refuses its own matmul); float64 ones through cupy.matmul."""
+    if a.dtype == np.float32 and b.dtype == np.float32:
+        from .gemm import matmul
+
+        return matmul(a, b, "fp32")
+    return _cupy().matmul(a, b)
 
 
 def _launch_1d(family, name, dtype, n_threads, args):
@@ -197,7 +207,7 @@ def dot_interaction_forward(x, concat, self_interaction, pad):
     x: (B, F, D); concat: (B, C) or None; self_interaction: bool; pad: int >= 0
     -> out (B, C + P + pad) with P = F(F-1)/2 (F(F+1)/2 with self_interaction):
        ``[concat | Z[r, c] for the pairs of cuda_module.pair_table | pad zeros]``, Z = x xᵀ.
-    Z comes from a batched cuBLAS GEMM (cupy.matmul); one kernel gathers the triangle and writes
+    Z comes from a batched cuBLAS GEMM (gemm.matmul); one kernel gathers the triangle and writes
     concat and padding.
     """
     cp = _cupy()
@@ -216,7 +226,7 @@ def dot_interaction_forward(x, concat, self_interaction, pad):
     width = n_concat + n_pairs + pad
     out = cp.empty((batch, width), dtype=x.dtype)
     if out.size:
-        z = cp.matmul(x, x.transpose(0, 2, 1))                        # (B, F, F)
+        z = _matmul(x, x.transpose(0, 2, 1))                        # (B, F, F)
         pairs = cm.device_pair_table(f, bool(self_interaction))
         _launch_1d("interaction", "gather_forward", x.dtype, out.size,
                    (z, x if concat is None else concat, pairs, np.int64(batch), np.int32(f),
@@ -248,7 +258,7 @@ def dot_interaction_backward(dout, x, n_concat, self_interaction):
         _launch_1d("interaction", "scatter_backward", x.dtype, batch * (n_concat + n_pairs),
                    (dout, pairs, np.int64(batch), np.int32(f), np.int32(n_concat),
                     np.int32(n_pairs), np.int32(width), dsym, dsym if dconcat is None else dconcat))
-    dx = cp.matmul(dsym, x)                                           # (B, F, D)
+    dx = _matmul(dsym, x)                                           # (B, F, D)
     return dx, dconcat
 
 
@@ -319,7 +329,7 @@ def cross_matrix_forward(x0, xl, W, b):
     x0, xl = _cross_inputs(x0, xl)
     W, b = _matrix_params(W, b, x0)
     rows, dim = x0.shape
-    t = cp.matmul(xl, W.T)                                            # (B, D)
+    t = _matmul(xl, W.T)                                            # (B, D)
     if t.size:
         # the epilogue writes its result over t: one (B, D) buffer for the whole layer
         _launch_1d("cross", "matrix_forward_epilogue", x0.dtype, t.size,
@@ -338,7 +348,7 @@ def cross_matrix_backward(dnext, x0, xl, W, b):
     dnext = _float_array("dnext", dnext, 2, like=x0)
     _expect_shape("dnext", dnext, x0.shape)
     rows, dim = x0.shape
-    t = cp.matmul(xl, W.T)                                            # (B, D)
+    t = _matmul(xl, W.T)                                            # (B, D)
     du = cp.empty_like(x0)
     grid, block, n_chunks, rows_per_chunk = _column_grid(rows, dim)
     db_partial = cp.empty((n_chunks, dim), dtype=x0.dtype)
@@ -349,9 +359,9 @@ def cross_matrix_backward(dnext, x0, xl, W, b):
             (dnext, x0, t, b, np.int64(rows), np.int32(dim), np.int64(rows_per_chunk), t, du,
              db_partial))
     dx0 = t
-    dxl = cp.matmul(du, W)                                            # (B, D)
+    dxl = _matmul(du, W)                                            # (B, D)
     dxl += dnext
-    dW = cp.matmul(du.T, xl)                                          # (D, D)
+    dW = _matmul(du.T, xl)                                          # (D, D)
     return dx0, dxl, dW, db_partial.sum(axis=0)
 
 

@@ -80,8 +80,10 @@ def round_to(x, precision: str | None = None):
 
 def matmul(a, b, *, fp32_result: bool = False, a_bits=None, b_bits=None):
     """``a @ b`` with the current precision's operands and result (see the module docstring);
-    exactly ``a @ b`` when AMP is off. a: (..., M, K), b: (..., K, N) -> (..., M, N) in a's
-    dtype (float32 or float64).
+    the float32 / float64 ``a @ b`` when AMP is off (on CuPy float32 operands go through
+    ``kernels.gemm``, cuBLAS's fp32 product, which a CUDA graph can capture: CuPy's own
+    ``matmul`` refuses to run while a stream captures). a: (..., M, K), b: (..., K, N) ->
+    (..., M, N) in a's dtype (float32 or float64).
 
     ``fp32_result``: under fp16 / bf16 the result keeps the fp32 accumulator's value instead of
     being rounded to the half type (the weight gradients: sums over the batch that would
@@ -90,13 +92,14 @@ def matmul(a, b, *, fp32_result: bool = False, a_bits=None, b_bits=None):
     already cast to its 16-bit pattern (uint16, the shape of the C-contiguous operand), e.g.
     the previous layer's ``out_bits``; ignored elsewhere."""
     precision = current()
-    if precision == "off":
-        return a @ b
     xp = array_namespace(a, b)
+    if precision == "off" and (xp is np or a.dtype != np.float32 or b.dtype != np.float32):
+        return a @ b
     if xp is not np:
         from ..kernels import gemm  # imports cupy: only on the GPU path
 
-        return gemm.matmul(a, b, precision, fp32_result=fp32_result, a_bits=a_bits,
+        return gemm.matmul(a, b, "fp32" if precision == "off" else precision,
+                           fp32_result=fp32_result, a_bits=a_bits,
                            b_bits=b_bits)
     product = round_to(a, precision) @ round_to(b, precision)
     if precision == "tf32" or fp32_result:

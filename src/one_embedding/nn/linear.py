@@ -73,8 +73,8 @@ class Linear(Module):
             # a single output: one matrix-vector product, (B,) viewed as (B, 1)
             h = (x @ w[0])[:, None] if self.out_features == 1 else x @ w.T
             y, mask = cpu_ops.bias_act_forward(h, self.bias.data, self.relu)
-        else:
-            y, mask = ops_for(xp).bias_act_forward(x @ w.T, self.bias.data, self.relu)
+        else:  # cuBLAS through kernels.gemm (amp.matmul): a CUDA graph can capture it
+            y, mask = ops_for(xp).bias_act_forward(amp.matmul(x, w.T), self.bias.data, self.relu)
         if keeps_activations():  # for backward (an inference forward keeps nothing: nn.inference)
             self._x, self._mask, self._x_bits = x, mask, x_bits
         return y
@@ -104,8 +104,8 @@ class Linear(Module):
                 dx = dh @ w
         else:
             dh, db = ops_for(xp).bias_act_backward(dy, self._mask)
-            self.weight.grad += dh.T @ x
-            dx = dh @ w
+            self.weight.grad += amp.matmul(dh.T, x)
+            dx = amp.matmul(dh, w)
         self.bias.grad += db
         self._x = self._mask = self._x_bits = None
         return dx
