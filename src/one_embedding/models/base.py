@@ -3,7 +3,9 @@
 Contract: ``logits = model(dense, ids)`` -> (B,); ``model.backward(dlogits)`` accumulates every
 dense parameter's grad and passes d(embeddings) (B, F, E) to ``model.embedding.backward``.
 The dense part alone is ``forward_from_embeddings(dense, embedded)`` /
-``backward_to_embeddings(dlogits) -> (ddense, dembedded)``, for benchmarks and parity tests.
+``backward_to_embeddings(dlogits) -> (ddense, dembedded)``, for benchmarks and parity tests;
+the training step's ``loss_and_backward_to_embeddings(logits, labels, ...) -> (loss, ddense,
+dembedded)`` adds the loss, fused with the last layer's backward on the device.
 
 Ids must already be unique across tables (one key space, REFERENCE.md): the data layer offsets
 or hashes each column; column j of ``ids`` is looked up with table j's initializer.
