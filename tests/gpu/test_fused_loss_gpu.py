@@ -25,7 +25,8 @@ DRY = bool(os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN"))
 STEPS = 8
 
 
-def _run(tmp_path, monkeypatch, model: str, amp: str, fused: bool):
+def _run(tmp_path, monkeypatch, model: str, amp: str, fused: bool, store: str = "device_mem",
+         prefetch_depth: int = 2):
     """-> (the step losses, the fused kernel's calls, the main thread's reads by reason)."""
     from one_embedding.config import TrainConfig
     from one_embedding.kernels import dense_ops
@@ -48,9 +49,11 @@ def _run(tmp_path, monkeypatch, model: str, amp: str, fused: bool):
         monkeypatch.setattr(CTRModel, "loss_and_backward_to_embeddings", forced)
     cfg = TrainConfig(model=model, amp=amp, steps=STEPS, batch_size=128 if DRY else 8192,
                       synthetic_rows=20_000, embedding_dim=8, bottom_mlp=(16, 8),
-                      top_mlp=(16, 1), dnn=(32, 16), store="device_mem", cache_mb=1.0,
-                      optimizer="adagrad", eval_batches=1, device="cuda", prefetch_depth=2,
-                      log_interval=4, persistent_path=str(tmp_path / f"{model}-{amp}-{fused}"))
+                      top_mlp=(16, 1), dnn=(32, 16), store=store, cache_mb=0.05,
+                      optimizer="adagrad", eval_batches=1, device="cuda",
+                      prefetch_depth=prefetch_depth, log_interval=4,
+                      persistent_path=str(tmp_path / "-".join(
+                          map(str, (model, amp, fused, store, prefetch_depth)))))
     trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
     losses, step = [], trainer.train_step
 
@@ -77,3 +80,12 @@ def test_the_step_fuses_the_loss_trains_alike_and_reads_no_more(tmp_path, monkey
     # log1p against the unfused passes'; fp16's loss scale is a power of two: one multiply)
     assert fused == pytest.approx(unfused, rel=1e-5)
     assert fused_reads == unfused_reads, (fused_reads, unfused_reads)
+
+
+def test_fused_runs_are_bit_identical_across_stores_and_prefetch_depths(tmp_path, monkeypatch):
+    """DESIGN.md's invariant on the fused path: the kernel's batch sums have a fixed order (no
+    atomics), so the store and the prefetch depth change no bit of the losses."""
+    first, calls, _ = _run(tmp_path, monkeypatch, "dcn", "off", True)
+    other, _, _ = _run(tmp_path, monkeypatch, "dcn", "off", True, store="cached_host_mem",
+                       prefetch_depth=0)
+    assert calls == STEPS and other == first
