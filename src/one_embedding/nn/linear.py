@@ -127,7 +127,6 @@ class Linear(Module):
         self._x = self._mask = self._x_bits = None
         return dx
 
-
     @property
     def is_logit_layer(self) -> bool:
         """One output and no ReLU: a layer whose output is (a term of) the logit, whose backward
@@ -137,7 +136,8 @@ class Linear(Module):
     def loss_and_backward(self, logits, labels, scale: float = 1.0, launch=None):
         """The mean BCE-with-logits loss fused with this one-output layer's backward, one kernel
         (``kernels.dense_ops.bce_last_layer``) in place of ``BCEWithLogits`` forward + backward
-        and ``backward`` (three or four passes). For the device path: CuPy arrays, or on the GPU
+        and ``backward`` (three launches under AMP, five in fp32: the loss, its gradient, the
+        bias gradient and two products). For the device path: CuPy arrays, or on the GPU
         dry run the emulator as the CuPy launcher (``launch`` None: the current device's).
 
         logits: (B,) the model's logits after this layer's ``forward`` (its output, or a sum it
@@ -267,7 +267,6 @@ class MLP(Module):
                 dy = self.dropouts[i].backward(dy)
             dy = self.layers[i].backward(dy)
         return dy
-
 
     def loss_and_backward(self, logits, labels, scale: float = 1.0, launch=None):
         """The mean BCE loss fused with the last layer's backward (``Linear.loss_and_backward``),
