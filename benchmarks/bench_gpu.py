@@ -32,6 +32,15 @@
    ``index_select`` and updated with ``index_add_``: PyTorch's fastest plain form) and, for scale,
    HugeCTR's published 7.4 M. Goal: the fastest mode >= 1.0x the PyTorch AMP baseline (2x the aim).
 
+5. The loss fused with the last layer (issue 32 item 2): the dense step alone (DLRM's
+   ``forward_from_embeddings`` and ``loss_and_backward_to_embeddings`` on inputs already on the
+   device, part 2's shapes) with the fused loss (one ``dense_ops.bce_last_layer`` kernel for the
+   loss, its gradient and the 256 -> 1 layer's backward) against the unfused passes (the loss,
+   its gradient, the layer's own backward) as the baseline in the same run, under ``--amp off``
+   and ``bf16``; and the two alone (the loss and the last layer's backward). The fused path
+   needs the CuPy launcher: a ``--dry-run`` times the unfused one only (the dry run of the GPU
+   tests, ``tests/gpu_dry_run.install``, runs both on the emulator).
+
 The header names the GPU, CUDA, CuPy and torch; results go to ``benchmarks/results/bench_gpu.json``
 (or ``$ONE_EMBEDDING_BENCH_RESULTS``); the last line printed is a one-line summary.
 """
@@ -179,7 +188,6 @@ def dlrm_batches(dev: Device, table_rows, args, count: int) -> list[dict]:
 def run_one_embedding(dev: Device, table_rows, batches, args) -> dict:
     import one_embedding as oe
     from one_embedding.models import DLRM
-    from one_embedding.nn.loss import BCEWithLogits
     from one_embedding.pipeline import Prefetcher
 
     xp = dev.xp
@@ -191,7 +199,6 @@ def run_one_embedding(dev: Device, table_rows, batches, args) -> dict:
     model = DLRM(num_tables=26, embedding_dim=args.dim, dense_features=13,
                  bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp, embedding=emb).to(xp)
     opt = oe.Optimizer(oe.optim.SGD(lr=args.lr), embeddings=[emb], parameters=list(model.parameters()))
-    loss_fn = BCEWithLogits()
     offsets = xp.asarray(np.cumsum([0] + list(table_rows[:-1])).astype(np.int64))[None, :]
     keyed = [{**b, "ids": b["ids"] + offsets} for b in batches]     # one key space
     total = args.warmup + args.steps
@@ -203,8 +210,8 @@ def run_one_embedding(dev: Device, table_rows, batches, args) -> dict:
                 dev.sync()
                 start = time.perf_counter()
             logits = model.forward_from_embeddings(xp.log1p(batch["dense"]), emb.embed(state))
-            loss = loss_fn(logits, batch["labels"])
-            _, dembedded = model.backward_to_embeddings(loss_fn.backward())
+            # the Trainer's step: on CuPy the loss fused with the last layer (part 5)
+            loss, _, dembedded = model.loss_and_backward_to_embeddings(logits, batch["labels"])
             emb.backward(dembedded)
             opt.step()
             opt.zero_grad()
@@ -391,6 +398,69 @@ def bench_amp(dev: Device, args, batches=None) -> dict:
             "speedup_vs_torch_bf16": fastest["samples_per_s"] / baseline}
 
 
+# ---------------------------------------------------------------- 5. the fused loss
+
+
+def bench_fused_loss(dev: Device, args) -> dict:
+    """Part 5: ms per dense step (and per loss + last-layer backward alone) with the loss fused
+    with the last layer, against the unfused passes, on part 2's DLRM shapes."""
+    import one_embedding as oe
+    from one_embedding.models import DLRM
+    from one_embedding.nn import BCEWithLogits, amp
+
+    xp = dev.xp
+    tables = [oe.make_table_options(oe.make_uniform_initializer(-0.01, 0.01))] * 26
+    emb = oe.MultiTableEmbedding("dense_only", args.dim, np.float32, np.int64, tables,
+                                 oe.make_device_mem_store_options(None, capacity=1024),
+                                 device="cpu")                 # never looked up: a dense step
+    model = DLRM(num_tables=26, embedding_dim=args.dim, dense_features=13,
+                 bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp, embedding=emb).to(xp)
+    rng = np.random.default_rng(5)
+    dense = xp.asarray(np.log1p(rng.exponential(20.0, (args.batch_size, 13))).astype(np.float32))
+    embedded = xp.asarray((rng.standard_normal((args.batch_size, 26, args.dim)) * 0.05)
+                          .astype(np.float32))
+    labels = xp.asarray((rng.random(args.batch_size) < 0.25).astype(np.float32))
+    variants = [("fused", True), ("unfused", False)] if not dev.dry_run else [("unfused", False)]
+    last = model.top_mlp.layers[-1]
+    rows = []
+    for mode in ("off", "bf16"):
+        with amp.autocast(mode):
+            logits = model.forward_from_embeddings(dense, embedded)
+            x_last = last._x                                    # (B, top_mlp[-2]): its input
+            model.loss_and_backward_to_embeddings(logits, labels, fused=False)
+        model.zero_grad()
+        timings = {}
+        for name, fused in variants:
+            def step(fused=fused):
+                with amp.autocast(mode):
+                    out = model.forward_from_embeddings(dense, embedded)
+                    model.loss_and_backward_to_embeddings(out, labels, fused=fused)
+                model.zero_grad()
+
+            def loss_and_last(fused=fused):         # the logit layer's forward, then the rest
+                with amp.autocast(mode):
+                    z = last.forward(x_last).reshape(-1)
+                    if fused:
+                        last.loss_and_backward(z, labels)
+                    else:
+                        loss_fn = BCEWithLogits()
+                        loss_fn(z, labels)
+                        last.backward(loss_fn.backward().reshape(-1, 1))
+                model.zero_grad()
+
+            timings[name] = (dev.seconds(step, args.repeats) * 1e3,
+                             dev.seconds(loss_and_last, args.repeats) * 1e3)
+        base_step, base_part = timings["unfused"]
+        for name, (step_ms, part_ms) in timings.items():
+            rows.append({"what": f"dense step, --amp {mode}, {name}", "amp": mode, "fused": name,
+                         "step ms": step_ms, "x unfused step": base_step / step_ms,
+                         "loss + last layer ms": part_ms, "x unfused part": base_part / part_ms,
+                         "samples_per_s": args.batch_size / (step_ms / 1e3)})
+    emb.close()
+    return {"rows": rows, "fused_step_speedup": {r["amp"]: r["x unfused step"] for r in rows
+                                                 if r["fused"] == "fused"}}
+
+
 def bench_dlrm(dev: Device, args) -> dict:
     table_rows = criteo_shapes(args.max_rows)
     batches = dlrm_batches(dev, table_rows, args, args.batches)
@@ -432,7 +502,8 @@ def main(argv=None):
                     help="part 3: mlperf40m cardinalities times this (the issue's x0.05)")
     ap.add_argument("--amp-steps", type=int, default=5,
                     help="part 4: timed steps per --amp mode (after --warmup)")
-    ap.add_argument("--skip", nargs="*", default=[], choices=["lookup", "dlrm", "cli", "amp"])
+    ap.add_argument("--skip", nargs="*", default=[], choices=["lookup", "dlrm", "cli", "amp",
+                                                              "fused"])
     args = ap.parse_args(argv)
     if args.dry_run:
         args.batch_size, args.steps, args.warmup, args.batches = 256, 2, 1, 2
@@ -514,6 +585,16 @@ def main(argv=None):
         summary.append(f"AMP fastest --amp {amp['fastest']} {amp['fastest_samples_per_s'] / 1e6:.2f} M "
                        f"samples/s = {ratio:.2f}x PyTorch bf16 autocast (goal >=1x: {verdict}), "
                        f"{amp['fastest_samples_per_s'] / HUGECTR_H100_SAMPLES_PER_S:.2f}x HugeCTR")
+    if "fused" not in args.skip:
+        fused = bench_fused_loss(dev, args)
+        payload["fused_loss"] = fused
+        print(f"\n## the loss fused with the last layer: the dense step alone (DLRM, batch "
+              f"{args.batch_size}, inputs on the device), {args.repeats} timed calls each")
+        print(markdown_table(fused["rows"], ["what", "step ms", "x unfused step",
+                                             "loss + last layer ms", "x unfused part"]))
+        if fused["fused_step_speedup"]:
+            summary.append("fused loss: dense step " + ", ".join(
+                f"{x:.2f}x unfused (--amp {m})" for m, x in fused["fused_step_speedup"].items()))
     payload.get("dlrm", {}).pop("batches", None)
     payload["summary"] = "; ".join(summary)
     print(f"\nwrote {save_result('bench_gpu', payload)}")

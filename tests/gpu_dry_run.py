@@ -201,7 +201,9 @@ def install(cache_folder: Path) -> None:
     from one_embedding.kernels import cuda_module as cm
     from one_embedding.kernels import device_ops
 
-    families = cm.EMBEDDING_FAMILIES + cm.DATA_FAMILIES   # the step's kernels and the device data
+    # the step's kernels, the device data, and the fused dense kernels that the dense model's
+    # device path launches (the loss fused with the last layer: Trainer.train_step)
+    families = cm.EMBEDDING_FAMILIES + cm.DATA_FAMILIES + cm.AMP_FAMILIES
     launcher = EmulatedLauncher(build(families, cache_folder), families)
     device_ops.cupy_launcher = lambda: launcher
     device_ops._cupy_launchers.clear()

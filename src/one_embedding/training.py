@@ -40,7 +40,6 @@ from . import host_sync
 from .metrics import log_loss, roc_auc
 from .models import DCN, DLRM, DeepFM
 from .nn import amp
-from .nn.loss import BCEWithLogits
 from .optim.loss_scale import LossScaler
 from .optim.lr_schedules import LinearWarmup, LRSchedule, WarmupPolynomialDecay
 from .checkpoint import (
@@ -325,7 +324,6 @@ class Trainer:
                                    parameters=list(self.model.parameters()), comm=self.comm,
                                    loss_scale=LossScaler() if cfg.amp == "fp16" else None)
         self.lr_schedule = make_lr_schedule(cfg, self.optimizer)
-        self.loss_fn = BCEWithLogits()
         # the device path's checks, read with the losses (None on the CPU: checks read at once)
         self.checks = host_sync.DeferredChecks() if self.xp is not np else None
         self.step_graph = self._make_step_graph()
@@ -387,13 +385,13 @@ class Trainer:
         scaler = self.optimizer.loss_scaler
         with amp.autocast(self.cfg.amp):
             logits = self.model.forward_from_embeddings(dense, embedded)  # (b,)
-            loss = self.loss_fn(logits, labels)
-            dlogits = self.loss_fn.backward()
-            if self.comm.world > 1:  # the gradient of this rank's share of the global mean
-                dlogits = dlogits * np.float32(labels.shape[0] / self.cfg.batch_size)
-            if scaler is not None:  # unscaled by Optimizer.step, which skips an overflowed step
-                dlogits = dlogits * np.float32(scaler.scale)
-            _, dembedded = self.model.backward_to_embeddings(dlogits)
+            # the gradient of this rank's share of the global mean, times the loss scale
+            # (unscaled by Optimizer.step, which skips an overflowed step); on the device the
+            # loss is fused with the last layer's backward
+            loss, _, dembedded = self.model.loss_and_backward_to_embeddings(
+                logits, labels, share=labels.shape[0] / self.cfg.batch_size
+                if self.comm.world > 1 else 1.0,
+                loss_scale=1.0 if scaler is None else scaler.scale, fused=self.xp is not np)
         return loss, dembedded.astype(np.float32, copy=False)
 
     def _make_step_graph(self) -> StepGraph | None:

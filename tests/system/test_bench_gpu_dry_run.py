@@ -42,6 +42,10 @@ def test_bench_gpu_dry_run_measures_both_parts_and_summarises(tmp_path):
     assert modes == ["off", "tf32", "fp16", "bf16"]
     assert all(r["samples_per_s"] > 0 for r in data["amp"]["rows"])
     assert data["amp"]["torch_bf16"]["samples_per_s"] > 0 and "one table, bf16 autocast" in out
+    # part 5: the dense step; a dry run times the unfused loss only (the fused one needs CuPy)
+    rows = data["fused_loss"]["rows"]
+    assert [(r["amp"], r["fused"]) for r in rows] == [("off", "unfused"), ("bf16", "unfused")]
+    assert all(r["step ms"] > 0 and r["loss + last layer ms"] > 0 for r in rows)
 
 
 @pytest.mark.gpu
@@ -52,4 +56,6 @@ def test_bench_gpu_small_run_on_the_gpu(tmp_path):
     assert data["lookup"]["copy_GBps"] > 0 and data["lookup"]["parts_s"]
     assert data["dlrm"]["ours"]["samples_per_s"] > 0
     assert {r["amp"] for r in data["amp"]["rows"] if "amp" in r} == {"off", "tf32", "fp16", "bf16"}
+    assert set(data["fused_loss"]["fused_step_speedup"]) == {"off", "bf16"}
     assert out.strip().splitlines()[-1].startswith("summary (")
+    assert "fused loss: dense step" in out.strip().splitlines()[-1]

@@ -3,7 +3,9 @@
 Contract: ``logits = model(dense, ids)`` -> (B,); ``model.backward(dlogits)`` accumulates every
 dense parameter's grad and passes d(embeddings) (B, F, E) to ``model.embedding.backward``.
 The dense part alone is ``forward_from_embeddings(dense, embedded)`` /
-``backward_to_embeddings(dlogits) -> (ddense, dembedded)``, for benchmarks and parity tests.
+``backward_to_embeddings(dlogits) -> (ddense, dembedded)``, for benchmarks and parity tests;
+the training step's ``loss_and_backward_to_embeddings(logits, labels, ...) -> (loss, ddense,
+dembedded)`` adds the loss, fused with the last layer's backward on the device.
 
 Ids must already be unique across tables (one key space, REFERENCE.md): the data layer offsets
 or hashes each column; column j of ``ids`` is looked up with table j's initializer.
@@ -225,6 +227,53 @@ class CTRModel(Module):
         _, dembedded = self.backward_to_embeddings(dlogits)
         self.embedding.backward(dembedded.astype(np.float32, copy=False))
         return dembedded
+
+    def loss_and_backward_to_embeddings(self, logits, labels, *, share: float = 1.0,
+                                        loss_scale: float = 1.0, fused: bool | None = None):
+        """The mean BCE-with-logits loss of ``forward_from_embeddings``'s logits and the dense
+        part's backward for the gradient of ``loss * share * loss_scale``.
+
+        logits: (B,) the model's dtype; labels: (B,) in [0, 1]; share: this rank's share of the
+        global batch (the gradient of the global mean; 1 on one rank); loss_scale: fp16's loss
+        scale (the optimizer unscales) -> (loss: the unscaled mean, a 0-d float64 array left on
+        the device (a float on numpy), ddense (B, dense_features) or None, dembedded
+        (B, num_tables, width)). Dense parameter grads accumulate, as ``backward_to_embeddings``.
+
+        ``fused`` (None: on CuPy arrays): the loss, its gradient and the backward of the model's
+        last layer (``logit_layer``, one output) run as one kernel
+        (``Linear.loss_and_backward``), the rest of the model's backward as before. The gradient
+        is scaled once, by float32(share) * float32(loss_scale), where the unfused path
+        multiplies the loss's gradient by each in turn: the same bits whenever one of them is a
+        power of two (a dynamic loss scale always is, one rank's share is 1). The batch sums
+        (weight and bias gradients of the last layer, the loss) are the kernel's blocked sums:
+        equal to the unfused path within float32 rounding of the sums, not bit for bit; so the
+        numpy path (fused False) keeps the unfused passes and its numerics."""
+        from ..nn.loss import BCEWithLogits
+
+        if fused is None:
+            fused = array_namespace(logits) is not np
+        if fused and self.logit_layer is not None:
+            scale = float(np.float32(share) * np.float32(loss_scale))
+            return self._fused_loss_and_backward(logits, labels, scale)
+        loss_fn = BCEWithLogits()
+        loss = loss_fn(logits, labels)
+        dlogits = loss_fn.backward()
+        if share != 1:  # the gradient of this rank's share of the global mean
+            dlogits = dlogits * np.float32(share)
+        if loss_scale != 1:  # unscaled by Optimizer.step, which skips an overflowed step
+            dlogits = dlogits * np.float32(loss_scale)
+        ddense, dembedded = self.backward_to_embeddings(dlogits)
+        return loss, ddense, dembedded
+
+    @property
+    def logit_layer(self):
+        """The one-output ``Linear`` the logits come out of (or, in DeepFM, its DNN term), whose
+        backward the loss fuses with; None where the model has none (then ``fused`` is ignored)."""
+        return None
+
+    def _fused_loss_and_backward(self, logits, labels, scale: float):
+        """-> (loss, ddense, dembedded) with the loss fused with ``logit_layer``'s backward."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused loss path")
 
     def _dlogits(self, dlogits, batch):
         if tuple(getattr(dlogits, "shape", ())) != (batch,):

@@ -77,8 +77,21 @@ class DCN(CTRModel):
 
     def backward_to_embeddings(self, dlogits):
         """dlogits: (B,) -> (ddense (B, dense_features) or None, dembedded (B, num_tables, E))."""
+        dboth = self.output.backward(self._dlogits(dlogits, self._batch).reshape(-1, 1))
+        return self._backward_from_output_input(dboth)
+
+    @property
+    def logit_layer(self):
+        return self.output
+
+    def _fused_loss_and_backward(self, logits, labels, scale):
+        loss, _, dboth = self.output.loss_and_backward(logits, labels, scale)
+        return (loss,) + self._backward_from_output_input(dboth)
+
+    def _backward_from_output_input(self, dboth):
+        """dboth: (B, input_width + dnn[-1]), the gradient of [cross | deep] -> (ddense,
+        dembedded)."""
         batch = self._batch
-        dboth = self.output.backward(self._dlogits(dlogits, batch).reshape(-1, 1))
         d0 = self.input_width
         dx0 = self.cross.backward(dboth[:, :d0].copy())
         dx0 += self.dnn.backward(dboth[:, d0:].copy())

@@ -77,11 +77,24 @@ class DeepFM(CTRModel):
 
     def backward_to_embeddings(self, dlogits):
         """dlogits: (B,) -> (ddense or None, dembedded (B, num_tables, E + 1))."""
+        d = self._dlogits(dlogits, self._batch)
+        return self._backward_from_dnn(d, self.dnn.backward(d.reshape(-1, 1)))
+
+    @property
+    def logit_layer(self):
+        return self.dnn.layers[-1]
+
+    def _fused_loss_and_backward(self, logits, labels, scale):
+        # the DNN's output is a term of the logits: its gradient is the logits' gradient
+        loss, d, dx = self.dnn.loss_and_backward(logits, labels, scale)
+        return (loss,) + self._backward_from_dnn(d, dx)
+
+    def _backward_from_dnn(self, d, dx):
+        """d: (B,) the logits' gradient; dx: (B, F*E + dense) the DNN input's -> (ddense,
+        dembedded)."""
         batch, f, e = self._batch, self.num_tables, self.embedding_dim
-        d = self._dlogits(dlogits, batch)
         xp = array_namespace(d)
         self.bias.grad += d.sum()
-        dx = self.dnn.backward(d.reshape(-1, 1))                     # (B, F*E + dense)
         dembedded = xp.empty((batch, f, e + 1), dtype=self.dtype)
         dv = self.fm.backward(d)                                     # (B, F, E)
         dv += dx[:, :f * e].reshape(batch, f, e)

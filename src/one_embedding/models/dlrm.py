@@ -91,7 +91,18 @@ class DLRM(CTRModel):
     def backward_to_embeddings(self, dlogits):
         """dlogits: (B,) -> (ddense (B, dense_features), dembedded (B, num_tables, E))."""
         d = self._dlogits(dlogits, self._batch).reshape(-1, 1)
-        dinter = self.top_mlp.backward(d)                            # (B, 480)
+        return self._backward_from_interaction(self.top_mlp.backward(d))
+
+    @property
+    def logit_layer(self):
+        return self.top_mlp.layers[-1]
+
+    def _fused_loss_and_backward(self, logits, labels, scale):
+        loss, _, dinter = self.top_mlp.loss_and_backward(logits, labels, scale)
+        return (loss,) + self._backward_from_interaction(dinter)
+
+    def _backward_from_interaction(self, dinter):
+        """dinter: (B, interaction_width) -> (ddense, dembedded)."""
         (dz, dembedded), dconcat = self.interaction.backward(dinter)
         dz = dz + dconcat                                            # z is a feature and the concat
         ddense = self.bottom_mlp.backward(dz)

@@ -127,6 +127,51 @@ class Linear(Module):
         self._x = self._mask = self._x_bits = None
         return dx
 
+    @property
+    def is_logit_layer(self) -> bool:
+        """One output and no ReLU: a layer whose output is (a term of) the logit, whose backward
+        ``loss_and_backward`` fuses with the loss."""
+        return self.out_features == 1 and not self.relu
+
+    def loss_and_backward(self, logits, labels, scale: float = 1.0, launch=None):
+        """The mean BCE-with-logits loss fused with this one-output layer's backward, one kernel
+        (``kernels.dense_ops.bce_last_layer``) in place of ``BCEWithLogits`` forward + backward
+        and ``backward`` (three launches under AMP, five in fp32: the loss, its gradient, the
+        bias gradient and two products). For the device path: CuPy arrays, or on the GPU
+        dry run the emulator as the CuPy launcher (``launch`` None: the current device's).
+
+        logits: (B,) the model's logits after this layer's ``forward`` (its output, or a sum it
+        is a term of: the gradient of a sum's term is the sum's); labels: (B,) in [0, 1] (cast
+        to the logits' dtype; a bad label raises through ``host_sync.check``, deferred on the
+        device); scale: the factor of the gradient (a rank's share of the global mean times the
+        loss scale) -> (loss: 0-d float64 array, the unscaled mean, on the device;
+        dlogits (B,) = scale * (sigmoid(logits) - labels) / B; dx (B, in_features)). Adds to
+        weight.grad and bias.grad; dtypes those of the logits (float32, or float64).
+
+        Rounding as ``backward``'s under ``nn.amp`` (dlogits and w rounded to the precision for
+        dx, which leaves half-typed under fp16 / bf16; dlogits and x rounded for the fp32 sum of
+        dw). The sums over the batch (dw, db, the loss) are the kernel's blocked sums, so the
+        result equals the unfused path within float32 rounding of those sums, not bit for bit."""
+        from ..kernels import dense_ops
+        from .loss import checked_labels
+
+        if not self.is_logit_layer:
+            raise InputError(f"{self.weight.name[:-len('.weight')] or 'Linear'}: the loss fuses "
+                             f"only with a one-output layer without ReLU (this one has "
+                             f"{self.out_features} outputs, relu={self.relu})")
+        if self._x is None:
+            raise InputError("Linear.loss_and_backward() without a forward(): run forward first")
+        labels = checked_labels(logits, labels)
+        xp = array_namespace(self._x)
+        x = xp.ascontiguousarray(self._x)
+        loss, dlogits, dx, dw, db = dense_ops.bce_last_layer(
+            xp.ascontiguousarray(logits), xp.ascontiguousarray(labels), x,
+            xp.ascontiguousarray(self.weight.data[0]), scale, amp.current(), launch=launch)
+        self.weight.grad[0] += dw
+        self.bias.grad += db
+        self._x = self._mask = self._x_bits = None
+        return loss, dlogits, dx
+
 
 class Dropout(Module):
     """Inverted dropout with counter-based randomness: identical masks on numpy and CUDA.
@@ -222,6 +267,19 @@ class MLP(Module):
                 dy = self.dropouts[i].backward(dy)
             dy = self.layers[i].backward(dy)
         return dy
+
+    def loss_and_backward(self, logits, labels, scale: float = 1.0, launch=None):
+        """The mean BCE loss fused with the last layer's backward (``Linear.loss_and_backward``),
+        then the other layers' backward: logits (B,), labels (B,) -> (loss 0-d float64 array,
+        dlogits (B,), dx (B, in_features)). The last layer must be a logit layer (one output,
+        ``last_relu=False``: no dropout follows it)."""
+        last = self.layers[-1]
+        loss, dlogits, dy = last.loss_and_backward(logits, labels, scale, launch=launch)
+        for i in reversed(range(len(self.layers) - 1)):
+            if self.dropouts[i] is not None:
+                dy = self.dropouts[i].backward(dy)
+            dy = self.layers[i].backward(dy)
+        return loss, dlogits, dy
 
 
 def _check_dtype(dtype):

@@ -8,6 +8,32 @@ from .module import Module
 from .. import host_sync
 
 
+def checked_labels(logits, labels):
+    """logits: (B,) float; labels: (B,) -> labels in the logits' dtype. InputError on a shape
+    mismatch; a label outside [0, 1] or NaN raises through ``host_sync.check`` (deferred on the
+    device path: no host read here). Shared by ``BCEWithLogits`` and the loss fused with the
+    last layer (``Linear.loss_and_backward``)."""
+    xp = array_namespace(logits, labels)
+    if logits.ndim != 1:
+        raise InputError(f"logits must have shape (B,), got {tuple(logits.shape)}")
+    if tuple(labels.shape) != tuple(logits.shape):
+        raise InputError(
+            f"labels have shape {tuple(labels.shape)} but logits have {tuple(logits.shape)}: "
+            "pass one label per sample"
+        )
+    labels = labels.astype(logits.dtype, copy=False)
+    bad = (labels < 0) | (labels > 1) | xp.isnan(labels)
+
+    def first_bad():
+        at = xp.argmax(bad)
+        return at, labels[at]
+
+    host_sync.check(bad.any(), lambda at, value: (
+        f"labels[{int(at)}] is {value}: labels must lie in [0, 1] (click = 1, no click = 0)"),
+        "loss: labels outside [0, 1]", details=first_bad)
+    return labels
+
+
 class BCEWithLogits(Module):
     """``loss = mean_b [max(z,0) - z*y + log(1 + exp(-|z|))]``; ``backward()`` -> dlogits (B,).
 
@@ -18,26 +44,9 @@ class BCEWithLogits(Module):
         self._saved = None
 
     def forward(self, logits, labels):
-        xp = array_namespace(logits, labels)
-        if logits.ndim != 1:
-            raise InputError(f"logits must have shape (B,), got {tuple(logits.shape)}")
-        if tuple(labels.shape) != tuple(logits.shape):
-            raise InputError(
-                f"labels have shape {tuple(labels.shape)} but logits have {tuple(logits.shape)}: "
-                "pass one label per sample"
-            )
-        labels = labels.astype(logits.dtype, copy=False)
-        bad = (labels < 0) | (labels > 1) | xp.isnan(labels)
-
-        def first_bad():
-            at = xp.argmax(bad)
-            return at, labels[at]
-
-        host_sync.check(bad.any(), lambda at, value: (
-            f"labels[{int(at)}] is {value}: labels must lie in [0, 1] (click = 1, no click = 0)"),
-            "loss: labels outside [0, 1]", details=first_bad)
+        labels = checked_labels(logits, labels)
         self._saved = (logits, labels)
-        return ops_for(xp).bce_with_logits_forward(logits, labels)
+        return ops_for(array_namespace(logits)).bce_with_logits_forward(logits, labels)
 
     def backward(self):
         """-> dlogits (B,) = (sigmoid(logits) - labels) / B."""
