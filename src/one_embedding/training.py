@@ -349,7 +349,8 @@ class Trainer:
         t0 = clock()
         if state is None:
             state = self.embedding.prepare(batch.ids)
-        embedded = self.xp.asarray(self.embedding.embed(state))      # (b, F, E)
+        # (b, F, E), or on the device DLRM's interaction input, the rows gathered straight into it
+        embedded = self.model.embed(state, self.cfg.amp, self.xp)
         t1 = clock()
         dense, labels = self.xp.asarray(batch.dense), self.xp.asarray(batch.labels)
         scaler = self.optimizer.loss_scaler
