@@ -37,12 +37,11 @@ __device__ __forceinline__ const T* feature(const T* first, const T* rest, i64 s
   return f < f1 ? first + (s * f1 + f) * (i64)dim : rest + (s * f2 + (f - f1)) * (i64)dim;
 }
 
-// The interaction's input layouts (``packed``): SPLIT, the two parts above read in place;
-// PACKED, one (B, f1 + f2, dim) buffer of T in ``first`` (``rest`` unused); PACKED_BITS, the same
-// buffer of fp16 / bf16 patterns (``kind`` 1 / 2) in ``bits``: the rows the embedding gathered
-// straight into the interaction's input (kernels/layout_ops.py). f1 / f2 still split the
-// gradient into dfirst / drest.
-constexpr int SPLIT = 0;
+// The interaction's input layouts (``packed``): 0, the two parts above read in place; PACKED,
+// one (B, f1 + f2, dim) buffer of T in ``first`` (``rest`` unused); PACKED_BITS, the same buffer
+// of fp16 / bf16 patterns (``kind`` 1 / 2) in ``bits``: the rows the embedding gathered straight
+// into the interaction's input (kernels/layout_ops.py). f1 / f2 still split the gradient into
+// dfirst / drest.
 constexpr int PACKED = 1;
 constexpr int PACKED_BITS = 2;
 
@@ -209,7 +208,8 @@ __global__ void dense_interaction_forward_tile(const T* first, const T* rest,
     for (int k = threadIdx.x; k < f * dim; k += blockDim.x) {
       const int row = k / dim;
       const int d = k - row * dim;
-      xs[row * stride + d] = oe::dense::load(first, rest, bits, packed, s, row, d, f1, f2, dim, kind);
+      xs[row * stride + d] =
+          oe::dense::load(first, rest, bits, packed, s, row, d, f1, f2, dim, kind);
     }
     __syncthreads();
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
@@ -248,7 +248,8 @@ __global__ void dense_interaction_backward_tile(const T* dout, const T* first, c
     for (int k = threadIdx.x; k < f * dim; k += blockDim.x) {
       const int row = k / dim;
       const int d = k - row * dim;
-      xs[row * stride + d] = oe::dense::load(first, rest, bits, packed, s, row, d, f1, f2, dim, kind);
+      xs[row * stride + d] =
+          oe::dense::load(first, rest, bits, packed, s, row, d, f1, f2, dim, kind);
     }
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
       gs[p] = oe::dense::rounded(g[n_concat + p], kind);
