@@ -377,10 +377,12 @@ class MultiTableMultiColumnEmbedding:
                             self.traffic, launch)
         xp = self.xp
         index = state.exchange.local.inverse
-        if state.keep is not None:   # padding positions read no row: a zero row
-            full = xp.full(state.keep.shape, -1, dtype=xp.int64)
-            full[state.keep] = index
-            index = full
+        if state.keep is not None:   # padding positions read no row (-1: a zero row)
+            if index.shape[0] == 0:
+                index = xp.full(state.keep.shape, -1, dtype=xp.int64)
+            else:                    # kept position j holds index[j-th kept]: no host read
+                rank = xp.maximum(xp.cumsum(state.keep) - 1, 0)
+                index = xp.where(state.keep, index[rank], -1).astype(xp.int64, copy=False)
         layout_ops.gather_into(rows, index.reshape(state.ids_shape), target, first_slot, launch)
         self._last = state
 

@@ -232,3 +232,26 @@ def test_dlrm_device_step_with_the_fused_gather_equals_the_plain_one(tmp_path, l
     np.testing.assert_array_equal(fused[2], plain[2])
     assert "embedding_gather_into" in fused[3] and "embedding_gather" not in fused[3]
     assert "embedding_gather" in plain[3] and "embedding_gather_into" not in plain[3]
+
+
+@pytest.mark.parametrize("precision", ["off", "bf16"])
+def test_embed_into_holds_what_embed_returns(tmp_path, launch, precision):
+    """embed_into's slots hold embed's rows cast to the buffer's storage, padding (a zero row)
+    included, also for a batch of padding only; on the device and the CPU path."""
+    import one_embedding as oe
+
+    ids = np.array([[3, 0, 5], [0, 0, 0], [7, 3, 0]], np.int64)
+    for device in (launch, "cpu"):
+        emb = oe.MultiTableEmbedding("t", 8, np.float32, np.int64, None,
+                                     oe.make_device_mem_store_options(str(tmp_path / str(device)),
+                                                                      100),
+                                     padding_idx=0, device=device)
+        for batch in (ids, np.zeros((2, 3), np.int64)):
+            want = emb.embed(emb.prepare(batch, background=False))
+            xp = np if device == "cpu" else launch.xp
+            target = layout_ops.empty_input(xp, batch.shape[0], 4, 8, precision, 1)
+            emb.embed_into(emb.prepare(batch, background=False), target, 1)
+            want = amp.round_to(want, precision) if precision == "bf16" else want
+            np.testing.assert_array_equal(target.values()[:, 1:], want)
+            np.testing.assert_array_equal(target.values()[:, 1:][batch == 0], 0.0)
+        emb.close()

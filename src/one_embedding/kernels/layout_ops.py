@@ -115,8 +115,9 @@ def gather_into(rows, index, target: InteractionInput, first_slot: int,
     dim = rows.shape[1]
     _check_target(target, batch, n_features, first_slot, dim)
     if launch is None:
-        safe = np.where(index >= 0, index, 0)
-        values = np.where((index >= 0)[..., None], rows[safe], np.float32(0))
+        values = np.zeros(index.shape + (dim,), np.float32)
+        hit = index >= 0
+        values[hit] = rows[index[hit]]
         target.data[:, first_slot:first_slot + n_features] = encode(values, target.precision)
         return
     _launch(launch, rows, index.reshape(-1), True, batch * n_features, n_features, target,
