@@ -11,7 +11,9 @@
    counted read + write (``2 * bytes / t``). Goal: lookup >= 0.8x copy. The parts (unique alone,
    the chain's find, the gather kernel) are timed too, to show where the time goes; unique twice:
    the hash-table dedup the lookup runs and, as its baseline in the same run, the sort-based one
-   it replaced (``device_ops.unique_ids_by_sorting``), whose results it must equal.
+   it replaced (``device_ops.unique_ids_by_sorting``), whose results it must equal. Then the
+   rows of a batch into the dot interaction's input: gather + concatenation (the path before)
+   against the gather straight into it (``kernels.layout_ops``), in fp32 and bf16.
 2. DLRM training on Criteo-1TB shapes: 26 tables of the Criteo 1TB sizes (each capped at
    ``--max-rows`` rows so a plain PyTorch model's dense tables fit the GPU), dim 128, bottom MLP
    512-256-128, top 1024-1024-512-256-1, dot interaction, BCE, SGD, batch 65536, Zipf ids per
@@ -160,6 +162,54 @@ def bench_lookup(dev: Device, args) -> dict:
     return {"ids": n, "unique": unique_count, "dim": e, "copy_GBps": copy_bw / 1e9,
             "lookup_GBps": lookup_bw / 1e9, "ratio": lookup_bw / copy_bw, "rows": rows,
             "parts_s": parts, "unique_hash_vs_sort": unique_vs_sort}
+
+
+def bench_interaction_input(dev: Device, args) -> dict:
+    """The rows of a DLRM batch into the dot interaction's input, the path before and the fused
+    gather (issue 32 item 3), on random rows: (B * 26) rows of ``--lookup-dim`` from a table of
+    B * 6 unique rows (Criteo's share of unique ids), z (B, E) beside them.
+
+    Before: fp32 (amp off) gathers (B, 26, E) float32 and concatenates [z, rows] (B, 27, E);
+    under AMP it gathers float32 and the interaction reads them in place. Fused: one gather
+    into the (B, 27, E) buffer at slots 1.. (float32, or bf16 patterns: half the bytes written
+    and read by the interaction twice) plus z into slot 0. The dry run times the numpy twins."""
+    from one_embedding.kernels import device_ops, layout_ops
+
+    xp, e, batch = dev.xp, args.lookup_dim, args.batch_size
+    rng = np.random.default_rng(2)
+    table = xp.asarray(rng.standard_normal((batch * 6, e)).astype(np.float32))
+    inverse = xp.asarray(rng.integers(0, batch * 6, (batch, 26)).astype(np.int64))
+    z = xp.asarray(rng.standard_normal((batch, e)).astype(np.float32))
+    launch = None if dev.dry_run else device_ops.cupy_launcher()
+
+    def before():
+        rows = table[inverse] if dev.dry_run else device_ops.gather_rows(table, inverse, launch,
+                                                                          check_index=False)
+        return rows, xp.concatenate([z[:, None], rows], axis=1)
+
+    def fused(precision):
+        target = layout_ops.empty_input(xp, batch, 27, e, precision, 1, launch)
+        layout_ops.gather_into(table, inverse, target, 1, launch)
+        layout_ops.write_slot(z, target, 0, launch)
+        return target
+
+    t_concat = dev.seconds(before, args.repeats)
+    t_gather = dev.seconds(lambda: before()[0] if dev.dry_run else
+                           device_ops.gather_rows(table, inverse, launch, check_index=False),
+                           args.repeats)
+    t_fp32 = dev.seconds(lambda: fused("off"), args.repeats)
+    t_bf16 = dev.seconds(lambda: fused("bf16"), args.repeats)
+    n = batch * 26
+    rows = [{"what": "before, amp off: gather (B, 26, E) fp32 + concat [z, rows]",
+             "ms": 1e3 * t_concat, "MB written": (4 * n * e + 4 * (n + batch) * e) / 1e6,
+             "x before": 1.0},
+            {"what": "fused, amp off: gather into (B, 27, E) fp32 + z", "ms": 1e3 * t_fp32,
+             "MB written": 4 * (n + batch) * e / 1e6, "x before": t_concat / t_fp32},
+            {"what": "before, AMP: gather (B, 26, E) fp32 (read in place, rounded in registers)",
+             "ms": 1e3 * t_gather, "MB written": 4 * n * e / 1e6, "x before": 1.0},
+            {"what": "fused, bf16: gather into (B, 27, E) bf16 patterns + z", "ms": 1e3 * t_bf16,
+             "MB written": 2 * (n + batch) * e / 1e6, "x before": t_gather / t_bf16}]
+    return {"rows": rows, "speedup_fp32": t_concat / t_fp32, "speedup_bf16": t_gather / t_bf16}
 
 
 # ---------------------------------------------------------------- 2. DLRM training
@@ -531,6 +581,11 @@ def main(argv=None):
                        f"{FBGEMM_HBM_SHARE[1]:.2f}x; goal {LOOKUP_GOAL}x: {verdict})")
         if lookup["unique_hash_vs_sort"]:
             summary.append(f"unique: hash {lookup['unique_hash_vs_sort']['speedup']:.2f}x sort")
+        layout = bench_interaction_input(dev, args)
+        payload["interaction_input"] = layout
+        print(f"\n## rows into the dot interaction's input, batch {args.batch_size}, dim "
+              f"{args.lookup_dim}: the path before and the fused gather")
+        print(markdown_table(layout["rows"], ["what", "ms", "MB written", "x before"]))
     if "dlrm" not in args.skip:
         dlrm = bench_dlrm(dev, args)
         payload["dlrm"] = dlrm

@@ -360,6 +360,32 @@ class MultiTableMultiColumnEmbedding:
         self._last = state
         return out.reshape(state.ids_shape + (e,))
 
+    def embed_into(self, state: StepState, target, first_slot: int) -> None:
+        """Write the rows of a prepared step straight into a dot interaction's input:
+        ``target`` is a ``kernels.layout_ops.InteractionInput`` (data (B, S, E), float32 or the
+        fp16 / bf16 patterns of its precision) and the ids have shape (B, F); row (b, f) lands at
+        ``target.data[b, first_slot + f]``, cast to the target's storage (padding: a zero row).
+        The same values as ``embed`` (rounded as the interaction rounds them), without its
+        (B, F, E) float32 result. Keeps ``state`` for the next ``backward``, as ``embed``."""
+        from .kernels import layout_ops
+
+        if len(state.ids_shape) != 2:
+            raise InputError(f"embed_into takes ids of shape (B, F); these have {state.ids_shape}")
+        self._owner().refresh(state.owner)
+        e, launch = self.embedding_dim, self.launch
+        rows = shuffle_rows(self.comm, state.exchange, state.owner.lines[:, :e], self.exchange_dtype,
+                            self.traffic, launch)
+        xp = self.xp
+        index = state.exchange.local.inverse
+        if state.keep is not None:   # padding positions read no row (-1: a zero row)
+            if index.shape[0] == 0:
+                index = xp.full(state.keep.shape, -1, dtype=xp.int64)
+            else:                    # kept position j holds index[j-th kept]: no host read
+                rank = xp.maximum(xp.cumsum(state.keep) - 1, 0)
+                index = xp.where(state.keep, index[rank], -1).astype(xp.int64, copy=False)
+        layout_ops.gather_into(rows, index.reshape(state.ids_shape), target, first_slot, launch)
+        self._last = state
+
     def forward(self, ids, table_ids=None):
         """ids: (...) integers -> (..., embedding_dim) float32. Keeps what backward needs.
 

@@ -32,6 +32,7 @@ from typing import Iterator
 import numpy as np
 
 from .cuda_graph import StepGraph
+from .kernels.layout_ops import InteractionInput
 from .config import MODELS, OPTIMIZERS, STORES, TrainConfig, make_row_optimizer
 from .data import BatchLoader, SyntheticCriteo
 from .backend import array_namespace, cupy_available, embedding_device, to_numpy
@@ -326,6 +327,7 @@ class Trainer:
         self.lr_schedule = make_lr_schedule(cfg, self.optimizer)
         # the device path's checks, read with the losses (None on the CPU: checks read at once)
         self.checks = host_sync.DeferredChecks() if self.xp is not np else None
+        self._layout = None   # DLRM's interaction-input layout of the step running (dense_step)
         self.step_graph = self._make_step_graph()
         self.progress = TrainProgress()
         # steps left out of the steady-state samples/s
@@ -350,15 +352,23 @@ class Trainer:
         t0 = clock()
         if state is None:
             state = self.embedding.prepare(batch.ids)
-        embedded = self.xp.asarray(self.embedding.embed(state))      # (b, F, E)
+        # (b, F, E), or on the device DLRM's interaction input, the rows gathered straight into it
+        embedded = self.model.embed(state, self.cfg.amp, self.xp)
         t1 = clock()
         dense, labels = self.xp.asarray(batch.dense), self.xp.asarray(batch.labels)
         scaler = self.optimizer.loss_scaler
+        # a graph's inputs are arrays: DLRM's interaction input goes in as its buffer, and its
+        # layout (precision, first slot), which dense_step puts back around it, into the key
+        self._layout = None
+        if isinstance(embedded, InteractionInput):
+            self._layout, embedded = replace(embedded, data=None), embedded.data
         if self.step_graph is None:
             loss, grad = self.dense_step(dense, labels, embedded)
         else:  # the loss scale reaches the captured kernels: a new scale, a new capture
+            layout = None if self._layout is None else (self._layout.precision,
+                                                        self._layout.first_slot)
             loss, grad = self.step_graph(dense, labels, embedded, key=(
-                self.cfg.amp, None if scaler is None else float(scaler.scale)))
+                self.cfg.amp, None if scaler is None else float(scaler.scale), layout))
             # the next replay overwrites the graph's loss, which is read steps later
             loss = self.xp.array(loss, copy=True)
         t2 = clock()
@@ -380,9 +390,12 @@ class Trainer:
         """The step's fixed-shape part: dense forward, loss, backward to the embeddings (dense
         grads accumulate in place); what ``step_graph`` captures and replays on a GPU.
 
-        dense (b, 13) float32, labels (b,), embedded (b, F, E) float32 -> (loss: 0-d mean over
-        this rank's block, the embeddings' gradient (b, F, E) float32)."""
+        dense (b, 13) float32, labels (b,), embedded (b, F, E) float32, or the data of DLRM's
+        interaction input whose layout ``train_step`` set aside -> (loss: 0-d mean over this
+        rank's block, the embeddings' gradient (b, F, E) float32)."""
         scaler = self.optimizer.loss_scaler
+        if self._layout is not None:
+            embedded = replace(self._layout, data=embedded)
         with amp.autocast(self.cfg.amp):
             logits = self.model.forward_from_embeddings(dense, embedded)  # (b,)
             # the gradient of this rank's share of the global mean, times the loss scale

@@ -13,7 +13,9 @@ input gradient leave rounded to the half type (nn.amp's contract; tf32 results s
   that the next layer's GEMM reads: the GEMM's epilogue as one pass.
 - ``interaction_forward`` / ``interaction_backward``: the DLRM dot interaction, one kernel each
   way, reading the features as two parts in place ([bottom (B, F1, D), embeddings (B, F2, D)]):
-  no concatenation, no batched GEMM, no (B, F, F) buffer.
+  no concatenation, no batched GEMM, no (B, F, F) buffer. The ``_packed`` pair reads one
+  (B, F, D) buffer instead, float32 or the fp16 / bf16 patterns the embedding's gather wrote
+  (``kernels.layout_ops``).
 - ``bce_last_layer``: the mean BCE loss fused with the backward of the one-output last layer:
   the logit gradient, the input gradient (an outer product), the weight and bias gradients.
 """
@@ -114,12 +116,54 @@ def interaction_forward(first, rest, concat, self_interaction: bool, pad: int, p
     ``tile``: the one-block-per-sample kernel (features in shared memory) or the one-thread-per-
     output one; None picks the first where the sample fits (``fits_tile``). Same results."""
     launch = resolve(launch)
-    xp = launch.xp
     first, rest = _parts(first, rest)
     batch, f1, dim = first.shape
-    f2 = rest.shape[1]
+    return _forward(launch, first, rest, _no_bits(launch), _SPLIT, batch, f1, rest.shape[1], dim,
+                    concat, self_interaction, pad, precision, tile)
+
+
+def interaction_forward_packed(features, n_first: int, concat, self_interaction: bool, pad: int,
+                               precision: str, launch=None, tile: bool | None = None):
+    """``interaction_forward`` on one buffer: features (B, F, D) float32 (precision off / tf32)
+    or uint16, the fp16 / bf16 patterns of the values (precision fp16 / bf16; see
+    ``kernels.layout_ops``). Same results as the split call on the decoded values;
+    ``n_first`` only sets where ``interaction_backward_packed`` splits the gradient."""
+    launch = resolve(launch)
+    data, bits, packed, _ = _packed(features, n_first, precision, launch)
+    batch, f, dim = features.shape
+    return _forward(launch, data, data, bits, packed, batch, int(n_first), f - int(n_first), dim,
+                    concat, self_interaction, pad, precision, tile)
+
+
+_SPLIT, _PACKED, _PACKED_BITS = 0, 1, 2   # dense.cu's layouts
+
+
+def _no_bits(launch):
+    return launch.xp.empty((1,), dtype=launch.xp.uint16)
+
+
+def _packed(features, n_first, precision, launch):
+    """-> (the float buffer, or a stand-in; the bits, or a stand-in; layout; float dtype)."""
+    if features.ndim != 3 or not features.flags.c_contiguous:
+        raise InputError(f"features of shape {tuple(features.shape)}: pass a C-contiguous "
+                         "(B, F, D) array")
+    if not 0 <= int(n_first) <= features.shape[1]:
+        raise InputError(f"n_first={n_first} is outside 0..{features.shape[1]} features")
+    if features.dtype == np.uint16:
+        if precision not in HALF_PRECISIONS:
+            raise InputError(f"16-bit features under precision={precision!r}: they hold fp16 / "
+                             "bf16 patterns; pass float32 features for off / tf32")
+        return (launch.xp.empty((1,), dtype=np.float32), features, _PACKED_BITS,
+                np.dtype(np.float32))
+    features = _float("features", features, 3)
+    return features, _no_bits(launch), _PACKED, features.dtype
+
+
+def _forward(launch, first, rest, bits, packed, batch, f1, f2, dim, concat, self_interaction,
+             pad, precision, tile):
+    xp = launch.xp
     n_concat = 0
-    if concat is not None:
+    if concat is not None:   # first: the float features, or a float32 stand-in beside bits
         concat = _float("concat", concat, 2, like=first)
         if concat.shape[0] != batch:
             raise InputError(f"concat has {concat.shape[0]} rows but the features have batch {batch}")
@@ -135,10 +179,10 @@ def interaction_forward(first, rest, concat, self_interaction: bool, pad: int, p
                                        launch.n_sms, launch.block)
         launch.run("dense", "interaction_forward_tile" if tile else "interaction_forward",
                    first.dtype, (blocks,), (launch.block,),
-                   (first, rest, first if concat is None else concat, np.int64(batch),
-                    np.int32(f1), np.int32(f2), np.int32(dim), np.int32(bool(self_interaction)),
-                    np.int32(_kind(precision)), np.int32(n_concat), np.int32(n_pairs),
-                    np.int32(width), out))
+                   (first, rest, bits, np.int32(packed), first if concat is None else concat,
+                    np.int64(batch), np.int32(f1), np.int32(f2), np.int32(dim),
+                    np.int32(bool(self_interaction)), np.int32(_kind(precision)),
+                    np.int32(n_concat), np.int32(n_pairs), np.int32(width), out))
     return out
 
 
@@ -147,31 +191,53 @@ def interaction_backward(dout, first, rest, n_concat: int, self_interaction: boo
     """dout: (B, C + P + pad) -> (dfirst (B, F1, D), drest (B, F2, D), dconcat (B, C) or None);
     ``tile`` as in ``interaction_forward``."""
     launch = resolve(launch)
-    xp = launch.xp
     first, rest = _parts(first, rest)
     dout = _float("dout", dout, 2, like=first)
-    batch, f1, dim = first.shape
-    f2 = rest.shape[1]
+    return _backward(launch, dout, first, rest, _no_bits(launch), _SPLIT, first.shape[0],
+                     first.shape[1], rest.shape[1], first.shape[2], n_concat, self_interaction,
+                     precision, tile)
+
+
+def interaction_backward_packed(dout, features, n_first: int, n_concat: int,
+                                self_interaction: bool, precision: str, launch=None,
+                                tile: bool | None = None):
+    """The gradient of ``interaction_forward_packed``: dout (B, C + P + pad) -> (dfirst
+    (B, n_first, D), drest (B, F - n_first, D), dconcat (B, C) or None), float32 (the float
+    type of ``features`` when they are float)."""
+    launch = resolve(launch)
+    data, bits, packed, dtype = _packed(features, n_first, precision, launch)
+    dout = _float("dout", dout, 2)
+    if dout.dtype != dtype:
+        raise InputError(f"dout.dtype={dout.dtype}: use {dtype}, the features' float type")
+    batch, f, dim = features.shape
+    return _backward(launch, dout, data, data, bits, packed, batch, int(n_first),
+                     f - int(n_first), dim, n_concat, self_interaction, precision, tile)
+
+
+def _backward(launch, dout, first, rest, bits, packed, batch, f1, f2, dim, n_concat,
+              self_interaction, precision, tile):
+    xp = launch.xp
+    dtype = dout.dtype
     n_concat = int(n_concat)
     n_pairs = _n_pairs(f1 + f2, bool(self_interaction))
     width = dout.shape[1]
     if dout.shape[0] != batch or n_concat < 0 or width < n_concat + n_pairs:
         raise InputError(f"dout has shape {tuple(dout.shape)}: expected ({batch}, >= "
                          f"{n_concat} + {n_pairs}) for n_concat={n_concat} and {f1 + f2} features")
-    dfirst = xp.empty_like(first)
-    drest = xp.empty_like(rest)
-    dconcat = xp.empty((batch, n_concat), dtype=first.dtype) if n_concat else None
+    dfirst = xp.empty((batch, f1, dim), dtype=dtype)
+    drest = xp.empty((batch, f2, dim), dtype=dtype)
+    dconcat = xp.empty((batch, n_concat), dtype=dtype) if n_concat else None
     n = batch * ((f1 + f2) * dim + n_concat)
     tile = _pick_tile(tile, f1 + f2, dim, bool(self_interaction))
     if n:
         blocks = cm.grid_stride_blocks(batch * launch.block if tile else n, launch.n_sms,
                                        launch.block)
         launch.run("dense", "interaction_backward_tile" if tile else "interaction_backward",
-                   first.dtype, (blocks,), (launch.block,),
-                   (dout, first, rest, np.int64(batch), np.int32(f1), np.int32(f2), np.int32(dim),
-                    np.int32(bool(self_interaction)), np.int32(_kind(precision)),
-                    np.int32(n_concat), np.int32(width), dfirst, drest,
-                    dfirst if dconcat is None else dconcat))
+                   dtype, (blocks,), (launch.block,),
+                   (dout, first, rest, bits, np.int32(packed), np.int64(batch), np.int32(f1),
+                    np.int32(f2), np.int32(dim), np.int32(bool(self_interaction)),
+                    np.int32(_kind(precision)), np.int32(n_concat), np.int32(width), dfirst,
+                    drest, dfirst if dconcat is None else dconcat))
     return dfirst, drest, dconcat
 
 

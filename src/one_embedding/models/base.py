@@ -5,7 +5,9 @@ dense parameter's grad and passes d(embeddings) (B, F, E) to ``model.embedding.b
 The dense part alone is ``forward_from_embeddings(dense, embedded)`` /
 ``backward_to_embeddings(dlogits) -> (ddense, dembedded)``, for benchmarks and parity tests;
 the training step's ``loss_and_backward_to_embeddings(logits, labels, ...) -> (loss, ddense,
-dembedded)`` adds the loss, fused with the last layer's backward on the device.
+dembedded)`` adds the loss, fused with the last layer's backward on the device;
+``embed(state, precision)`` gives what ``forward_from_embeddings`` reads from a prepared step
+(the trainer's path: DLRM's interaction input on the device).
 
 Ids must already be unique across tables (one key space, REFERENCE.md): the data layer offsets
 or hashes each column; column j of ``ids`` is looked up with table j's initializer.
@@ -14,12 +16,11 @@ from __future__ import annotations
 
 import functools
 import inspect
-
 import math
 
 import numpy as np
-from .. import host_sync
 
+from .. import host_sync
 from ..backend import array_namespace
 from ..errors import ConfigError, InputError
 from ..nn.module import Module
@@ -204,6 +205,13 @@ class CTRModel(Module):
                 f"embeddings have shape {tuple(getattr(embedded, 'shape', ()))}, expected {want}"
             )
         return embedded.astype(self.dtype, copy=False)
+
+    def embed(self, state: StepState, precision: str = "off", xp=np):
+        """The embeddings of a prepared step in the form ``forward_from_embeddings`` reads, for a
+        forward under ``precision`` (``nn.amp``): here ``embedding.embed(state)`` as an array of
+        ``xp`` (B, num_tables, width) float32. DLRM overrides it on the device path with its
+        interaction input, the rows gathered straight into it (``kernels.layout_ops``)."""
+        return xp.asarray(self.embedding.embed(state))
 
     def forward(self, dense, ids):
         """dense: (B, dense_features) float (None with dense_features=0); ids: (B, num_tables) int,

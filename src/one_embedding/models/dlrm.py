@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..errors import ConfigError
+from ..errors import ConfigError, InputError
 from ..nn import MLP, DotInteraction, padding_to_multiple
 from ..nn.interaction import num_pairs
 from ..nn.linear import _check_dtype
@@ -78,8 +78,48 @@ class DLRM(CTRModel):
         self.embedding = embedding
         self._batch = None
 
+    #: ``embed`` on the device path gathers the rows straight into the interaction's input
+    #: (False: ``embedding.embed`` and the interaction's own stacking, the path before it)
+    gather_into_interaction = True
+
+    def embed(self, state, precision: str = "off", xp=np):
+        """The embeddings of a prepared step for a forward under ``precision``: on the device
+        path (a device embedding, float32 model) a ``kernels.layout_ops.InteractionInput`` of
+        (B, num_tables + 1, E), the rows gathered into slots 1.. in the interaction's storage
+        (float32, or fp16 / bf16 patterns) and slot 0 left for z, which ``forward_from_embeddings``
+        writes; elsewhere (the CPU path, ``gather_into_interaction`` False) the (B, F, E)
+        float32 array of ``CTRModel.embed``. Both give the same logits and gradients, bit for bit."""
+        from ..kernels import layout_ops
+
+        emb = self.embedding
+        launch = getattr(emb, "launch", None)
+        shape = state.ids_shape
+        if (not self.gather_into_interaction or launch is None or self.dtype != np.float32
+                or len(shape) != 2 or shape[1] != self.num_tables):
+            return super().embed(state, precision, xp)
+        target = layout_ops.empty_input(launch.xp, shape[0], self.num_tables + 1,
+                                        self.embedding_dim, precision, first_slot=1, launch=launch)
+        emb.embed_into(state, target, first_slot=1)                 # slots 1..F
+        return target
+
     def forward_from_embeddings(self, dense, embedded):
-        """dense: (B, dense_features); embedded: (B, num_tables, E) -> logits (B,)."""
+        """dense: (B, dense_features); embedded: (B, num_tables, E), or the interaction input
+        that ``embed`` returned (then z is written into its slot 0) -> logits (B,)."""
+        from ..kernels import layout_ops
+
+        if isinstance(embedded, layout_ops.InteractionInput):
+            dense = self.check_dense(dense, embedded.shape[0])
+            want = (dense.shape[0], self.num_tables + 1, self.embedding_dim)
+            if embedded.shape != want or embedded.first_slot != 1:
+                raise InputError(f"the interaction input has shape {embedded.shape} and first "
+                                 f"slot {embedded.first_slot}; expected {want} and 1: build it "
+                                 "with this model's embed")
+            z = self.bottom_mlp.forward(dense)                       # (B, E)
+            layout_ops.write_slot(z, embedded, 0, embedded.launch)   # X[:, 0] = z
+            inter = self.interaction.forward_packed(embedded, z)     # (B, 480)
+            logits = self.top_mlp.forward(inter)                     # (B, 1)
+            self._batch = dense.shape[0]
+            return logits.reshape(-1)
         dense = self.check_dense(dense, embedded.shape[0])
         embedded = self._embedded(embedded, dense.shape[0])
         z = self.bottom_mlp.forward(dense)                           # (B, E)

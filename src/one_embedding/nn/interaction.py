@@ -131,15 +131,70 @@ class DotInteraction(Module):
             output_concat = xp.ascontiguousarray(output_concat)
         if keeps_activations():  # for backward (an inference forward keeps nothing)
             self._n_concat = 0 if output_concat is None else output_concat.shape[1]
-            self._fused = ([p.shape[1] for p in parts], first, rest)
+            self._fused = ("split", [p.shape[1] for p in parts], first, rest)
             self._x = [first, rest]
         return dense_ops.interaction_forward(first, rest, output_concat, self.self_interaction,
                                              self.output_padding, amp.current())
 
+    def forward_packed(self, features, output_concat=None):
+        """The interaction of a ``kernels.layout_ops.InteractionInput`` (data (B, S, D): the
+        model's own features at slots ``:first_slot``, the embeddings the gather wrote after),
+        output_concat (B, C) or None -> (B, C + P + output_padding): ``forward`` on the values,
+        bit for bit. ``backward`` then returns ([the gradient of slots :first_slot, as (B, D)
+        when first_slot is 1, then of the embeddings (B, S - first_slot, D)], doutput_concat).
+
+        CuPy under AMP: one kernel reads the buffer (16-bit under fp16 / bf16); CuPy fp32: the
+        batched-GEMM path on the buffer itself (no concatenation); numpy: ``forward`` on the
+        decoded values (the reference, and the CPU model of the dry run)."""
+        if self.pooling != "none":
+            raise ConfigError("forward_packed is the pairwise interaction: pooling='sum' takes "
+                              "its features through forward")
+        if features.precision != amp.current():
+            raise InputError(f"the interaction input was cast for amp {features.precision!r} but "
+                             f"{amp.current()!r} is in effect: build it under the same autocast")
+        data, n_first = features.data, features.first_slot
+        split = [(n_first, n_first == 1), (data.shape[1] - n_first, False)]
+        xp = array_namespace(data)
+        if xp is np or not amp.active():
+            out = self.forward(features.values(), output_concat)
+            if keeps_activations():
+                self._split = split
+            return out
+        return self._forward_packed_fused(features, output_concat, split)
+
+    def _forward_packed_fused(self, features, output_concat, split):
+        from ..kernels import dense_ops
+
+        data, n_first = features.data, features.first_slot
+        xp = array_namespace(data)
+        self._fused = None
+        if output_concat is not None:
+            check_features(output_concat, "output_concat", 2, dtype=np.float32)
+            if output_concat.shape[0] != data.shape[0]:
+                raise InputError(f"output_concat has batch {output_concat.shape[0]} but the "
+                                 f"features have {data.shape[0]}")
+            output_concat = xp.ascontiguousarray(output_concat)
+        if keeps_activations():
+            self._n_concat = 0 if output_concat is None else output_concat.shape[1]
+            self._fused = ("packed", data, n_first)
+            self._x = data
+            self._split = split
+        return dense_ops.interaction_forward_packed(data, n_first, output_concat,
+                                                    self.self_interaction, self.output_padding,
+                                                    amp.current())
+
     def _backward_fused(self, dout):
         from ..kernels import dense_ops
 
-        widths, first, rest = self._fused
+        if self._fused[0] == "packed":
+            _, data, n_first = self._fused
+            dfirst, drest, dconcat = dense_ops.interaction_backward_packed(
+                array_namespace(dout, data).ascontiguousarray(dout), data, n_first,
+                self._n_concat, self.self_interaction, amp.current())
+            self._x = self._fused = None
+            return [g[:, 0] if was_2d else g
+                    for g, (_, was_2d) in zip([dfirst, drest], self._split)], dconcat
+        _, widths, first, rest = self._fused
         xp = array_namespace(dout, first)
         dfirst, drest, dconcat = dense_ops.interaction_backward(
             xp.ascontiguousarray(dout), first, rest, self._n_concat, self.self_interaction,

@@ -37,6 +37,30 @@ __device__ __forceinline__ const T* feature(const T* first, const T* rest, i64 s
   return f < f1 ? first + (s * f1 + f) * (i64)dim : rest + (s * f2 + (f - f1)) * (i64)dim;
 }
 
+// The interaction's input layouts (``packed``): 0, the two parts above read in place; PACKED,
+// one (B, f1 + f2, dim) buffer of T in ``first`` (``rest`` unused); PACKED_BITS, the same buffer
+// of fp16 / bf16 patterns (``kind`` 1 / 2) in ``bits``: the rows the embedding gathered straight
+// into the interaction's input (kernels/layout_ops.py). f1 / f2 still split the gradient into
+// dfirst / drest.
+constexpr int PACKED = 1;
+constexpr int PACKED_BITS = 2;
+
+// Element d of feature f of sample s, rounded to ``kind``. A 16-bit pattern decodes exactly to a
+// value of ``kind``, which rounding would leave unchanged.
+template <typename T>
+__device__ __forceinline__ T load(const T* first, const T* rest, const unsigned short* bits,
+                                  int packed, i64 s, int f, int d, int f1, int f2, int dim,
+                                  int kind) {
+  if (packed == PACKED_BITS) {
+    const unsigned short b = bits[(s * (f1 + f2) + f) * (i64)dim + d];
+    return T(kind == precision::FP16 ? precision::half_bits_to_float(b)
+                                     : precision::bf16_bits_to_float(b));
+  }
+  const T* x = packed == PACKED ? first + (s * (f1 + f2) + f) * (i64)dim
+                                : feature(first, rest, s, f, f1, f2, dim);
+  return rounded(x[d], kind);
+}
+
 }  // namespace dense
 }  // namespace oe
 
@@ -87,7 +111,8 @@ __global__ void dense_bias_act_cast(const T* h, const T* b, oe::i64 rows, int co
 // rounded to ``kind``; the dot leaves rounded to the half type (kind 1 / 2). The concat columns
 // pass through unrounded. concat: (batch, n_concat), unused when n_concat == 0.
 template <typename T>
-__global__ void dense_interaction_forward(const T* first, const T* rest, const T* concat,
+__global__ void dense_interaction_forward(const T* first, const T* rest,
+                                          const unsigned short* bits, int packed, const T* concat,
                                           oe::i64 batch, int f1, int f2, int dim,
                                           int self_interaction, int kind, int n_concat,
                                           int n_pairs, int width, T* out) {
@@ -105,11 +130,10 @@ __global__ void dense_interaction_forward(const T* first, const T* rest, const T
       int r = 0;
       while (oe::dense::pair_index(r + 1, 0, self_interaction) <= p) ++r;
       const int c = p - oe::dense::pair_index(r, 0, self_interaction);
-      const T* xr = oe::dense::feature(first, rest, s, r, f1, f2, dim);
-      const T* xc = oe::dense::feature(first, rest, s, c, f1, f2, dim);
       T acc = T(0);
       for (int d = 0; d < dim; ++d) {
-        acc += oe::dense::rounded(xr[d], kind) * oe::dense::rounded(xc[d], kind);
+        acc += oe::dense::load(first, rest, bits, packed, s, r, d, f1, f2, dim, kind) *
+               oe::dense::load(first, rest, bits, packed, s, c, d, f1, f2, dim, kind);
       }
       v = oe::dense::rounded(acc, out_kind);
     }
@@ -124,6 +148,7 @@ __global__ void dense_interaction_forward(const T* first, const T* rest, const T
 // = dout's first n_concat columns, unused when n_concat == 0. Padding columns get no gradient.
 template <typename T>
 __global__ void dense_interaction_backward(const T* dout, const T* first, const T* rest,
+                                           const unsigned short* bits, int packed,
                                            oe::i64 batch, int f1, int f2, int dim,
                                            int self_interaction, int kind, int n_concat,
                                            int width, T* dfirst, T* drest, T* dconcat) {
@@ -149,7 +174,7 @@ __global__ void dense_interaction_backward(const T* dout, const T* first, const 
       const int c = other > row ? row : other;
       T grad = oe::dense::rounded(g[n_concat + oe::dense::pair_index(r, c, self_interaction)], kind);
       if (other == row) grad = grad + grad;
-      const T x = oe::dense::rounded(oe::dense::feature(first, rest, s, other, f1, f2, dim)[d], kind);
+      const T x = oe::dense::load(first, rest, bits, packed, s, other, d, f1, f2, dim, kind);
       acc += grad * x;
     }
     const T v = oe::dense::rounded(acc, out_kind);
@@ -166,8 +191,12 @@ __global__ void dense_interaction_backward(const T* dout, const T* first, const 
 // sample's rounded features are loaded once (rows padded to D + 1, so the lanes of a warp
 // reading one column of different rows hit different banks) and every dot reads them there.
 // Same arguments, same results, bit for bit, as the kernels above.
+//
+// Every interaction kernel reads its features in any of the layouts of ``load`` (``packed``,
+// ``bits``); the results depend on the values only, never on the layout.
 template <typename T>
-__global__ void dense_interaction_forward_tile(const T* first, const T* rest, const T* concat,
+__global__ void dense_interaction_forward_tile(const T* first, const T* rest,
+                                          const unsigned short* bits, int packed, const T* concat,
                                                oe::i64 batch, int f1, int f2, int dim,
                                                int self_interaction, int kind, int n_concat,
                                                int n_pairs, int width, T* out) {
@@ -180,7 +209,7 @@ __global__ void dense_interaction_forward_tile(const T* first, const T* rest, co
       const int row = k / dim;
       const int d = k - row * dim;
       xs[row * stride + d] =
-          oe::dense::rounded(oe::dense::feature(first, rest, s, row, f1, f2, dim)[d], kind);
+          oe::dense::load(first, rest, bits, packed, s, row, d, f1, f2, dim, kind);
     }
     __syncthreads();
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
@@ -204,6 +233,7 @@ __global__ void dense_interaction_forward_tile(const T* first, const T* rest, co
 
 template <typename T>
 __global__ void dense_interaction_backward_tile(const T* dout, const T* first, const T* rest,
+                                           const unsigned short* bits, int packed,
                                                 oe::i64 batch, int f1, int f2, int dim,
                                                 int self_interaction, int kind, int n_concat,
                                                 int width, T* dfirst, T* drest, T* dconcat) {
@@ -219,7 +249,7 @@ __global__ void dense_interaction_backward_tile(const T* dout, const T* first, c
       const int row = k / dim;
       const int d = k - row * dim;
       xs[row * stride + d] =
-          oe::dense::rounded(oe::dense::feature(first, rest, s, row, f1, f2, dim)[d], kind);
+          oe::dense::load(first, rest, bits, packed, s, row, d, f1, f2, dim, kind);
     }
     for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
       gs[p] = oe::dense::rounded(g[n_concat + p], kind);

@@ -1,6 +1,7 @@
 // The embedding side's data movement: unique + inverse (a hash-table dedup, and the atomic step
 // of the sort-based unique it replaced, kept as the benchmark's baseline),
-// segment sums in row order, row gathers, and initial values on a miss.
+// segment sums in row order, row gathers (also straight into the dot interaction's input), and
+// initial values on a miss.
 //
 // The sorts and prefix sums around these kernels run in CuPy (kernels/device_ops.py); each op's
 // result is independent of thread timing (the dedup's buckets are not, its outputs are), so the
@@ -8,6 +9,7 @@
 // initial values: the integer hash is exact, the float64 transforms may differ from numpy's libm
 // in the last ulp, which survives the rounding to float32 only rarely).
 #include "common.cuh"
+#include "precision.cuh"
 
 // first[segment[j]] = min over j of order[j]: the first position of each run of equal keys.
 // order: (n,) i64 positions of the keys in key-sorted order; segment: (n,) i64 run of each sorted
@@ -148,6 +150,37 @@ __global__ void embedding_gather(const T* src, int dim, const oe::i64* index, oe
   }
 }
 
+// The gather of embedding_gather written straight into the dot interaction's input layout
+// (kernels/layout_ops.py): row r of the (n_rows, dim) result is feature f = r % per_sample of
+// sample b = r / per_sample and lands at out[b, first_slot + f, :] of the (batch, slots, dim)
+// buffer. src: (rows, dim); index: (n_rows,) i64 (< 0: a zero row, padding), or, with
+// has_index == 0, unused and row r reads src[r] (the bottom MLP's output into slot 0).
+// ``kind`` (precision.cuh) 1 / 2 writes the fp16 / bf16 pattern of each value into out_bits
+// (round to nearest even, as nn.amp.round_to: the cast the interaction applies to its operands)
+// and leaves out untouched; any other kind copies the value into out and leaves out_bits
+// untouched. One thread per element, consecutive threads on consecutive columns of a row.
+template <typename T>
+__global__ void embedding_gather_into(const T* src, int dim, const oe::i64* index, int has_index,
+                                      oe::i64 n_rows, int per_sample, int slots, int first_slot,
+                                      int kind, T* out, unsigned short* out_bits) {
+  const oe::i64 total = n_rows * dim;
+  const bool half = kind == oe::precision::FP16 || kind == oe::precision::BF16;
+  for (oe::i64 i = oe::grid_thread(); i < total; i += oe::grid_threads()) {
+    const oe::i64 r = i / dim;
+    const int c = (int)(i - r * dim);
+    const oe::i64 source = has_index ? index[r] : r;
+    const T v = source >= 0 ? src[source * dim + c] : T(0);
+    const oe::i64 sample = r / per_sample;
+    const int feature = (int)(r - sample * per_sample);
+    const oe::i64 at = (sample * slots + first_slot + feature) * (oe::i64)dim + c;
+    if (half) {
+      out_bits[at] = oe::precision::to_bits((float)v, kind);
+    } else {
+      out[at] = v;
+    }
+  }
+}
+
 namespace oe {
 namespace init {
 
@@ -266,6 +299,7 @@ ONE_EMBEDDING_KERNEL(embedding_dedup_first)
 ONE_EMBEDDING_KERNEL(embedding_dedup_output)
 ONE_EMBEDDING_KERNEL(embedding_segment_sum)
 ONE_EMBEDDING_KERNEL(embedding_gather)
+ONE_EMBEDDING_KERNEL(embedding_gather_into)
 ONE_EMBEDDING_KERNEL(embedding_init)
 ONE_EMBEDDING_KERNEL(embedding_init_missing)
 #endif
