@@ -135,10 +135,11 @@ def test_device_embedding_trains_as_the_cpu_embedding(launch, tmp_path, preset, 
         assert {k: g[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")} == \
             {k: w[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")}
     assert got[2][0]["tier"].startswith("device.") and "d2h_bytes" in got[2][0]
-    kernels = {"embedding_dedup_insert", "embedding_init_missing", "embedding_segment_sum", "embedding_gather",
-               {"sgd": "optim_sgd", "adagrad": "optim_adagrad", "adam": "optim_adam"}[optim],
-               "cache_find" if "cached" in preset else "hashindex_find"}
+    # one rank, fp32: the per-key gradient sum happens inside the update kernel
+    kernels = {"embedding_dedup_insert", "embedding_init_missing", "embedding_gather",
+               f"optim_summed_{optim}", "cache_find" if "cached" in preset else "hashindex_find"}
     assert kernels <= launch.launched
+    assert not {"embedding_segment_sum", f"optim_{optim}"} & launch.launched
 
 
 @pytest.mark.stress_seeds
@@ -278,6 +279,50 @@ def test_dlrm_with_a_device_embedding_trains_as_on_the_cpu(launch):
         losses[device == "cpu"] = seen
         model.embedding.close()
     assert losses[False] == losses[True]
+
+
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_dlrm_fused_gradient_update_gives_the_two_kernel_bits(launch, optim, monkeypatch):
+    """Issue 32 item 3: a DLRM trained on the device path with the per-key gradient sum fused
+    into the row update (``kernels.fused_update``) and with it forced off (``segment_sum`` then
+    ``update_lines``): the same losses and rows, bit for bit, under a static loss scale (the
+    update's factor 1/scale) and Adam's weight decay; each run launched the kernels it claims."""
+    from one_embedding.kernels import fused_update
+    from one_embedding.models import DLRM
+    from one_embedding.nn.loss import BCEWithLogits
+
+    make = {"sgd": lambda: oe.optim.SGD(lr=0.1),
+            "adam": lambda: oe.optim.Adam(lr=0.01, weight_decay=0.01)}[optim]
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fused_update, "ENABLED", fused)
+        device = EmulatedLauncher(launch.lib, cm.EMBEDDING_FAMILIES, seed=launch.seed)
+        with embedding_device(device):
+            model = DLRM(num_tables=TABLES, embedding_dim=E, dense_features=4, bottom_mlp=[16, E],
+                         top_mlp=[16, 1], seed=1, store_options=oe.make_device_mem_store_options(
+                             persistent_path=None, capacity=None,
+                             size_factor=make().required_size_factor()))
+        opt = oe.Optimizer(make(), embeddings=[model.embedding],
+                           parameters=list(model.parameters()), loss_scale=256.0)
+        loss_fn, rng, losses = BCEWithLogits(), np.random.default_rng(2), []
+        for ids in _batches(5):
+            dense = rng.standard_normal((ids.shape[0], 4)).astype(np.float32)
+            labels = (rng.random(ids.shape[0]) < 0.3).astype(np.float32)
+            losses.append(float(loss_fn(model(dense, ids), labels)))
+            model.backward(loss_fn.backward() * np.float32(256.0))
+            opt.step()
+            opt.zero_grad()
+        runs[fused] = losses, model.embedding.export(), device.launched
+        model.embedding.close()
+    (losses_on, (keys_on, lines_on), launched_on), (losses_off, (keys_off, lines_off), launched_off) = \
+        runs[True], runs[False]
+    assert losses_on == losses_off
+    _same_bits(keys_on, keys_off)
+    _same_bits(lines_on, lines_off)
+    assert f"optim_summed_{optim}" in launched_on and "embedding_segment_sum" not in launched_on
+    assert f"optim_{optim}" in launched_off and "embedding_segment_sum" in launched_off
+    assert f"optim_summed_{optim}" not in launched_off
 
 
 class _StreamRecorder(EmulatedLauncher):
