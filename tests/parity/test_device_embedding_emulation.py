@@ -325,6 +325,79 @@ def test_dlrm_fused_gradient_update_gives_the_two_kernel_bits(launch, optim, mon
     assert f"optim_summed_{optim}" not in launched_off
 
 
+def _fused_run(launch, device_fused, make_opt, steps=4, second_backward=False, lr=None):
+    """A device (or "cpu") embedding trained ``steps`` steps with the fusion on or off ->
+    (exported lines, the launcher's kernels)."""
+    from one_embedding.kernels import fused_update
+
+    fused_update.ENABLED, before = device_fused, fused_update.ENABLED
+    try:
+        device = EmulatedLauncher(launch.lib, cm.EMBEDDING_FAMILIES, seed=launch.seed) \
+            if launch is not None else "cpu"
+        emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
+                                     oe.make_device_mem_store_options(None, capacity=None,
+                                                                      size_factor=3), seed=5,
+                                     device=device)
+        opt = oe.Optimizer(make_opt(emb), embeddings=[emb])
+        rng = np.random.default_rng(9)
+        for batch in _batches(steps):
+            out = emb(batch)
+            grad = rng.standard_normal(out.shape).astype(np.float32)
+            state = emb._last
+            emb.backward(emb.xp.asarray(grad), state=state)
+            if second_backward:                   # a second backward through the same lookup
+                emb.backward(emb.xp.asarray(grad[::-1].copy()), state=state)
+            opt.step()
+            opt.zero_grad()
+        lines = emb.export()[1]
+        emb.close()
+        return lines, (device.launched if launch is not None else set())
+    finally:
+        fused_update.ENABLED = before
+
+
+@pytest.mark.parametrize("case", ["clipping", "second_backward"])
+def test_fused_gradient_update_steps_aside_where_the_sums_are_needed(launch, case):
+    """Clipping needs the per-key sums for its norm and a second backward through one lookup adds
+    sums: there the two kernels run, and the rows equal the CPU embedding's bit for bit."""
+    if case == "clipping":
+        def make(emb):
+            return oe.optim.Adam([{"params": [emb], "clip_grad_max_norm": 0.5}], lr=0.01)
+    else:
+        def make(emb):
+            return oe.optim.Adam(lr=0.01)
+    kwargs = dict(second_backward=case == "second_backward")
+    want, _ = _fused_run(None, True, make, **kwargs)
+    got, launched = _fused_run(launch, True, make, **kwargs)
+    _same_bits(got, want)
+    assert {"embedding_segment_sum", "optim_adam"} <= launched
+    assert "optim_summed_adam" not in launched
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_fused_gradient_update_reports_a_non_finite_row_as_the_two_kernels_do(launch, deferred):
+    """An update that overflows a row: the same error, naming the key and its summed gradient's
+    largest |g|, with the fusion on (the row summed by ``optim_summed_row``) and off."""
+    from one_embedding import host_sync
+    from one_embedding.errors import InputError
+
+    messages = []
+    for fused in (True, False):
+        def make(emb):
+            return oe.optim.SGD(lr=3e38)
+        checks = host_sync.DeferredChecks()
+        with pytest.raises(InputError) as err:
+            if deferred:
+                with host_sync.deferring(checks):
+                    _fused_run(launch, fused, make, steps=1)
+                checks.read(np)
+            else:
+                _fused_run(launch, fused, make, steps=1)
+        messages.append(str(err.value))
+    assert "makes the row of key" in messages[0] and "gradient max |g| = " in messages[0]
+    assert messages[0] == messages[1]
+
+
 class _StreamRecorder(EmulatedLauncher):
     """The emulated launcher with pretend CUDA streams: ``stream()`` names a stream current for
     the calling thread, and every record / wait is logged, so the order the pipeline and the
