@@ -315,8 +315,8 @@ def test_dlrm_fused_gradient_update_gives_the_two_kernel_bits(launch, optim, mon
             opt.zero_grad()
         runs[fused] = losses, model.embedding.export(), device.launched
         model.embedding.close()
-    (losses_on, (keys_on, lines_on), launched_on), (losses_off, (keys_off, lines_off), launched_off) = \
-        runs[True], runs[False]
+    losses_on, (keys_on, lines_on), launched_on = runs[True]
+    losses_off, (keys_off, lines_off), launched_off = runs[False]
     assert losses_on == losses_off
     _same_bits(keys_on, keys_off)
     _same_bits(lines_on, lines_off)

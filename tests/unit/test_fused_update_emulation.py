@@ -22,7 +22,8 @@ pytestmark = pytest.mark.stress_seeds
 def _backward(rng, n: int, dim: int, n_keys: int):
     """(values (n, dim) float32 over a wide range, with -0.0 and a duplicate-heavy inverse (n,),
     u): the rows of a backward and the keys they belong to."""
-    values = (rng.standard_normal((n, dim)) * 10.0 ** rng.integers(-5, 6, (n, dim))).astype(np.float32)
+    scale = 10.0 ** rng.integers(-5, 6, (n, dim))
+    values = (rng.standard_normal((n, dim)) * scale).astype(np.float32)
     values[: min(n, 2)] = -0.0
     ids = rng.zipf(1.3, n).astype(np.uint64) % np.uint64(n_keys)
     uniq, inverse = unique_ids(ids)
@@ -65,7 +66,7 @@ def test_fused_smart_decay_adam_reads_and_writes_the_rows_steps(launch):
     """SmartDecayAdam's rows carry their last step: the fused kernel reads it, the steps kernel
     writes it afterwards, as with update_lines; rows updated on a sparse schedule."""
     dim = 7
-    fused_opt, two_opt = SmartDecayAdam(lr=0.01, weight_decay=0.01), SmartDecayAdam(lr=0.01, weight_decay=0.01)
+    fused_opt, two_opt = (SmartDecayAdam(lr=0.01, weight_decay=0.01) for _ in range(2))
     rng = np.random.default_rng(5)
     n_rows = 60
     table = np.zeros((n_rows, fused_opt.required_storage_dim(dim)), np.float32)
@@ -80,8 +81,8 @@ def test_fused_smart_decay_adam_reads_and_writes_the_rows_steps(launch):
             values, inverse, u, launch), step)
         table[keys] = fused_lines
         two_lines = np.ascontiguousarray(want[keys])
-        device_ops.update_lines(two_opt, two_lines, device_ops.segment_sum(values, inverse, u, launch=launch),
-                                step, launch=launch)
+        grads = device_ops.segment_sum(values, inverse, u, launch=launch)
+        device_ops.update_lines(two_opt, two_lines, grads, step, launch=launch)
         want[keys] = two_lines
     _same_bits(table, want)
     assert "optim_summed_smart_decay_adam" in launch.launched

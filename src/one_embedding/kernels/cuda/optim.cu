@@ -12,11 +12,11 @@
 // Each rule exists once (oe::optim::sgd, momentum, ...), over a gradient source, and is launched
 // two ways:
 //   optim_<rule>:        grads (n, dim) T, one gradient row per line (the summed gradients);
-//   optim_summed_<rule>: the gradient of line s is summed here from the rows of a backward,
-//                        values (m, dim) T, rows_by_segment (m,) i64 and offsets (n + 1,) i64 as
-//                        for embedding_segment_sum, in the same order (row order from +0, in T), so
-//                        the update equals embedding_segment_sum followed by optim_<rule> bit for bit
-//                        and the summed (n, dim) gradient is never written.
+//   optim_summed_<rule>: the gradient of line s is summed here from the rows of a backward
+//     (values (m, dim) T, rows_by_segment (m,) i64 and offsets (n + 1,) i64 as for
+//     embedding_segment_sum), in the same order (row order from +0, in T), so the update equals
+//     embedding_segment_sum followed by optim_<rule> bit for bit and the summed (n, dim)
+//     gradient is never written.
 #include "common.cuh"
 
 namespace oe {
