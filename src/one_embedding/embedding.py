@@ -482,7 +482,7 @@ class MultiTableMultiColumnEmbedding:
         would make a row non-finite."""
         self._owner()
         if taken is None:
-            taken = self.take_gradients()
+            taken = self.take_gradients(lazy_sums=True)   # summed inside the update kernel
         if taken is None:
             return None
         return self._owner().stage_update(*taken, optimizer, step)

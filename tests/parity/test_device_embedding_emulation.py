@@ -398,6 +398,26 @@ def test_fused_gradient_update_reports_a_non_finite_row_as_the_two_kernels_do(la
     assert messages[0] == messages[1]
 
 
+def test_apply_gradients_sums_inside_the_update_too(launch, tmp_path):
+    """``emb.apply_gradients`` (no Optimizer, so no clipping) takes the fused path as well: the
+    CPU embedding's rows, optim_summed_sgd launched, no segment sum."""
+    device = EmulatedLauncher(launch.lib, cm.EMBEDDING_FAMILIES, seed=launch.seed)
+    rows = {}
+    for where in ("cpu", device):
+        emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
+                                     _store("device_mem", tmp_path / str(where == "cpu"), 1),
+                                     seed=5, device=where)
+        rng = np.random.default_rng(3)
+        for step, batch in enumerate(_batches(3), start=1):
+            out = emb(batch)
+            emb.backward(emb.xp.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+            emb.apply_gradients(oe.optim.SGD(lr=0.1), step)
+        rows[where == "cpu"] = emb.export()[1]
+        emb.close()
+    _same_bits(rows[False], rows[True])
+    assert "optim_summed_sgd" in device.launched and "embedding_segment_sum" not in device.launched
+
+
 class _StreamRecorder(EmulatedLauncher):
     """The emulated launcher with pretend CUDA streams: ``stream()`` names a stream current for
     the calling thread, and every record / wait is logged, so the order the pipeline and the
