@@ -129,3 +129,37 @@ def test_trainer_fused_gradient_update_gives_the_two_kernel_run(tmp_path, monkey
     np.testing.assert_array_equal(lines_on.view(np.int32), lines_off.view(np.int32))
     assert "optim_summed_adam" in launched_on and "embedding_segment_sum" not in launched_on
     assert "optim_adam" in launched_off and "optim_summed_adam" not in launched_off
+
+
+def test_fused_smart_decay_adam_and_the_summed_row_on_the_gpu():
+    """The two fused kernels the test above leaves out: SmartDecayAdam's (with the rows' last
+    steps read, then written by the steps kernel) against update_lines on a sparse schedule, and
+    ``optim_summed_row`` (a failed check's gradient) against the materialized sums."""
+    from one_embedding.kernels import device_ops, fused_update
+    from one_embedding.optim import SmartDecayAdam
+    from one_embedding.parallel.unique import unique_ids
+
+    cp = _cp()
+    launch = device_ops.cupy_launcher()
+    fused_opt, two_opt = (SmartDecayAdam(lr=0.01, weight_decay=0.01) for _ in range(2))
+    rng = np.random.default_rng(7)
+    n_rows, dim = (80, 7) if DRY else (50_000, 64)
+    start = np.zeros((n_rows, fused_opt.required_storage_dim(dim)), np.float32)
+    start[:, :dim] = rng.uniform(-1, 1, (n_rows, dim))
+    fused_table, two_table = cp.array(start), cp.array(start)
+    for step in range(1, 6):
+        ids = rng.integers(0, n_rows, 3 * n_rows).astype(np.uint64)[: rng.integers(1, 3 * n_rows)]
+        keys, inverse = unique_ids(ids)
+        rows = cp.asarray(keys.astype(np.int64))
+        values = cp.asarray(rng.uniform(-1, 1, (ids.size, dim)).astype(np.float32))
+        summed = fused_update.SummedGradients(values, cp.asarray(inverse), keys.size, launch)
+        lines = cp.ascontiguousarray(fused_table[rows])
+        fused_update.update_lines_summed(fused_opt, lines, summed, step)
+        fused_table[rows] = lines
+        lines = cp.ascontiguousarray(two_table[rows])
+        sums = summed.materialize()
+        device_ops.update_lines(two_opt, lines, sums, step)
+        two_table[rows] = lines
+        for at in (0, keys.size - 1):
+            np.testing.assert_array_equal(_bits(summed.row(cp.asarray(at))), _bits(sums[at]))
+    np.testing.assert_array_equal(_bits(fused_table), _bits(two_table))
