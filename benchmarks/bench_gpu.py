@@ -12,6 +12,11 @@
    the chain's find, the gather kernel) are timed too, to show where the time goes; unique twice:
    the hash-table dedup the lookup runs and, as its baseline in the same run, the sort-based one
    it replaced (``device_ops.unique_ids_by_sorting``), whose results it must equal. Then the
+   backward's other end: the per-key gradient sum and the row update (Adam, lines of 3E) of the
+   same ids, as two kernels (``segment_sum`` then ``update_lines``: the (u, E) sums written and
+   read back) and fused (``fused_update``: each key's rows summed inside the update), timed
+   in the same run, their results compared bit for bit. Their bandwidth counts the gradient
+   rows read (4E B each) and each line read and written (2 x 12E B per key). Then the
    rows of a batch into the dot interaction's input: gather + concatenation (the path before)
    against the gather straight into it (``kernels.layout_ops``), in fp32 and bf16.
 2. DLRM training on Criteo-1TB shapes: 26 tables of the Criteo 1TB sizes (each capped at
@@ -152,16 +157,57 @@ def bench_lookup(dev: Device, args) -> dict:
             rows.append({"what": f"  part: {name}", "ms": 1e3 * t})
         rows[-1].update({"GB/s": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / 1e9,
                          "x copy": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / copy_bw})
+        update = bench_grad_update(dev, args, launch, inverse, int(uniq.shape[0]), copy_bw)
+        rows += update.pop("rows")
         unique_count = int(uniq.shape[0])
         unique_vs_sort = {"speedup": parts["unique (sort, the replaced baseline: unique_ids_by_sorting)"]
                           / parts["unique (hash table: unique_ids)"], "same_results": unique_same}
     else:
         unique_count = int(np.unique(batches[0]).size)
-        unique_vs_sort = {}
+        unique_vs_sort, update = {}, {}
     emb.close()
     return {"ids": n, "unique": unique_count, "dim": e, "copy_GBps": copy_bw / 1e9,
             "lookup_GBps": lookup_bw / 1e9, "ratio": lookup_bw / copy_bw, "rows": rows,
-            "parts_s": parts, "unique_hash_vs_sort": unique_vs_sort}
+            "parts_s": parts, "unique_hash_vs_sort": unique_vs_sort, "grad_update": update}
+
+
+def bench_grad_update(dev: Device, args, launch, inverse, n_unique: int, copy_bw: float) -> dict:
+    """The gradient sum + Adam row update of the lookup's ids: two kernels against the fused
+    one, on the same gradient rows (n, E) and lines (u, 3E) -> {"rows": table rows, "two_s",
+    "fused_s", "speedup", "same_results"}."""
+    import one_embedding as oe
+    from one_embedding.kernels import device_ops, fused_update
+
+    xp, e = dev.xp, args.lookup_dim
+    n = inverse.shape[0]
+    rng = np.random.default_rng(1)
+    grads = xp.asarray((rng.standard_normal((n, e)) * 1e-3).astype(np.float32))
+    start = xp.asarray(rng.uniform(-0.05, 0.05, (n_unique, 3 * e)).astype(np.float32))
+    start[:, e:] = 0.0
+    opt = oe.optim.Adam(lr=1e-3)
+    two_lines, fused_lines = start.copy(), start.copy()
+
+    def two_kernels(lines=two_lines):
+        sums = device_ops.segment_sum(grads, inverse, n_unique, launch, check_inverse=False)
+        device_ops.update_lines(opt, lines, sums, 1, launch)
+
+    def fused(lines=fused_lines):
+        summed = fused_update.SummedGradients(grads, inverse, n_unique, launch)
+        fused_update.update_lines_summed(opt, lines, summed, 1)
+
+    two_kernels()
+    fused()
+    same = bool((two_lines.view(xp.int32) == fused_lines.view(xp.int32)).all())
+    t_two = dev.seconds(two_kernels, args.repeats)
+    t_fused = dev.seconds(fused, args.repeats)
+    moved = 4 * e * n + 2 * 12 * e * n_unique
+    rows = [{"what": "  part: grad sum + Adam update, two kernels (segment_sum, update_lines)",
+             "ms": 1e3 * t_two, "GB/s": moved / t_two / 1e9, "x copy": moved / t_two / copy_bw},
+            {"what": f"  part: grad sum + Adam update, fused (optim_summed_adam; same bits: {same})",
+             "ms": 1e3 * t_fused, "GB/s": moved / t_fused / 1e9,
+             "x copy": moved / t_fused / copy_bw}]
+    return {"rows": rows, "two_s": t_two, "fused_s": t_fused, "speedup": t_two / t_fused,
+            "same_results": same}
 
 
 def bench_interaction_input(dev: Device, args) -> dict:
@@ -581,6 +627,10 @@ def main(argv=None):
                        f"{FBGEMM_HBM_SHARE[1]:.2f}x; goal {LOOKUP_GOAL}x: {verdict})")
         if lookup["unique_hash_vs_sort"]:
             summary.append(f"unique: hash {lookup['unique_hash_vs_sort']['speedup']:.2f}x sort")
+        if lookup["grad_update"]:
+            update = lookup["grad_update"]
+            summary.append(f"grad sum + update: fused {update['speedup']:.2f}x two kernels "
+                           f"(same bits: {update['same_results']})")
         layout = bench_interaction_input(dev, args)
         payload["interaction_input"] = layout
         print(f"\n## rows into the dot interaction's input, batch {args.batch_size}, dim "

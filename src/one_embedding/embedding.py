@@ -32,7 +32,7 @@ import numpy as np
 
 from .backend import default_embedding_device, is_cupy_array, to_numpy
 from .errors import ClosedError, ConfigError, InputError
-from .kernels import device_ops
+from .kernels import device_ops, fused_update
 from .options import (
     DEFAULT_INITIALIZER,
     StoreOptions,
@@ -402,6 +402,10 @@ class MultiTableMultiColumnEmbedding:
         Sums the gradient per unique key (duplicates summed, padding ignored), sends it to the
         key's owner and keeps it there for the next ``Optimizer.step``. Several lookups may feed
         one loss: pass each one's state; a second backward through the same state adds to it.
+
+        On a GPU with one rank (fp32 exchange) the sum is left to the step, whose update kernel
+        adds each key's rows itself (``kernels.fused_update``): the rows of ``grad_out`` are read
+        then, so leave it unchanged until ``Optimizer.step``.
         """
         self._owner()
         if state is None:
@@ -434,16 +438,26 @@ class MultiTableMultiColumnEmbedding:
             "check the loss (e.g. lower the learning rate)"),
             "embedding: gradient check", details=first_bad)
         local = state.exchange.local
-        summed = segment_sum(grad, local.inverse, local.unique_keys.shape[0], self.launch)
-        grads = shuffle_grads(self.comm, state.exchange, summed, self.exchange_dtype, self.traffic,
-                              self.launch)
+        n_keys = local.unique_keys.shape[0]
+        if self._sum_at_update(state):   # the gradient shuffle would be the identity
+            grads = fused_update.SummedGradients(grad, local.inverse, n_keys, self.launch)
+        else:
+            summed = segment_sum(grad, local.inverse, n_keys, self.launch)
+            grads = shuffle_grads(self.comm, state.exchange, summed, self.exchange_dtype,
+                                  self.traffic, self.launch)
         if state.grads is None:
             state.grads = grads
             self._pending.append(state)
         else:  # a second backward through the same lookup
-            state.grads = state.grads + grads
+            state.grads = fused_update.materialized(state.grads) + fused_update.materialized(grads)
         if self._last is state:
             self._last = None
+
+    def _sum_at_update(self, state: StepState) -> bool:
+        """True when the per-key sum of ``state``'s gradient may wait for the update kernel: on
+        the device, with one rank exchanging fp32 (the gradient shuffle is then the identity)."""
+        return (fused_update.ENABLED and self.launch is not None and self.comm.world == 1
+                and self.exchange_dtype == "fp32" and state.exchange.owner_inverse is None)
 
     def zero_grad(self) -> None:
         self._owner()
@@ -467,18 +481,23 @@ class MultiTableMultiColumnEmbedding:
         self._owner()
         return bool(self._pending)
 
-    def take_gradients(self):
+    def take_gradients(self, lazy_sums: bool = False):
         """Remove the gradients received since the last step (or zero_grad), merged per key:
         (keys (v,) uint64, lines (v, stored_size), found (v,) bool, grads (v, E) float32) of the
-        rows this rank owns, or None when there was no backward."""
+        rows this rank owns, or None when there was no backward. ``lazy_sums``: grads may be a
+        ``fused_update.SummedGradients`` (the sums not computed yet) that ``stage_gradients``
+        sums inside the update kernel."""
         self._owner()
         if not self._pending:
             return None
         if len(self._pending) == 1:
             owner, grads = self._pending[0].owner, self._pending[0].grads
+            if not lazy_sums:
+                grads = fused_update.materialized(grads)
             taken = owner.keys, owner.lines, owner.found, grads
         else:
-            taken = self._owner().merge([(st.owner, st.grads) for st in self._pending])
+            taken = self._owner().merge([(st.owner, fused_update.materialized(st.grads))
+                                         for st in self._pending])
         self._pending.clear()
         return taken
 
@@ -489,7 +508,7 @@ class MultiTableMultiColumnEmbedding:
         would make a row non-finite."""
         self._owner()
         if taken is None:
-            taken = self.take_gradients()
+            taken = self.take_gradients(lazy_sums=True)   # summed inside the update kernel
         if taken is None:
             return None
         return self._owner().stage_update(*taken, optimizer, step)

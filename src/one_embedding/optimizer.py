@@ -146,7 +146,10 @@ class Optimizer:
         t = self.step_count + 1
         # unscaled inside the update, where it reads the gradient: no pass over the grads
         factor = 1.0 / scaler.scale if scaler is not None else self.optimizer.grad_scale
-        taken = [emb.take_gradients() for emb in self.embeddings]
+        # clipping needs the per-key sums for its norm; without it they may be summed inside
+        # the row update (kernels/fused_update.py)
+        lazy_sums = not any(group.clips for group in self.optimizer.param_groups)
+        taken = [emb.take_gradients(lazy_sums=lazy_sums) for emb in self.embeddings]
         bound = self._bind_groups(dense, taken, factor)
         staged = [emb.stage_gradients(bound[id(emb)], t, rows)
                   for emb, rows in zip(self.embeddings, taken)]

@@ -31,7 +31,7 @@ from .chain import build_chain, read_snapshot_rows
 from .errors import ConfigError, InputError, SnapshotError
 from .initializers import fill_initial_values
 from . import host_sync
-from .kernels import device_ops
+from .kernels import device_ops, fused_update
 from .lifecycle import Lifecycle, StepPlan, check_step
 from .options import LifecycleOptions
 from .parallel.shuffle import owner_rank
@@ -209,7 +209,8 @@ class EmbeddingShard:
                      grads: np.ndarray, optimizer, step: int):
         """Apply the row optimizer to ``lines``, nothing stored yet. keys: (v,) uint64 unique;
         lines: (v, stored_size) float32, current (refreshed); found: (v,) bool (a new key's state
-        starts at the optimizer's initial values); grads: (v, E) float32.
+        starts at the optimizer's initial values); grads: (v, E) float32, or on the device a
+        ``fused_update.SummedGradients`` of v keys (summed inside the update kernel).
 
         With admission, the rows of keys not admitted yet are left out (their gradient is
         dropped); with eviction, the lifecycle columns record ``step``. Returns (keys, lines,
@@ -236,6 +237,7 @@ class EmbeddingShard:
             return keys, lines, found, grads, StepPlan(step, new_rows)
         to_host = self.launch.to_host if self.launch is not None else np.asarray
         keep, plan = lifecycle.admit(to_host(keys), to_host(~found), step)
+        grads = fused_update.materialized(grads)   # rows left out index the sums
         if not keep.all():
             idx = np.flatnonzero(keep)
             if self.launch is not None:
@@ -244,6 +246,7 @@ class EmbeddingShard:
         return keys, lines, found, grads, plan
 
     def _stage(self, keys, lines, found, grads, optimizer, step: int) -> None:
+        grads = fused_update.materialized(grads)
         if not found.all():
             self.layout.reset_states(lines, ~found, optimizer)
         layout = self.layout
@@ -253,10 +256,14 @@ class EmbeddingShard:
 
     def _stage_on_device(self, keys, lines, found, grads, optimizer, step: int):
         """``stage_update`` on device arrays: one fused optimizer kernel over the whole lines
-        (bit-identical to the numpy update; see ``device_ops.update_lines``)."""
+        (bit-identical to the numpy update; see ``device_ops.update_lines``), which sums the
+        backward's rows per key itself when ``grads`` is a ``SummedGradients``."""
         xp = self.xp
         self.layout.reset_states_where(xp, lines, ~found, optimizer)   # no read: a select
-        device_ops.update_lines(optimizer, lines, grads, step, self.launch)
+        if isinstance(grads, fused_update.SummedGradients):
+            fused_update.update_lines_summed(optimizer, lines, grads, step)
+        else:
+            device_ops.update_lines(optimizer, lines, grads, step, self.launch)
         _check_finite_rows(xp, keys, lines, grads, optimizer, step)
 
     def put(self, keys: np.ndarray, lines: np.ndarray, plan: StepPlan | None = None) -> int:
@@ -597,12 +604,14 @@ def _apply_put(xp, rows: OwnerRows, slots, put_lines, hit, erased):
 def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int) -> None:
     """InputError naming the first row the update made non-finite, before anything is stored:
     read at once, or on the trainer's device path (``host_sync.deferring``) at its next metrics
-    read, before any checkpoint is written. keys: (v,) uint64; lines: (v, L); grads: (v, E)."""
+    read, before any checkpoint is written. keys: (v,) uint64; lines: (v, L); grads: (v, E), or
+    a ``fused_update.SummedGradients`` of v keys."""
     bad = ~xp.isfinite(lines).all(axis=1)
 
     def first_bad():
         at = xp.argmax(bad)
-        return at, keys[at], xp.abs(grads[at]).max()
+        row = grads.row(at) if isinstance(grads, fused_update.SummedGradients) else grads[at]
+        return at, keys[at], xp.abs(row).max()
 
     after = "nothing was stored" if host_sync.deferred_checks() is None else \
         "the run stops before its next checkpoint"

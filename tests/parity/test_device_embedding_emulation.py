@@ -135,10 +135,11 @@ def test_device_embedding_trains_as_the_cpu_embedding(launch, tmp_path, preset, 
         assert {k: g[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")} == \
             {k: w[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")}
     assert got[2][0]["tier"].startswith("device.") and "d2h_bytes" in got[2][0]
-    kernels = {"embedding_dedup_insert", "embedding_init_missing", "embedding_segment_sum", "embedding_gather",
-               {"sgd": "optim_sgd", "adagrad": "optim_adagrad", "adam": "optim_adam"}[optim],
-               "cache_find" if "cached" in preset else "hashindex_find"}
+    # one rank, fp32: the per-key gradient sum happens inside the update kernel
+    kernels = {"embedding_dedup_insert", "embedding_init_missing", "embedding_gather",
+               f"optim_summed_{optim}", "cache_find" if "cached" in preset else "hashindex_find"}
     assert kernels <= launch.launched
+    assert not {"embedding_segment_sum", f"optim_{optim}"} & launch.launched
 
 
 @pytest.mark.stress_seeds
@@ -278,6 +279,143 @@ def test_dlrm_with_a_device_embedding_trains_as_on_the_cpu(launch):
         losses[device == "cpu"] = seen
         model.embedding.close()
     assert losses[False] == losses[True]
+
+
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("optim", ["sgd", "adam"])
+def test_dlrm_fused_gradient_update_gives_the_two_kernel_bits(launch, optim, monkeypatch):
+    """Issue 32 item 3: a DLRM trained on the device path with the per-key gradient sum fused
+    into the row update (``kernels.fused_update``) and with it forced off (``segment_sum`` then
+    ``update_lines``): the same losses and rows, bit for bit, under a static loss scale (the
+    update's factor 1/scale) and Adam's weight decay; each run launched the kernels it claims."""
+    from one_embedding.kernels import fused_update
+    from one_embedding.models import DLRM
+    from one_embedding.nn.loss import BCEWithLogits
+
+    make = {"sgd": lambda: oe.optim.SGD(lr=0.1),
+            "adam": lambda: oe.optim.Adam(lr=0.01, weight_decay=0.01)}[optim]
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fused_update, "ENABLED", fused)
+        device = EmulatedLauncher(launch.lib, cm.EMBEDDING_FAMILIES, seed=launch.seed)
+        with embedding_device(device):
+            model = DLRM(num_tables=TABLES, embedding_dim=E, dense_features=4, bottom_mlp=[16, E],
+                         top_mlp=[16, 1], seed=1, store_options=oe.make_device_mem_store_options(
+                             persistent_path=None, capacity=None,
+                             size_factor=make().required_size_factor()))
+        opt = oe.Optimizer(make(), embeddings=[model.embedding],
+                           parameters=list(model.parameters()), loss_scale=256.0)
+        loss_fn, rng, losses = BCEWithLogits(), np.random.default_rng(2), []
+        for ids in _batches(5):
+            dense = rng.standard_normal((ids.shape[0], 4)).astype(np.float32)
+            labels = (rng.random(ids.shape[0]) < 0.3).astype(np.float32)
+            losses.append(float(loss_fn(model(dense, ids), labels)))
+            model.backward(loss_fn.backward() * np.float32(256.0))
+            opt.step()
+            opt.zero_grad()
+        runs[fused] = losses, model.embedding.export(), device.launched
+        model.embedding.close()
+    losses_on, (keys_on, lines_on), launched_on = runs[True]
+    losses_off, (keys_off, lines_off), launched_off = runs[False]
+    assert losses_on == losses_off
+    _same_bits(keys_on, keys_off)
+    _same_bits(lines_on, lines_off)
+    assert f"optim_summed_{optim}" in launched_on and "embedding_segment_sum" not in launched_on
+    assert f"optim_{optim}" in launched_off and "embedding_segment_sum" in launched_off
+    assert f"optim_summed_{optim}" not in launched_off
+
+
+def _fused_run(launch, device_fused, make_opt, steps=4, second_backward=False, lr=None):
+    """A device (or "cpu") embedding trained ``steps`` steps with the fusion on or off ->
+    (exported lines, the launcher's kernels)."""
+    from one_embedding.kernels import fused_update
+
+    fused_update.ENABLED, before = device_fused, fused_update.ENABLED
+    try:
+        device = EmulatedLauncher(launch.lib, cm.EMBEDDING_FAMILIES, seed=launch.seed) \
+            if launch is not None else "cpu"
+        emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
+                                     oe.make_device_mem_store_options(None, capacity=None,
+                                                                      size_factor=3), seed=5,
+                                     device=device)
+        opt = oe.Optimizer(make_opt(emb), embeddings=[emb])
+        rng = np.random.default_rng(9)
+        for batch in _batches(steps):
+            out = emb(batch)
+            grad = rng.standard_normal(out.shape).astype(np.float32)
+            state = emb._last
+            emb.backward(emb.xp.asarray(grad), state=state)
+            if second_backward:                   # a second backward through the same lookup
+                emb.backward(emb.xp.asarray(grad[::-1].copy()), state=state)
+            opt.step()
+            opt.zero_grad()
+        lines = emb.export()[1]
+        emb.close()
+        return lines, (device.launched if launch is not None else set())
+    finally:
+        fused_update.ENABLED = before
+
+
+@pytest.mark.parametrize("case", ["clipping", "second_backward"])
+def test_fused_gradient_update_steps_aside_where_the_sums_are_needed(launch, case):
+    """Clipping needs the per-key sums for its norm and a second backward through one lookup adds
+    sums: there the two kernels run, and the rows equal the CPU embedding's bit for bit."""
+    if case == "clipping":
+        def make(emb):
+            return oe.optim.Adam([{"params": [emb], "clip_grad_max_norm": 0.5}], lr=0.01)
+    else:
+        def make(emb):
+            return oe.optim.Adam(lr=0.01)
+    kwargs = dict(second_backward=case == "second_backward")
+    want, _ = _fused_run(None, True, make, **kwargs)
+    got, launched = _fused_run(launch, True, make, **kwargs)
+    _same_bits(got, want)
+    assert {"embedding_segment_sum", "optim_adam"} <= launched
+    assert "optim_summed_adam" not in launched
+
+
+@pytest.mark.parametrize("deferred", [False, True])
+def test_fused_gradient_update_reports_a_non_finite_row_as_the_two_kernels_do(launch, deferred):
+    """An update that overflows a row: the same error, naming the key and its summed gradient's
+    largest |g|, with the fusion on (the row summed by ``optim_summed_row``) and off."""
+    from one_embedding import host_sync
+    from one_embedding.errors import InputError
+
+    messages = []
+    for fused in (True, False):
+        def make(emb):
+            return oe.optim.SGD(lr=3e38)
+        checks = host_sync.DeferredChecks()
+        with pytest.raises(InputError) as err:
+            if deferred:
+                with host_sync.deferring(checks):
+                    _fused_run(launch, fused, make, steps=1)
+                checks.read(np)
+            else:
+                _fused_run(launch, fused, make, steps=1)
+        messages.append(str(err.value))
+    assert "makes the row of key" in messages[0] and "gradient max |g| = " in messages[0]
+    assert messages[0] == messages[1]
+
+
+def test_apply_gradients_sums_inside_the_update_too(launch, tmp_path):
+    """``emb.apply_gradients`` (no Optimizer, so no clipping) takes the fused path as well: the
+    CPU embedding's rows, optim_summed_sgd launched, no segment sum."""
+    device = EmulatedLauncher(launch.lib, cm.EMBEDDING_FAMILIES, seed=launch.seed)
+    rows = {}
+    for where in ("cpu", device):
+        emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
+                                     _store("device_mem", tmp_path / str(where == "cpu"), 1),
+                                     seed=5, device=where)
+        rng = np.random.default_rng(3)
+        for step, batch in enumerate(_batches(3), start=1):
+            out = emb(batch)
+            emb.backward(emb.xp.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+            emb.apply_gradients(oe.optim.SGD(lr=0.1), step)
+        rows[where == "cpu"] = emb.export()[1]
+        emb.close()
+    _same_bits(rows[False], rows[True])
+    assert "optim_summed_sgd" in device.launched and "embedding_segment_sum" not in device.launched
 
 
 class _StreamRecorder(EmulatedLauncher):

@@ -613,8 +613,8 @@ def _glue_launches():
     """{(family, name)} of every launch_threads / launch_warps call in the device glue."""
     found = set()
     package = helpers.PACKAGE
-    for path in [package / "kernels" / "device_ops.py", package / "cache" / "device.py",
-                 package / "kernels" / "layout_ops.py"]:
+    for path in [package / "kernels" / "device_ops.py", package / "kernels" / "fused_update.py",
+                 package / "cache" / "device.py", package / "kernels" / "layout_ops.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
                     "launch_threads", "launch_warps"):

@@ -391,6 +391,17 @@ def first_occurrence(inverse, n_unique: int, launch: Launcher | None = None):
     return first
 
 
+def segment_order(xp, inverse, n_segments: int):
+    """inverse: (n,) int64 in [0, n_segments) -> (rows_by_segment (n,) int64, the rows sorted by
+    (segment, row); offsets (n_segments + 1,) int64, segment s owning
+    rows_by_segment[offsets[s]:offsets[s + 1]]): the grouping the segment-sum kernels read."""
+    n = inverse.shape[0]
+    # (segment, row) packed into one distinct int64 per row, so any sort groups each segment's
+    # rows in ascending order (n**2 < 2**63 for n below 3e9)
+    rows_by_segment = xp.argsort(inverse * n + xp.arange(n, dtype=xp.int64)).astype(xp.int64)
+    return rows_by_segment, segment_offsets(xp, inverse[rows_by_segment], n_segments)
+
+
 def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None,
                 check_inverse: bool = True):
     """values: (n, E) float32, inverse: (n,) int64 in [0, n_segments) -> (n_segments, E).
@@ -416,10 +427,7 @@ def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None
                       "segment_sum: inverse range check"):
         raise InputError(f"inverse holds values outside [0, {n_segments}): pass the inverse of "
                          "unique_ids and its number of unique keys")
-    # (segment, row) packed into one distinct int64 per row, so any sort groups each segment's
-    # rows in ascending order (n**2 < 2**63 for n below 3e9)
-    rows_by_segment = xp.argsort(inverse * n + xp.arange(n, dtype=xp.int64)).astype(xp.int64)
-    offsets = segment_offsets(xp, inverse[rows_by_segment], n_segments)
+    rows_by_segment, offsets = segment_order(xp, inverse, n_segments)
     launch_threads(launch, "embedding", "segment_sum", dtype, n_segments * dim,
                    (values, np.int32(dim), rows_by_segment, offsets, np.int64(n_segments), out))
     return out
@@ -594,25 +602,33 @@ def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = N
     other than +-0.5, whose pow may differ in the last float64 ulp.
     """
     launch = resolve(launch)
+    grads = device_array(launch, "grads", grads, np.float32, ndim=2)
+    run_update(optimizer, lines, grads.shape, step, launch, "", (grads,))
+
+
+def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher, variant: str,
+               grad_args: tuple) -> None:
+    """The launches of ``update_lines`` for a gradient of ``grad_shape`` (n, E) that kernel
+    ``optim_<variant><rule>`` reads from ``grad_args`` (``update_lines``: the (n, E) rows;
+    ``fused_update``: a backward's rows and their grouping, summed in the kernel)."""
     t = _check_step(step)
     lr = optimizer._current_lr()
     lines = device_array(launch, "lines", lines, np.float32, ndim=2, writable=True)
-    grads = device_array(launch, "grads", grads, np.float32, ndim=2)
-    n, dim = grads.shape
+    n, dim = grad_shape
     need = optimizer.required_storage_dim(dim)
     if lines.shape[0] != n or lines.shape[1] < need:
         per_row = "".join(f" + {c}" for c in optimizer.row_columns)
         raise InputError(f"lines {tuple(lines.shape)} must hold {n} rows of at least {need} floats "
                          f"(weight + {optimizer.n_states} states of dim {dim}{per_row})")
     name, scalars = optimizer_kernel(optimizer, lr, t)
-    head = (lines, np.int32(lines.shape[1]), grads, np.int64(n), np.int32(dim))
+    head = (lines, np.int32(lines.shape[1]), *grad_args, np.int64(n), np.int32(dim))
     if not optimizer.row_columns:
-        launch_threads(launch, "optim", name, np.float32, n * dim, head + scalars)
+        launch_threads(launch, "optim", variant + name, np.float32, n * dim, head + scalars)
         return
     step_col = optimizer.row_column_offset(dim)
     steps = lines[:, step_col:step_col + 2].view(launch.xp.uint32)
     optimizer.check_last_steps(launch.xp, steps, t)
-    launch_threads(launch, "optim", name, np.float32, n * dim,
+    launch_threads(launch, "optim", variant + name, np.float32, n * dim,
                    head + scalars + (np.int32(step_col),))
     # the rows' new step, once every thread has read the old one
     launch_threads(launch, "optim", "smart_decay_adam_steps", np.float32, n,

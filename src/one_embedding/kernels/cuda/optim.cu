@@ -4,10 +4,19 @@
 // fused into an addition and the float64 results equal the CPU's, except pow, whose last ulp may
 // differ; sqrt and division are correctly rounded on both.)
 //
-// lines: (n, line_size) T, a line = [w (dim) | state 1 (dim) | state 2 (dim) | ...];
-// grads: (n, dim) T. One thread per (row, column); the scalar hyper-parameters arrive prepared
-// on the host exactly as each optimizer's _kernel prepares them for optim/kernels.py (factor,
-// l2, lr * decoupled wd, bias corrections, ...).
+// lines: (n, line_size) T, a line = [w (dim) | state 1 (dim) | state 2 (dim) | ...]. One thread per
+// (row, column); the scalar hyper-parameters arrive prepared on the host exactly as each
+// optimizer's _kernel prepares them for optim/kernels.py (factor, l2, lr * decoupled wd, bias
+// corrections, ...).
+//
+// Each rule exists once (oe::optim::sgd, momentum, ...), over a gradient source, and is launched
+// two ways:
+//   optim_<rule>:        grads (n, dim) T, one gradient row per line (the summed gradients);
+//   optim_summed_<rule>: the gradient of line s is summed here from the rows of a backward
+//     (values (m, dim) T, rows_by_segment (m,) i64 and offsets (n + 1,) i64 as for
+//     embedding_segment_sum), in the same order (row order from +0, in T), so the update equals
+//     embedding_segment_sum followed by optim_<rule> bit for bit and the summed (n, dim)
+//     gradient is never written.
 #include "common.cuh"
 
 namespace oe {
@@ -67,30 +76,57 @@ __device__ __forceinline__ void store_step(double* p, i64 step) {
   p[0] = __longlong_as_double(step);
 }
 
-}  // namespace optim
-}  // namespace oe
+
+// Gradient sources: the value of element t = (row, column) of the (n, dim) gradient, in double.
+template <typename T>
+struct RowGrads {
+  const T* grads;
+  __device__ __forceinline__ double operator()(i64 t) const { return (double)grads[t]; }
+};
+
+// The sum of segment s's rows of values at column c, added in row order from +0 in T: the loop of
+// embedding_segment_sum, so that the sum is the same float bit for bit.
+template <typename T>
+__device__ __forceinline__ T segment_total(const T* values, int dim, const i64* rows_by_segment,
+                                           const i64* offsets, i64 s, int c) {
+  T acc = T(0);
+  for (i64 k = offsets[s]; k < offsets[s + 1]; ++k) acc += values[rows_by_segment[k] * dim + c];
+  return acc;
+}
+
+template <typename T>
+struct SummedGrads {
+  const T* values;
+  const i64* rows_by_segment;
+  const i64* offsets;
+  int dim;
+  __device__ __forceinline__ double operator()(i64 t) const {
+    const i64 s = t / dim;
+    return (double)segment_total(values, dim, rows_by_segment, offsets, s, (int)(t - s * dim));
+  }
+};
 
 // SGD: w -= lr * (g * factor + wd * w) (decoupled and L2 decay coincide without state).
-template <typename T>
-__global__ void optim_sgd(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
-                          double factor, double lr, double wd) {
-  for (oe::i64 t = oe::grid_thread(); t < n * dim; t += oe::grid_threads()) {
-    const oe::optim::Element e = oe::optim::element(t, dim, line_size);
+template <typename T, typename Grads>
+__device__ __forceinline__ void sgd(T* lines, int line_size, Grads grad, i64 n, int dim,
+                                   double factor, double lr, double wd) {
+  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
+    const Element e = element(t, dim, line_size);
     const double w = (double)lines[e.w];
-    lines[e.w] = T(w - lr * ((double)grads[e.g] * factor + wd * w));
+    lines[e.w] = T(w - lr * (grad(e.g) * factor + wd * w));
   }
 }
 
 // Momentum: m = beta * m + keep * g'; d = g' + beta * m (nesterov) or m; w -= lr * d + lr_wd * w
 // (keep = 1 - dampening; state 1 = m).
-template <typename T>
-__global__ void optim_momentum(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
-                               double factor, double l2, double lr, double beta, double keep,
-                               int nesterov, double lr_wd) {
-  for (oe::i64 t = oe::grid_thread(); t < n * dim; t += oe::grid_threads()) {
-    const oe::optim::Element e = oe::optim::element(t, dim, line_size);
+template <typename T, typename Grads>
+__device__ __forceinline__ void momentum(T* lines, int line_size, Grads grad, i64 n, int dim,
+                                        double factor, double l2, double lr, double beta,
+                                        double keep, int nesterov, double lr_wd) {
+  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
+    const Element e = element(t, dim, line_size);
     const double w = (double)lines[e.w];
-    const double g = oe::optim::gradient_term((double)grads[e.g], factor, l2, w);
+    const double g = gradient_term(grad(e.g), factor, l2, w);
     double m = beta * (double)lines[e.state(1)] + keep * g;
     lines[e.state(1)] = T(m);
     if (nesterov) m = g + beta * m;
@@ -99,13 +135,14 @@ __global__ void optim_momentum(T* lines, int line_size, const T* grads, oe::i64 
 }
 
 // Adagrad: s += g'^2; w -= clr * g' / (sqrt(s) + eps) + clr_wd * w (state 1 = s).
-template <typename T>
-__global__ void optim_adagrad(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
-                              double factor, double l2, double clr, double eps, double clr_wd) {
-  for (oe::i64 t = oe::grid_thread(); t < n * dim; t += oe::grid_threads()) {
-    const oe::optim::Element e = oe::optim::element(t, dim, line_size);
+template <typename T, typename Grads>
+__device__ __forceinline__ void adagrad(T* lines, int line_size, Grads grad, i64 n, int dim,
+                                       double factor, double l2, double clr, double eps,
+                                       double clr_wd) {
+  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
+    const Element e = element(t, dim, line_size);
     const double w = (double)lines[e.w];
-    const double g = oe::optim::gradient_term((double)grads[e.g], factor, l2, w);
+    const double g = gradient_term(grad(e.g), factor, l2, w);
     const double s = (double)lines[e.state(1)] + g * g;
     lines[e.state(1)] = T(s);
     lines[e.w] = T(w - clr * g / (sqrt(s) + eps) - clr_wd * w);
@@ -115,14 +152,15 @@ __global__ void optim_adagrad(T* lines, int line_size, const T* grads, oe::i64 n
 // Adam: m = b1 m + (1 - b1) g'; v = b2 v + (1 - b2) g'^2; with amsgrad v_max = max(v_max, v) is
 // used for v below; w -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps) + lr_wd * w
 // (states 1, 2, 3 = m, v, v_max).
-template <typename T>
-__global__ void optim_adam(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
-                           double factor, double l2, double b1, double b2, double step_size,
-                           double inv_sqrt_bc2, double eps, double lr_wd, int amsgrad) {
-  for (oe::i64 t = oe::grid_thread(); t < n * dim; t += oe::grid_threads()) {
-    const oe::optim::Element e = oe::optim::element(t, dim, line_size);
+template <typename T, typename Grads>
+__device__ __forceinline__ void adam(T* lines, int line_size, Grads grad, i64 n, int dim,
+                                    double factor, double l2, double b1, double b2,
+                                    double step_size, double inv_sqrt_bc2, double eps,
+                                    double lr_wd, int amsgrad) {
+  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
+    const Element e = element(t, dim, line_size);
     const double w = (double)lines[e.w];
-    const double g = oe::optim::gradient_term((double)grads[e.g], factor, l2, w);
+    const double g = gradient_term(grad(e.g), factor, l2, w);
     const double m = b1 * (double)lines[e.state(1)] + (1.0 - b1) * g;
     double v = b2 * (double)lines[e.state(2)] + (1.0 - b2) * (g * g);
     lines[e.state(1)] = T(m);
@@ -139,18 +177,19 @@ __global__ void optim_adam(T* lines, int line_size, const T* grads, oe::i64 n, i
 // FTRL, both conventions of optim/ftrl.py: n' = n + g'^2; z += g' - (P(n') - P(n)) / lr * w;
 // n = n'; w = (sign(z) l1 - z) / ((beta + P(n')) / lr + quad_l2) - lr_wd * w outside the dead
 // zone (|z| < l1, or |z| <= l1 when closed), else 0; P(n) = n ** power (states 1, 2 = n, z).
-template <typename T>
-__global__ void optim_ftrl(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
-                           double factor, double l2, double inv_lr, double power, double l1,
-                           double quad_l2, double beta, int closed, double lr_wd) {
-  for (oe::i64 t = oe::grid_thread(); t < n * dim; t += oe::grid_threads()) {
-    const oe::optim::Element e = oe::optim::element(t, dim, line_size);
+template <typename T, typename Grads>
+__device__ __forceinline__ void ftrl(T* lines, int line_size, Grads grad, i64 n, int dim,
+                                    double factor, double l2, double inv_lr, double power,
+                                    double l1, double quad_l2, double beta, int closed,
+                                    double lr_wd) {
+  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
+    const Element e = element(t, dim, line_size);
     const double w = (double)lines[e.w];
-    const double g = oe::optim::gradient_term((double)grads[e.g], factor, l2, w);
+    const double g = gradient_term(grad(e.g), factor, l2, w);
     const double acc = (double)lines[e.state(1)];
     const double acc_new = acc + g * g;
-    const double p_old = oe::optim::ftrl_powered(acc, power);
-    const double p_new = oe::optim::ftrl_powered(acc_new, power);
+    const double p_old = ftrl_powered(acc, power);
+    const double p_new = ftrl_powered(acc_new, power);
     const double z = (double)lines[e.state(2)] + g - (p_new - p_old) * inv_lr * w;
     lines[e.state(1)] = T(acc_new);
     lines[e.state(2)] = T(z);
@@ -169,23 +208,144 @@ __global__ void optim_ftrl(T* lines, int line_size, const T* grads, oe::i64 n, i
 // catchup = m b1 (1 - b1^(k-1)) / (1 - b1) when k > 1; w -= lr (m' + catchup) / (sqrt(v') + eps)
 // (states 1, 2 = m, v; the step at column step_col of the line). The steps are read here and
 // written by optim_smart_decay_adam_steps afterwards: a thread must not see its row's new step.
+template <typename T, typename Grads>
+__device__ __forceinline__ void smart_decay_adam(T* lines, int line_size, Grads grad, i64 n,
+                                                int dim, double factor, double l2, double b1,
+                                                double b2, double lr, double eps, i64 t,
+                                                int step_col) {
+  for (i64 i = grid_thread(); i < n * dim; i += grid_threads()) {
+    const Element e = element(i, dim, line_size);
+    const i64 k = t - load_step(lines + (i / dim) * line_size + step_col);
+    const double w = (double)lines[e.w];
+    const double g = gradient_term(grad(e.g), factor, l2, w);
+    const double m_old = (double)lines[e.state(1)];
+    const double catchup = k > 1 ? m_old * b1 * (1.0 - powi(b1, k - 1)) / (1.0 - b1) : 0.0;
+    const double m = powi(b1, k) * m_old + (1.0 - b1) * g;
+    const double v = powi(b2, k) * (double)lines[e.state(2)] + (1.0 - b2) * (g * g);
+    lines[e.state(1)] = T(m);
+    lines[e.state(2)] = T(v);
+    lines[e.w] = T(w - lr * (m + catchup) / (sqrt(v) + eps));
+  }
+}
+
+}  // namespace optim
+}  // namespace oe
+
+// One gradient row per line: grads (n, dim) T.
+template <typename T>
+__global__ void optim_sgd(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
+                          double factor, double lr, double wd) {
+  oe::optim::sgd(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, lr, wd);
+}
+
+template <typename T>
+__global__ void optim_momentum(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
+                               double factor, double l2, double lr, double beta, double keep,
+                               int nesterov, double lr_wd) {
+  oe::optim::momentum(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2, lr,
+                      beta, keep, nesterov, lr_wd);
+}
+
+template <typename T>
+__global__ void optim_adagrad(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
+                              double factor, double l2, double clr, double eps, double clr_wd) {
+  oe::optim::adagrad(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2, clr, eps,
+                     clr_wd);
+}
+
+template <typename T>
+__global__ void optim_adam(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
+                           double factor, double l2, double b1, double b2, double step_size,
+                           double inv_sqrt_bc2, double eps, double lr_wd, int amsgrad) {
+  oe::optim::adam(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2, b1, b2,
+                  step_size, inv_sqrt_bc2, eps, lr_wd, amsgrad);
+}
+
+template <typename T>
+__global__ void optim_ftrl(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
+                           double factor, double l2, double inv_lr, double power, double l1,
+                           double quad_l2, double beta, int closed, double lr_wd) {
+  oe::optim::ftrl(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2, inv_lr,
+                  power, l1, quad_l2, beta, closed, lr_wd);
+}
+
 template <typename T>
 __global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, oe::i64 n,
                                        int dim, double factor, double l2, double b1, double b2,
                                        double lr, double eps, oe::i64 t, int step_col) {
-  for (oe::i64 i = oe::grid_thread(); i < n * dim; i += oe::grid_threads()) {
-    const oe::optim::Element e = oe::optim::element(i, dim, line_size);
-    const oe::i64 k = t - oe::optim::load_step(lines + (i / dim) * line_size + step_col);
-    const double w = (double)lines[e.w];
-    const double g = oe::optim::gradient_term((double)grads[e.g], factor, l2, w);
-    const double m_old = (double)lines[e.state(1)];
-    const double catchup =
-        k > 1 ? m_old * b1 * (1.0 - oe::optim::powi(b1, k - 1)) / (1.0 - b1) : 0.0;
-    const double m = oe::optim::powi(b1, k) * m_old + (1.0 - b1) * g;
-    const double v = oe::optim::powi(b2, k) * (double)lines[e.state(2)] + (1.0 - b2) * (g * g);
-    lines[e.state(1)] = T(m);
-    lines[e.state(2)] = T(v);
-    lines[e.w] = T(w - lr * (m + catchup) / (sqrt(v) + eps));
+  oe::optim::smart_decay_adam(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2,
+                              b1, b2, lr, eps, t, step_col);
+}
+
+// The gradient summed per line from a backward's rows: values (m, dim) T; rows_by_segment (m,)
+// i64, the rows sorted by (line, row); offsets (n + 1,) i64, line s owns
+// rows_by_segment[offsets[s]:offsets[s + 1]] (device_ops.segment_order).
+template <typename T>
+__global__ void optim_summed_sgd(T* lines, int line_size, const T* values,
+                                 const oe::i64* rows_by_segment, const oe::i64* offsets, oe::i64 n,
+                                 int dim, double factor, double lr, double wd) {
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  oe::optim::sgd(lines, line_size, grad, n, dim, factor, lr, wd);
+}
+
+template <typename T>
+__global__ void optim_summed_momentum(T* lines, int line_size, const T* values,
+                                      const oe::i64* rows_by_segment, const oe::i64* offsets,
+                                      oe::i64 n, int dim, double factor, double l2, double lr,
+                                      double beta, double keep, int nesterov, double lr_wd) {
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  oe::optim::momentum(lines, line_size, grad, n, dim, factor, l2, lr, beta, keep, nesterov, lr_wd);
+}
+
+template <typename T>
+__global__ void optim_summed_adagrad(T* lines, int line_size, const T* values,
+                                     const oe::i64* rows_by_segment, const oe::i64* offsets,
+                                     oe::i64 n, int dim, double factor, double l2, double clr,
+                                     double eps, double clr_wd) {
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  oe::optim::adagrad(lines, line_size, grad, n, dim, factor, l2, clr, eps, clr_wd);
+}
+
+template <typename T>
+__global__ void optim_summed_adam(T* lines, int line_size, const T* values,
+                                  const oe::i64* rows_by_segment, const oe::i64* offsets, oe::i64 n,
+                                  int dim, double factor, double l2, double b1, double b2,
+                                  double step_size, double inv_sqrt_bc2, double eps, double lr_wd,
+                                  int amsgrad) {
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  oe::optim::adam(lines, line_size, grad, n, dim, factor, l2, b1, b2, step_size, inv_sqrt_bc2, eps,
+                  lr_wd, amsgrad);
+}
+
+template <typename T>
+__global__ void optim_summed_ftrl(T* lines, int line_size, const T* values,
+                                  const oe::i64* rows_by_segment, const oe::i64* offsets, oe::i64 n,
+                                  int dim, double factor, double l2, double inv_lr, double power,
+                                  double l1, double quad_l2, double beta, int closed,
+                                  double lr_wd) {
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  oe::optim::ftrl(lines, line_size, grad, n, dim, factor, l2, inv_lr, power, l1, quad_l2, beta,
+                  closed, lr_wd);
+}
+
+template <typename T>
+__global__ void optim_summed_smart_decay_adam(T* lines, int line_size, const T* values,
+                                              const oe::i64* rows_by_segment,
+                                              const oe::i64* offsets, oe::i64 n, int dim,
+                                              double factor, double l2, double b1, double b2,
+                                              double lr, double eps, oe::i64 t, int step_col) {
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  oe::optim::smart_decay_adam(lines, line_size, grad, n, dim, factor, l2, b1, b2, lr, eps, t,
+                              step_col);
+}
+
+// out (dim,) T = the summed gradient of line segment[0] alone, as optim_summed_<rule> sums it
+// (what a failed check reports about that line). segment: (1,) i64 in [0, n).
+template <typename T>
+__global__ void optim_summed_row(const T* values, int dim, const oe::i64* rows_by_segment,
+                                 const oe::i64* offsets, const oe::i64* segment, T* out) {
+  for (oe::i64 c = oe::grid_thread(); c < dim; c += oe::grid_threads()) {
+    out[c] = oe::optim::segment_total(values, dim, rows_by_segment, offsets, segment[0], (int)c);
   }
 }
 
@@ -206,4 +366,11 @@ ONE_EMBEDDING_KERNEL(optim_adam)
 ONE_EMBEDDING_KERNEL(optim_ftrl)
 ONE_EMBEDDING_KERNEL(optim_smart_decay_adam)
 ONE_EMBEDDING_KERNEL(optim_smart_decay_adam_steps)
+ONE_EMBEDDING_KERNEL(optim_summed_sgd)
+ONE_EMBEDDING_KERNEL(optim_summed_momentum)
+ONE_EMBEDDING_KERNEL(optim_summed_adagrad)
+ONE_EMBEDDING_KERNEL(optim_summed_adam)
+ONE_EMBEDDING_KERNEL(optim_summed_ftrl)
+ONE_EMBEDDING_KERNEL(optim_summed_smart_decay_adam)
+ONE_EMBEDDING_KERNEL(optim_summed_row)
 #endif

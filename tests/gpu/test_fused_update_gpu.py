@@ -1,0 +1,165 @@
+"""Issue 32 item 3 on a GPU: the backward's per-key gradient sum fused with the row update
+(``kernels/fused_update.py``, ``optim_summed_<rule>``) against the two kernels it replaces
+(``segment_sum`` then ``update_lines``) on the same device, bit for bit (both flush subnormals
+alike, so any input may be used), and against the CPU twins (inputs without float32
+subnormals; Ftrl with lr_power -0.7 within 1 ulp: CUDA's pow). A DLRM trained by the CLI's
+Trainer gives the same losses and rows with the fusion on and forced off, and launched it.
+
+Needs CuPy and a CUDA device; runs on the dry run too (``-p gpu_dry_run``, smaller sizes).
+"""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from one_embedding.backend import cupy_available
+
+import helpers
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA device"),
+]
+
+DRY = bool(os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN"))
+
+
+def _cp():
+    import cupy
+
+    return cupy
+
+
+def _bits(a) -> np.ndarray:
+    return np.ascontiguousarray(_cp().asnumpy(a)).view(np.int32)
+
+
+def _ulps(a, b):
+    ia = np.asarray(a, np.float32).view(np.int32).astype(np.int64)
+    ib = np.asarray(b, np.float32).view(np.int32).astype(np.int64)
+    ia = np.where(ia < 0, -(ia & 0x7FFFFFFF), ia)
+    ib = np.where(ib < 0, -(ib & 0x7FFFFFFF), ib)
+    return np.abs(ia - ib)
+
+
+# (rows, dim, key range); the sanitizer run of scripts/gpu_check.sh deselects the id 200000
+SIZES = {2000: (2000, 13, 500), 200000: (200_000, 128, 50_000)}
+
+
+@pytest.mark.parametrize("size", list(SIZES), ids=str)
+@pytest.mark.parametrize("name", list(helpers.row_optimizer_cases()))
+def test_fused_update_is_the_two_kernel_update_on_the_gpu(name, size):
+    from one_embedding.kernels import device_ops, fused_update
+    from one_embedding.parallel.unique import segment_sum, unique_ids
+
+    cp = _cp()
+    make = helpers.row_optimizer_cases()[name]
+    fused_opt, two_opt, cpu_opt = make(), make(), make()
+    rng = np.random.default_rng(len(name))
+    n, dim, n_keys = (600, 13, 150) if DRY else SIZES[size]
+    ids = rng.zipf(1.2, n).astype(np.uint64) % np.uint64(n_keys)
+    uniq, inverse = unique_ids(ids)
+    u = uniq.size
+    width = fused_opt.required_storage_dim(dim) + 3
+    want = rng.uniform(-1, 1, (u, width)).astype(np.float32)
+    want[:, dim:] = np.abs(want[:, dim:]) + 0.01          # accumulators: positive, normal
+    fused_lines, two_lines = cp.array(want), cp.array(want)
+    values_d, inverse_d = cp.empty((n, dim), cp.float32), cp.asarray(inverse)
+    for step in range(1, 4):
+        values = rng.uniform(-1, 1, (n, dim)).astype(np.float32)
+        if step == 2:
+            fused_opt.grad_scale = two_opt.grad_scale = cpu_opt.grad_scale = 1.0 / 512.0
+        values_d[...] = cp.asarray(values)
+        fused_update.update_lines_summed(fused_opt, fused_lines,
+                                         fused_update.SummedGradients(values_d, inverse_d, u,
+                                                                      device_ops.cupy_launcher()),
+                                         step)
+        device_ops.update_lines(two_opt, two_lines, device_ops.segment_sum(values_d, inverse_d, u),
+                                step)
+        states = [want[:, (k + 1) * dim:(k + 2) * dim] for k in range(cpu_opt.n_states)]
+        cpu_opt.update(want[:, :dim], states, segment_sum(values, inverse, u), step)
+    np.testing.assert_array_equal(_bits(fused_lines), _bits(two_lines))
+    if name == "ftrl_power":
+        assert _ulps(_cp().asnumpy(fused_lines), want).max() <= 1
+    else:
+        np.testing.assert_array_equal(_bits(fused_lines), want.view(np.int32))
+
+
+def test_trainer_fused_gradient_update_gives_the_two_kernel_run(tmp_path, monkeypatch):
+    """The CLI's training path (DLRM, device_mem, one rank) with the fusion on and forced off:
+    the same losses and rows; the fused kernel launched in the first run only."""
+    from one_embedding.config import TrainConfig
+    from one_embedding.kernels import device_ops, fused_update
+    from one_embedding.training import Trainer
+
+    launcher = device_ops.cupy_launcher()
+    runs = {}
+    for fused in (True, False):
+        monkeypatch.setattr(fused_update, "ENABLED", fused)
+        launched = set()
+        run = launcher.run
+
+        def recording(family, name, dtype, grid, block, args, run=run, launched=launched):
+            launched.add(f"{family}_{name}")
+            return run(family, name, dtype, grid, block, args)
+
+        monkeypatch.setattr(launcher, "run", recording)
+        cfg = TrainConfig(steps=4, batch_size=128 if DRY else 8192, synthetic_rows=20_000,
+                          embedding_dim=16, store="device_mem", optimizer="adam",
+                          eval_batches=1, device="cuda", prefetch_depth=1, log_interval=2,
+                          persistent_path=str(tmp_path / f"fused{fused}"))
+        trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
+        rows, close = [], trainer.close
+
+        def close_after_export(rows=rows, close=close, trainer=trainer):
+            rows.append(trainer.embedding.export())   # (keys sorted, lines), before run closes
+            close()
+
+        trainer.close = close_after_export
+        final = trainer.run()
+        (keys, lines), = rows
+        runs[fused] = list(trainer.progress.losses), final["auc"], keys, lines, launched
+        monkeypatch.setattr(launcher, "run", run)
+    (losses_on, auc_on, keys_on, lines_on, launched_on), \
+        (losses_off, auc_off, keys_off, lines_off, launched_off) = runs[True], runs[False]
+    assert losses_on == losses_off and len(losses_on) == 4 and auc_on == auc_off
+    np.testing.assert_array_equal(keys_on, keys_off)
+    np.testing.assert_array_equal(lines_on.view(np.int32), lines_off.view(np.int32))
+    assert "optim_summed_adam" in launched_on and "embedding_segment_sum" not in launched_on
+    assert "optim_adam" in launched_off and "optim_summed_adam" not in launched_off
+
+
+def test_fused_smart_decay_adam_and_the_summed_row_on_the_gpu():
+    """The two fused kernels the test above leaves out: SmartDecayAdam's (with the rows' last
+    steps read, then written by the steps kernel) against update_lines on a sparse schedule, and
+    ``optim_summed_row`` (a failed check's gradient) against the materialized sums."""
+    from one_embedding.kernels import device_ops, fused_update
+    from one_embedding.optim import SmartDecayAdam
+    from one_embedding.parallel.unique import unique_ids
+
+    cp = _cp()
+    launch = device_ops.cupy_launcher()
+    fused_opt, two_opt = (SmartDecayAdam(lr=0.01, weight_decay=0.01) for _ in range(2))
+    rng = np.random.default_rng(7)
+    n_rows, dim = (80, 7) if DRY else (50_000, 64)
+    start = np.zeros((n_rows, fused_opt.required_storage_dim(dim)), np.float32)
+    start[:, :dim] = rng.uniform(-1, 1, (n_rows, dim))
+    fused_table, two_table = cp.array(start), cp.array(start)
+    for step in range(1, 6):
+        ids = rng.integers(0, n_rows, 3 * n_rows).astype(np.uint64)[: rng.integers(1, 3 * n_rows)]
+        keys, inverse = unique_ids(ids)
+        rows = cp.asarray(keys.astype(np.int64))
+        values = cp.asarray(rng.uniform(-1, 1, (ids.size, dim)).astype(np.float32))
+        summed = fused_update.SummedGradients(values, cp.asarray(inverse), keys.size, launch)
+        lines = cp.ascontiguousarray(fused_table[rows])
+        fused_update.update_lines_summed(fused_opt, lines, summed, step)
+        fused_table[rows] = lines
+        lines = cp.ascontiguousarray(two_table[rows])
+        sums = summed.materialize()
+        device_ops.update_lines(two_opt, lines, sums, step)
+        two_table[rows] = lines
+        for at in (0, keys.size - 1):
+            np.testing.assert_array_equal(_bits(summed.row(cp.asarray(at))), _bits(sums[at]))
+    np.testing.assert_array_equal(_bits(fused_table), _bits(two_table))
