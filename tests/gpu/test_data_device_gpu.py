@@ -96,7 +96,8 @@ def test_parquet_batches_arrive_on_the_device_through_pinned_buffers(tmp_path):
 def test_the_trainer_on_cuda_reads_its_batches_through_the_device_feed(source, tmp_path):
     """``train --device cuda`` generates synthetic rows on the device and stages file batches
     through DeviceBatches: the feed is the device one, and its run ends where the CPU run does
-    (bit for bit in a dry run; on a GPU cuBLAS sums in another order: within 1e-3)."""
+    (in a dry run within 1e-6: the device step fuses the loss with the last layer's backward,
+    whose batch sums run in blocks; on a GPU cuBLAS sums in another order too: within 1e-3)."""
     from one_embedding.config import TrainConfig
     from one_embedding.training import Trainer
 
@@ -116,5 +117,5 @@ def test_the_trainer_on_cuda_reads_its_batches_through_the_device_feed(source, t
         if device == "cuda":
             assert feed == ("DeviceSyntheticLoader" if source == "synthetic" else "DeviceBatches")
     cpu, gpu = results["cpu"], results["cuda"]
-    tol = 0 if DRY_RUN else 1e-3
+    tol = 1e-6 if DRY_RUN else 1e-3
     assert abs(cpu["logloss"] - gpu["logloss"]) <= tol * abs(cpu["logloss"])
