@@ -11,7 +11,7 @@
    counted read + write (``2 * bytes / t``). Goal: lookup >= 0.8x copy. The parts (unique alone,
    the chain's find, the gather kernel) are timed too, to show where the time goes; unique twice:
    the hash-table dedup the lookup runs and, as its baseline in the same run, the sort-based one
-   it replaced (``device_ops.unique_ids_by_sorting``), whose results it must equal. Then the
+   it replaced (``device_unique.unique_ids_by_sorting``), whose results it must equal. Then the
    backward's other end: the per-key gradient sum and the row update (Adam, lines of 3E) of the
    same ids, as two kernels (``segment_sum`` then ``update_lines``: the (u, E) sums written and
    read back) and fused (``fused_update``: each key's rows summed inside the update), timed
@@ -107,7 +107,7 @@ class Device:
 
 def bench_lookup(dev: Device, args) -> dict:
     import one_embedding as oe
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import device_ops, device_unique
 
     xp, e = dev.xp, args.lookup_dim
     rng = np.random.default_rng(0)
@@ -137,18 +137,18 @@ def bench_lookup(dev: Device, args) -> dict:
     if not dev.dry_run:                      # the parts, on the device path's own ops
         launch = emb.launch
         keys = ids.reshape(-1).view(xp.uint64)
-        uniq, inverse = device_ops.unique_ids(keys, launch)
+        uniq, inverse = device_unique.unique_ids(keys, launch)
         # the hash-table dedup against the sort-based one it replaced: same results, timed apart
-        by_sorting = device_ops.unique_ids_by_sorting(keys, launch)
+        by_sorting = device_unique.unique_ids_by_sorting(keys, launch)
         unique_same = bool((uniq.shape == by_sorting[0].shape) and (uniq == by_sorting[0]).all()
                            and (inverse == by_sorting[1]).all())
         chain = emb._owner()._chain
         lines, _ = chain.lookup(uniq)
         table = xp.ascontiguousarray(lines[:, :e])
         parts = {"unique (hash table: unique_ids)":
-                     dev.seconds(lambda: device_ops.unique_ids(keys, launch), args.repeats),
+                     dev.seconds(lambda: device_unique.unique_ids(keys, launch), args.repeats),
                  "unique (sort, the replaced baseline: unique_ids_by_sorting)":
-                     dev.seconds(lambda: device_ops.unique_ids_by_sorting(keys, launch), args.repeats),
+                     dev.seconds(lambda: device_unique.unique_ids_by_sorting(keys, launch), args.repeats),
                  "find (chain.lookup of the unique keys)":
                      dev.seconds(lambda: chain.lookup(uniq), args.repeats),
                  "gather (rows by inverse)":
@@ -176,7 +176,7 @@ def bench_grad_update(dev: Device, args, launch, inverse, n_unique: int, copy_bw
     one, on the same gradient rows (n, E) and lines (u, 3E) -> {"rows": table rows, "two_s",
     "fused_s", "speedup", "same_results"}."""
     import one_embedding as oe
-    from one_embedding.kernels import device_ops, fused_update
+    from one_embedding.kernels import device_ops, device_unique, fused_update
 
     xp, e = dev.xp, args.lookup_dim
     n = inverse.shape[0]
@@ -188,7 +188,7 @@ def bench_grad_update(dev: Device, args, launch, inverse, n_unique: int, copy_bw
     two_lines, fused_lines = start.copy(), start.copy()
 
     def two_kernels(lines=two_lines):
-        sums = device_ops.segment_sum(grads, inverse, n_unique, launch, check_inverse=False)
+        sums = device_unique.segment_sum(grads, inverse, n_unique, launch, check_inverse=False)
         device_ops.update_lines(opt, lines, sums, 1, launch)
 
     def fused(lines=fused_lines):

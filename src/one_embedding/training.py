@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, replace
 from typing import Iterator
 
 import numpy as np
@@ -34,15 +33,12 @@ import numpy as np
 from .cuda_graph import StepGraph
 from .kernels.layout_ops import InteractionInput
 from .config import MODELS, OPTIMIZERS, STORES, TrainConfig, make_row_optimizer
-from .data import BatchLoader, SyntheticCriteo
-from .backend import array_namespace, cupy_available, embedding_device, to_numpy
+from .backend import array_namespace, embedding_device, to_numpy
 from .errors import ConfigError
 from . import host_sync
 from .metrics import log_loss, roc_auc
-from .models import DCN, DLRM, DeepFM
 from .nn import amp
 from .optim.loss_scale import LossScaler
-from .optim.lr_schedules import LinearWarmup, LRSchedule, WarmupPolynomialDecay
 from .checkpoint import (
     TrainingInterrupted,
     checkpoints,
@@ -61,121 +57,22 @@ from .shard import rank_path
 from .optimizer import Optimizer
 from .parallel.comm import default_comm
 from .pipeline import Prefetcher
-from .options import (
-    make_cached_host_mem_store_options,
-    make_cached_ssd_store_options,
-    make_device_mem_store_options,
-    make_lifecycle_options,
+from .training_progress import MetricsWriter, TrainProgress, progress_postfix
+from .training_setup import (
+    build_model,
+    device_namespace,
+    make_loaders,
+    make_lr_schedule,
+    rank_block,
+    share_cores,
+    store_options_for,
 )
 
 __all__ = ["TrainConfig", "Trainer", "TrainingInterrupted", "train", "evaluate", "MODELS",
            "OPTIMIZERS", "STORES"]
 
-#: Criteo's integer features I1..I13, every model's dense input here
-DENSE_FEATURES = 13
-#: Sparse features of a file source (Criteo's C1..C26); the synthetic source says its own
-FILE_SPARSE_FEATURES = 26
 #: a "train" record every this many steps (and after the first)
 TRAIN_RECORD_EVERY = 10  # the default of --log-interval
-
-
-def lifecycle_options_for(cfg: TrainConfig):
-    """The admission / eviction rules of ``cfg`` (None when it stores every id for ever)."""
-    # an unset sketch size is the LifecycleOptions default
-    sketch = {} if cfg.admit_sketch_mb is None else {"sketch_mb": cfg.admit_sketch_mb}
-    options = make_lifecycle_options(cfg.admit_min_count, cfg.steps_to_live, cfg.max_rows,
-                                     **sketch, evict_interval=cfg.evict_interval,
-                                     frequency_half_life=cfg.frequency_half_life)
-    return options if options.active else None
-
-
-def store_options_for(cfg: TrainConfig, size_factor: int, total_keys: int | None):
-    """The store preset ``cfg.store`` asks for, sized for ``total_keys`` unless cfg.capacity."""
-    path, capacity = cfg.persistent_path, cfg.capacity or total_keys
-    lifecycle = lifecycle_options_for(cfg)
-    if cfg.store == "device_mem":
-        return make_device_mem_store_options(path, capacity=capacity, size_factor=size_factor,
-                                             lifecycle=lifecycle)
-    if cfg.store == "cached_host_mem":
-        return make_cached_host_mem_store_options(cfg.cache_mb, path, capacity=capacity,
-                                                  size_factor=size_factor, lifecycle=lifecycle)
-    return make_cached_ssd_store_options(cfg.cache_mb, path, capacity=capacity,
-                                         size_factor=size_factor,
-                                         host_cache_budget_mb=cfg.host_cache_mb, engine=cfg.engine,
-                                         lifecycle=lifecycle)
-
-
-def make_loaders(cfg: TrainConfig):
-    """(train loader, eval loader, number of sparse features, total keys or None)."""
-    common = dict(eval_fraction=cfg.eval_fraction, split_seed=cfg.seed, read_ahead=cfg.read_ahead)
-    if cfg.data == ("synthetic",):
-        # rows are a pure function of (seed, row number): one source serves both splits
-        source = SyntheticCriteo(cfg.synthetic_cardinalities, scale=cfg.synthetic_scale,
-                                 alpha=cfg.zipf_alpha, seed=cfg.seed, num_rows=cfg.synthetic_rows)
-        train = BatchLoader(source, cfg.batch_size, split="train", drop_last=True, **common)
-        evaluate = BatchLoader(source, cfg.batch_size, split="eval", **common)
-        return train, evaluate, source.num_features, source.total_keys
-    paths = list(cfg.data)
-    # a TSV reader option; Parquet inputs (told by their content, not their name) ignore it
-    opts = dict(on_bad_line=cfg.on_bad_line)
-    train = BatchLoader(paths, cfg.batch_size, split="train", drop_last=True, shuffle=True,
-                        seed=cfg.seed, **common, **opts)
-    evaluate = BatchLoader(paths, cfg.batch_size, split="eval", **common, **opts)
-    return train, evaluate, FILE_SPARSE_FEATURES, None
-
-
-def build_model(cfg: TrainConfig, num_tables: int, store_options):
-    """The model ``cfg.model`` names, with its embedding built on ``store_options``."""
-    shared = dict(num_tables=num_tables, embedding_dim=cfg.embedding_dim,
-                  dense_features=DENSE_FEATURES, store_options=store_options, seed=cfg.seed)
-    if cfg.model == "dlrm":
-        return DLRM(**shared, bottom_mlp=cfg.bottom_mlp, top_mlp=cfg.top_mlp)
-    if cfg.model == "dcn":
-        return DCN(**shared, cross_layers=cfg.cross_layers, cross=cfg.cross, dnn=cfg.dnn,
-                   dropout=cfg.dropout)
-    return DeepFM(**shared, dnn=cfg.dnn, dropout=cfg.dropout)
-
-
-def make_lr_schedule(cfg: TrainConfig, optimizer) -> LRSchedule:
-    """OneFlow's DLRM schedule: a linear warmup from 0 over cfg.warmup_steps updates (none when
-    0; update t has lr * (t - 1) / warmup_steps), then, with cfg.decay_steps, the polynomial
-    decay (power 2, to 0) once cfg.decay_start updates are done."""
-    cfg = cfg.with_model_defaults()
-    if cfg.decay_steps:
-        return WarmupPolynomialDecay(optimizer, cfg.lr, warmup_steps=cfg.warmup_steps,
-                                     decay_start=cfg.decay_start, decay_steps=cfg.decay_steps)
-    return LinearWarmup(optimizer, cfg.lr, warmup_steps=cfg.warmup_steps, start_factor=0.0)
-
-
-def device_namespace(device: str):
-    """numpy for "cpu"; CuPy for "cuda", or a ConfigError saying there is no GPU."""
-    if device == "cpu":
-        return np
-    if not cupy_available():
-        raise ConfigError("--device cuda: no CUDA device is visible to CuPy (not installed, no "
-                          "driver, or no GPU): install one_embedding[gpu] on a GPU machine, or "
-                          "use --device cpu")
-    import cupy
-
-    return cupy
-
-
-def share_cores(local_ranks: int) -> None:
-    """Ranks on one machine share its cores: give each one BLAS threads for its share, so that
-    P ranks do not run P x (all cores) threads against each other."""
-    if local_ranks > 1:
-        from threadpoolctl import threadpool_limits
-
-        threadpool_limits(max(1, (os.cpu_count() or 1) // local_ranks), user_api="blas")
-
-
-def rank_block(batch, rank: int, world: int):
-    """This rank's contiguous block of a global batch's rows (np.array_split's blocks)."""
-    if world == 1:
-        return batch
-    n = batch.labels.shape[0]
-    lo, hi = (rank * n) // world, ((rank + 1) * n) // world
-    return type(batch)(batch.dense[lo:hi], batch.ids[lo:hi], batch.labels[lo:hi])
 
 
 def evaluate(model, loader, max_batches: int, comm=None) -> dict:
@@ -203,32 +100,6 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
     return {"auc": roc_auc(y, z), "logloss": log_loss(y, z), "eval_samples": int(y.size)}
 
 
-class MetricsWriter:
-    """JSON lines: appended to the file ``path`` when given, and to stdout when ``stdout`` (None:
-    stdout when there is no file, the Python API's default).
-
-    Records (``"event"``): ``config`` (every TrainConfig field), ``resume``, ``train`` every
-    ``log_interval`` steps (``loss``: that step's loss; ``samples_per_s``: over every step so far),
-    ``eval`` and ``final`` (``Trainer.finish``)."""
-
-    def __init__(self, path: str | None, stdout: bool | None = None):
-        self._file = open(path, "a") if path else None
-        self._stdout = (not path) if stdout is None else bool(stdout)
-
-    def write(self, record: dict) -> None:
-        line = json.dumps(record, default=float)
-        if self._file:
-            self._file.write(line + "\n")
-            self._file.flush()
-        if self._stdout:
-            print(line, flush=True)
-
-    def close(self) -> None:
-        if self._file:
-            self._file.close()
-
-
-PHASES = ("wait", "embedding", "dense", "update")
 #: the feature lifecycle's counters in the final record, summed over the ranks
 LIFECYCLE_FIELDS = ("admitted_rows", "not_admitted_lookups", "evicted_rows")
 
@@ -242,45 +113,6 @@ RESUME_MAY_CHANGE = {"steps", "epochs", "log_interval", "eval_interval", "eval_b
                      "snapshot_name", "keep_snapshots", "prefetch_depth", "read_ahead", "cache_mb",
                      "host_cache_mb", "capacity", "resume", "overwrite", "persistent_path",
                      "cuda_graph"}
-
-
-@dataclass
-class TrainProgress:
-    """Where a training stands: step and loader position, and the metric accumulators.
-
-    ``epoch`` / ``batches_in_epoch`` locate the next batch in the loader; ``losses`` holds one
-    loss per step (the head / tail means of the final record); ``steady_*`` leave out the first
-    ``skip_steps`` steps.
-    """
-
-    step: int = 0
-    epoch: int = 0
-    batches_in_epoch: int = 0
-    samples: int = 0
-    losses: list = field(default_factory=list)
-    train_seconds: float = 0.0
-    steady_seconds: float = 0.0
-    steady_samples: int = 0
-    #: seconds per part of the step: waiting for prefetched rows, embedding (rows out, gradients
-    #: in), dense (model and loss forward + backward), update (optimizer step)
-    phase_seconds: dict = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-
-    def count(self, epoch: int, batch_size: int, loss, seconds: float,
-              skip_steps: int) -> None:
-        """One finished step of ``batch_size`` samples of ``epoch`` that took ``seconds``
-        (``batch_size`` is the global batch); ``loss`` is a float, or None when the trainer
-        reads it back later (``read_losses``)."""
-        if epoch != self.epoch:
-            self.epoch, self.batches_in_epoch = epoch, 0
-        self.step += 1
-        self.batches_in_epoch += 1
-        self.samples += batch_size
-        if loss is not None:
-            self.losses.append(loss)
-        self.train_seconds += seconds
-        if self.step > skip_steps:
-            self.steady_seconds += seconds
-            self.steady_samples += batch_size
 
 
 class Trainer:
@@ -738,14 +570,6 @@ class Trainer:
         if self.writer is not None:
             self.writer.close()
         self.embedding.close()
-
-
-def progress_postfix(progress: TrainProgress, window: int = 20) -> str:
-    """The progress bar's figures, each named: the mean step loss of the last ``window`` steps
-    read back, and samples/s over every step so far."""
-    recent = progress.losses[-window:]
-    return (f"loss {np.mean(recent):.4f} (mean of last {len(recent)} steps), "
-            f"{progress.samples / progress.train_seconds:,.0f} samples/s (all steps)")
 
 
 def train(cfg: TrainConfig, metrics_path: str | None = None, progress: bool = True,

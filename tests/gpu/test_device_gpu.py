@@ -88,12 +88,12 @@ def _ids(kind, n, rng):
 @pytest.mark.parametrize("kind", ["zipf", "distinct", "all_same"])
 @pytest.mark.parametrize("n", [0, 1, 33, 1000, 100_000, 1_000_000])
 def test_unique_ids_equal_the_cpu_unique(n, kind):
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import device_unique
     from one_embedding.parallel.unique import unique_ids
 
     cp = _cp()
     keys = _ids(kind, n, np.random.default_rng(n))
-    got_unique, got_inverse = device_ops.unique_ids(cp.asarray(keys))
+    got_unique, got_inverse = device_unique.unique_ids(cp.asarray(keys))
     want_unique, want_inverse = unique_ids(keys)
     _exact(got_unique, want_unique)
     _exact(got_inverse, want_inverse)
@@ -104,7 +104,7 @@ def test_unique_ids_equal_the_cpu_unique(n, kind):
 def test_hash_dedup_equals_the_sort_and_the_cpu(n, kind):
     """The hash-table dedup (unique_ids) against the sort-based one it replaced and the CPU's,
     with first positions, under real concurrency: blocks race for buckets and hot keys' atomics."""
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import device_unique
     from one_embedding.parallel.unique import first_occurrence, unique_ids
 
     cp = _cp()
@@ -119,10 +119,10 @@ def test_hash_dedup_equals_the_sort_and_the_cpu(n, kind):
     want_first = first_occurrence(want_inverse, want_unique.size)
     device_keys = cp.asarray(keys)
     for _ in range(2):   # the buckets may differ between runs, the results may not
-        got = device_ops.unique_ids(device_keys, return_first=True)
+        got = device_unique.unique_ids(device_keys, return_first=True)
         for a, b in zip(got, (want_unique, want_inverse, want_first), strict=True):
             _exact(a, b)
-    for a, b in zip(device_ops.unique_ids_by_sorting(device_keys, return_first=True),
+    for a, b in zip(device_unique.unique_ids_by_sorting(device_keys, return_first=True),
                     (want_unique, want_inverse, want_first), strict=True):
         _exact(a, b)
 
@@ -133,14 +133,14 @@ def test_hash_dedup_equals_the_sort_and_the_cpu(n, kind):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n,dim,n_keys", [(1, 1, 1), (1000, 16, 30), (4097, 64, 4097), (200_000, 128, 5000)])
 def test_segment_sum_is_the_cpu_sum_bit_for_bit(n, dim, n_keys, dtype):
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import device_unique
     from one_embedding.parallel.unique import segment_sum, unique_ids
 
     cp = _cp()
     rng = np.random.default_rng(n + dim)
     values = _normal_floats(rng, (n, dim), dtype)
     uniq, inverse = unique_ids(rng.zipf(1.2, n).astype(np.uint64) % np.uint64(n_keys))
-    got = device_ops.segment_sum(cp.asarray(values), cp.asarray(inverse), uniq.size)
+    got = device_unique.segment_sum(cp.asarray(values), cp.asarray(inverse), uniq.size)
     _exact(got, segment_sum(values, inverse, uniq.size))
 
 

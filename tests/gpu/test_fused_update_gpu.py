@@ -51,7 +51,7 @@ SIZES = {2000: (2000, 13, 500), 200000: (200_000, 128, 50_000)}
 @pytest.mark.parametrize("size", list(SIZES), ids=str)
 @pytest.mark.parametrize("name", list(helpers.row_optimizer_cases()))
 def test_fused_update_is_the_two_kernel_update_on_the_gpu(name, size):
-    from one_embedding.kernels import device_ops, fused_update
+    from one_embedding.kernels import device_ops, device_unique, fused_update
     from one_embedding.parallel.unique import segment_sum, unique_ids
 
     cp = _cp()
@@ -76,7 +76,7 @@ def test_fused_update_is_the_two_kernel_update_on_the_gpu(name, size):
                                          fused_update.SummedGradients(values_d, inverse_d, u,
                                                                       device_ops.cupy_launcher()),
                                          step)
-        device_ops.update_lines(two_opt, two_lines, device_ops.segment_sum(values_d, inverse_d, u),
+        device_ops.update_lines(two_opt, two_lines, device_unique.segment_sum(values_d, inverse_d, u),
                                 step)
         states = [want[:, (k + 1) * dim:(k + 2) * dim] for k in range(cpu_opt.n_states)]
         cpu_opt.update(want[:, :dim], states, segment_sum(values, inverse, u), step)

@@ -170,7 +170,7 @@ def test_predictor_scores_equal_the_trained_model(run):
     from one_embedding.checkpoint import load_checkpoint
     from one_embedding.config import TrainConfig
     from one_embedding.data.features import FeatureTransform
-    from one_embedding.training import build_model
+    from one_embedding.training_setup import build_model
 
     dense, cat = requests_for(64, np.random.default_rng(1))
     with Predictor(run) as p:

@@ -213,7 +213,7 @@ def test_options_that_need_another_one_are_accepted_with_it():
     assert TrainConfig().admit_sketch_mb is None  # LifecycleOptions' default (32) applies
     assert parse("train", "--admit-min-count", "2", "--admit-sketch-mb", "8").admit_sketch_mb == 8
     assert parse("train", "--steps-to-live", "20", "--evict-interval", "5").evict_interval == 5
-    from one_embedding.training import lifecycle_options_for
+    from one_embedding.training_setup import lifecycle_options_for
 
     assert lifecycle_options_for(TrainConfig(admit_min_count=2)).sketch_mb == 32.0
     assert lifecycle_options_for(TrainConfig(admit_min_count=2, admit_sketch_mb=8)).sketch_mb == 8

@@ -14,7 +14,7 @@ from one_embedding.data import (BatchLoader, CriteoTSVReader, KeyScheme, Parquet
                                 SyntheticCriteo, TSVSource, convert_tsv_to_parquet, parse_lines,
                                 read_criteo_tsv, write_parquet)
 from one_embedding.errors import ConfigError, InputError
-from one_embedding.training import make_loaders
+from one_embedding.training_setup import make_loaders
 
 
 def tsv_lines(rows, seed=0):

@@ -38,7 +38,7 @@ from one_embedding.cache.set_associative import SetAssociativeCache
 from one_embedding.errors import CapacityError, ConfigError, InputError
 from one_embedding.initializers import fill_initial_values, initial_values
 from one_embedding.kernels import cuda_module as cm
-from one_embedding.kernels import device_ops, reference
+from one_embedding.kernels import device_ops, device_unique, reference
 from one_embedding.optim import SGD, Adam
 from one_embedding.parallel import codec
 from one_embedding.parallel.unique import segment_sum, unique_ids
@@ -415,7 +415,7 @@ def test_unique_ids_equal_the_cpu_unique(launch, case):
             "distinct": rng.permutation(3000).astype(np.uint64),
             "zipf": rng.zipf(1.2, 5000).astype(np.uint64),
             "extremes": np.array([0, 2**64 - 1, 0, 2**63, 1, 2**64 - 1, 2**63 - 1], np.uint64)}[case]
-    got_unique, got_inverse = device_ops.unique_ids(keys, launch=launch)
+    got_unique, got_inverse = device_unique.unique_ids(keys, launch=launch)
     want_unique, want_inverse = unique_ids(keys)
     np.testing.assert_array_equal(got_unique, want_unique)
     np.testing.assert_array_equal(got_inverse, want_inverse)
@@ -433,12 +433,12 @@ def test_segment_sum_is_the_cpu_sum_bit_for_bit(launch, dtype):
             values[1, :1] = np.inf
         ids = rng.zipf(1.3, n).astype(np.uint64) % np.uint64(n_keys)
         uniq, inverse = unique_ids(ids)
-        got = device_ops.segment_sum(values, inverse, uniq.size, launch=launch)
+        got = device_unique.segment_sum(values, inverse, uniq.size, launch=launch)
         want = segment_sum(values, inverse, uniq.size)
         assert got.dtype == want.dtype and got.shape == want.shape
         np.testing.assert_array_equal(got.view(np.uint8), want.view(np.uint8))
     with pytest.raises(InputError):
-        device_ops.segment_sum(np.ones((3, 2), np.float32), np.array([0, 1, 5]), 2, launch=launch)
+        device_unique.segment_sum(np.ones((3, 2), np.float32), np.array([0, 1, 5]), 2, launch=launch)
 
 
 def test_gather_rows_equal_the_reference(launch):
@@ -613,7 +613,8 @@ def _glue_launches():
     """{(family, name)} of every launch_threads / launch_warps call in the device glue."""
     found = set()
     package = helpers.PACKAGE
-    for path in [package / "kernels" / "device_ops.py", package / "kernels" / "fused_update.py",
+    for path in [package / "kernels" / "device_ops.py", package / "kernels" / "device_unique.py",
+                 package / "kernels" / "fused_update.py",
                  package / "cache" / "device.py", package / "kernels" / "layout_ops.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (

@@ -1,6 +1,6 @@
-"""The device dedup (``device_ops.unique_ids``: a hash table in device memory, no sort) on the host
-emulator, in its default mode and under the stress seeds (threads interleaved at random, several
-blocks racing for buckets): its results against the CPU's numba ``parallel.unique.unique_ids``
+"""The device dedup (``device_unique.unique_ids``: a hash table in device memory, no sort) on the
+host emulator, in its default mode and under the stress seeds (threads interleaved at random,
+several blocks racing for buckets): its results against the CPU's numba ``parallel.unique.unique_ids``
 and against the sort-based device version it replaced (``unique_ids_by_sorting``), bit for bit
 and in the same order; the table its kernels build; its one counted host read; its argument
 checks."""
@@ -12,7 +12,7 @@ import pytest
 from one_embedding import host_sync
 from one_embedding.errors import InputError
 from one_embedding.hashing import mix64
-from one_embedding.kernels import device_ops
+from one_embedding.kernels import device_ops, device_unique
 from one_embedding.parallel.unique import first_occurrence, unique_ids
 
 pytestmark = pytest.mark.stress_seeds
@@ -36,7 +36,7 @@ def _key_sets() -> dict[str, np.ndarray]:
     rng = np.random.default_rng(32)
     # 20 keys sharing the last home bucket, three times each, with the marker and 0: n = 64, so
     # the table has dedup_capacity(64) = 128 buckets
-    collide = np.concatenate([np.repeat(_colliding_keys(20, device_ops.dedup_capacity(64), rng), 3),
+    collide = np.concatenate([np.repeat(_colliding_keys(20, device_unique.dedup_capacity(64), rng), 3),
                               np.array([EMPTY, 0, EMPTY, 0], np.uint64)])
     rng.shuffle(collide)
     return {
@@ -61,17 +61,17 @@ KEY_SETS = _key_sets()
 
 
 def _check_against_the_cpu_and_the_sort(keys, launch):
-    got = device_ops.unique_ids(keys, launch=launch, return_first=True)
+    got = device_unique.unique_ids(keys, launch=launch, return_first=True)
     want_unique, want_inverse = unique_ids(keys)
     want_first = first_occurrence(want_inverse, want_unique.size)
     for a, b in zip(got, (want_unique, want_inverse, want_first), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape
         np.testing.assert_array_equal(a, b)
-    by_sorting = device_ops.unique_ids_by_sorting(keys, launch=launch, return_first=True)
+    by_sorting = device_unique.unique_ids_by_sorting(keys, launch=launch, return_first=True)
     for a, b in zip(got, by_sorting, strict=True):
         assert a.dtype == b.dtype
         np.testing.assert_array_equal(a, b)
-    two = device_ops.unique_ids(keys, launch=launch)
+    two = device_unique.unique_ids(keys, launch=launch)
     assert len(two) == 2
     np.testing.assert_array_equal(two[0], want_unique)
     np.testing.assert_array_equal(two[1], want_inverse)
@@ -107,7 +107,7 @@ def test_the_table_holds_each_key_once_with_its_first_position(launch):
     id's bucket the one holding its key, and no hole between a key's home and its bucket."""
     for keys in (KEY_SETS["collide_and_wrap"], KEY_SETS["zipf"], KEY_SETS["extremes"]):
         n = keys.size
-        capacity = device_ops.dedup_capacity(n)
+        capacity = device_unique.dedup_capacity(n)
         table = np.empty(2 * (capacity + 1), np.uint64)
         device_ops.launch_threads(launch, "embedding", "dedup_clear", np.float32, capacity + 1,
                                   (table, np.int64(capacity + 1), np.int64(n)))
@@ -135,27 +135,27 @@ def test_the_table_holds_each_key_once_with_its_first_position(launch):
 def test_one_counted_read_per_call(launch):
     keys = KEY_SETS["zipf"]
     with host_sync.counting() as reads:
-        device_ops.unique_ids(keys, launch=launch, return_first=True)
+        device_unique.unique_ids(keys, launch=launch, return_first=True)
     assert reads.total == 1 and dict(reads.by_reason) == {"dedup: unique count": 1}
     with host_sync.counting() as reads:
-        device_ops.unique_ids(KEY_SETS["empty"], launch=launch)
+        device_unique.unique_ids(KEY_SETS["empty"], launch=launch)
     assert reads.total == 0
 
 
 def test_dedup_capacity_keeps_the_table_at_most_half_full():
     for n in (1, 2, 3, 4, 5, 63, 64, 65, 1000, 1 << 20, (1 << 20) + 1):
-        capacity = device_ops.dedup_capacity(n)
+        capacity = device_unique.dedup_capacity(n)
         assert capacity >= 2 * n and capacity & (capacity - 1) == 0 and capacity < 4 * n
-    assert device_ops.dedup_capacity(0) == 2
+    assert device_unique.dedup_capacity(0) == 2
 
 
 def test_unique_ids_refuses_bad_keys(launch):
     with pytest.raises(InputError, match="dimensions"):
-        device_ops.unique_ids(np.zeros((3, 2), np.uint64), launch=launch)
+        device_unique.unique_ids(np.zeros((3, 2), np.uint64), launch=launch)
     with pytest.raises(InputError, match="not a numpy array"):
-        device_ops.unique_ids([1, 2, 3], launch=launch)
+        device_unique.unique_ids([1, 2, 3], launch=launch)
     # any integer dtype is taken as uint64 bits, as the CPU unique does
     keys = np.array([-1, 5, -1], np.int64)
-    got_unique, got_inverse = device_ops.unique_ids(keys, launch=launch)
+    got_unique, got_inverse = device_unique.unique_ids(keys, launch=launch)
     np.testing.assert_array_equal(got_unique, np.array([EMPTY, 5], np.uint64))
     np.testing.assert_array_equal(got_inverse, [0, 1, 0])

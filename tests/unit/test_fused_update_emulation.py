@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from one_embedding.errors import InputError
-from one_embedding.kernels import device_ops, fused_update
+from one_embedding.kernels import device_ops, device_unique, fused_update
 from one_embedding.optim import SGD, SmartDecayAdam
 from one_embedding.parallel.unique import unique_ids
 
@@ -55,7 +55,7 @@ def test_fused_update_is_segment_sum_then_update_lines_bit_for_bit(launch, name)
             fused_opt.grad_scale = two_opt.grad_scale = 1.0 / 1024.0
         summed = fused_update.SummedGradients(values, inverse, u, launch)
         fused_update.update_lines_summed(fused_opt, fused_lines, summed, step)
-        grads = device_ops.segment_sum(values, inverse, u, launch=launch)
+        grads = device_unique.segment_sum(values, inverse, u, launch=launch)
         device_ops.update_lines(two_opt, two_lines, grads, step, launch=launch)
         _same_bits(fused_lines, two_lines)
         _same_bits(summed.materialize(), grads)
@@ -81,7 +81,7 @@ def test_fused_smart_decay_adam_reads_and_writes_the_rows_steps(launch):
             values, inverse, u, launch), step)
         table[keys] = fused_lines
         two_lines = np.ascontiguousarray(want[keys])
-        grads = device_ops.segment_sum(values, inverse, u, launch=launch)
+        grads = device_unique.segment_sum(values, inverse, u, launch=launch)
         device_ops.update_lines(two_opt, two_lines, grads, step, launch=launch)
         want[keys] = two_lines
     _same_bits(table, want)

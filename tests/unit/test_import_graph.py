@@ -17,12 +17,15 @@ PACKAGE = "one_embedding"
 
 #: DESIGN.md "Packages": "Dependencies point one way: cli -> training -> pipeline -> embedding ->
 #: parallel, shard -> chain -> cache, store -> tiers -> hashing, backend", top first; a module of a
-#: layer imports nothing of a layer above it
-LAYERS = (("cli",), ("training",), ("pipeline",), ("embedding",), ("parallel", "shard"),
-          ("chain",), ("cache", "store"), ("tiers",), ("hashing", "backend"))
+#: layer imports nothing of a layer above it (training's builders and its progress records are
+#: modules of the training layer)
+LAYERS = (("cli",), ("training", "training_setup", "training_progress"), ("pipeline",),
+          ("embedding",), ("parallel", "shard"), ("chain",), ("cache", "store"), ("tiers",),
+          ("hashing", "backend"))
 #: further one-way rules, (lower, what it must not import): "models and nn sit beside embedding,
 #: above kernels"; ``store_dict`` knows OneFlow's dict layout only, ``options`` imports it
-BELOW = {"kernels": {"models", "nn", "embedding", "pipeline", "training", "cli"},
+BELOW = {"kernels": {"models", "nn", "embedding", "pipeline", "training", "training_setup",
+                     "training_progress", "cli"},
          "store_dict": {"options"}}
 
 

@@ -10,7 +10,8 @@ import pytest
 from one_embedding.config import TrainConfig
 from one_embedding.errors import ConfigError
 from one_embedding.optim.lr_schedules import LinearWarmup, WarmupPolynomialDecay
-from one_embedding.training import Trainer, make_lr_schedule, train
+from one_embedding.training import Trainer, train
+from one_embedding.training_setup import make_lr_schedule
 
 #: small and quick: a few thousand synthetic rows, tiny tables
 TINY = dict(batch_size=128, synthetic_rows=4_000, synthetic_scale=0.001, eval_batches=2)

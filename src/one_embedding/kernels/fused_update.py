@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from . import device_ops
+from . import device_ops, device_unique
 from .device_ops import Launcher
 
 #: False: the backward sums at once (segment_sum) and the update reads the sums (update_lines)
@@ -49,14 +49,14 @@ class SummedGradients:
 
     def order(self):
         """(rows_by_segment (n,) int64, offsets (u + 1,) int64): the rows grouped by key
-        (``device_ops.segment_order``), computed once."""
+        (``device_unique.segment_order``), computed once."""
         if self._order is None:
-            self._order = device_ops.segment_order(self.launch.xp, self.inverse, self.n_keys)
+            self._order = device_unique.segment_order(self.launch.xp, self.inverse, self.n_keys)
         return self._order
 
     def materialize(self):
-        """The sums: (u, E) float32, ``device_ops.segment_sum`` of the rows."""
-        return device_ops.segment_sum(self.values, self.inverse, self.n_keys, self.launch,
+        """The sums: (u, E) float32, ``device_unique.segment_sum`` of the rows."""
+        return device_unique.segment_sum(self.values, self.inverse, self.n_keys, self.launch,
                                       check_inverse=False)
 
     def row(self, at):

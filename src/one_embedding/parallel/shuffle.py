@@ -16,8 +16,9 @@ Rows and gradients cross the all-to-all in the exchange dtype (``codec``: fp32, 
 row); ``Traffic`` counts the bytes a rank sends to the other ranks.
 
 On a GPU (``launch``: the embedding's device launcher) keys, rows and gradients stay device arrays
-and the local steps run their device twins (``kernels.device_ops``: unique, segment sums, codecs)
-with the same results; only the per-rank counts are host arrays (a communicator takes them so).
+and the local steps run their device twins (``kernels.device_unique``: unique, segment sums;
+``kernels.device_ops``: codecs) with the same results; only the per-rank counts are host arrays
+(a communicator takes them so).
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..hashing import xxh64_u64 as _xxh64_u64
-from ..kernels import device_ops
+from ..kernels import device_ops, device_unique
 from . import codec
 from .comm import Communicator
 from .unique import first_occurrence, segment_sum, unique_ids
@@ -87,7 +88,7 @@ def partition_ids(keys: np.ndarray, table_ids: np.ndarray, world: int = 1,
 def _partition_on_device(keys, table_ids, world: int, launch) -> LocalIds:
     """``partition_ids`` on device arrays; counts_per_rank comes back to the host."""
     xp = launch.xp
-    uniq, inverse, first = device_ops.unique_ids(keys, launch, return_first=True)
+    uniq, inverse, first = device_unique.unique_ids(keys, launch, return_first=True)
     uniq_tables = table_ids[first].astype(xp.int32)
     if world == 1:
         return LocalIds(uniq, uniq_tables, inverse, np.array([uniq.shape[0]], np.int64))
@@ -96,7 +97,7 @@ def _partition_on_device(keys, table_ids, world: int, launch) -> LocalIds:
     u = uniq.shape[0]
     order = xp.argsort(owners * max(u, 1) + xp.arange(u, dtype=xp.int64)).astype(xp.int64)
     # the exchange sizes its messages with them: one counted read (no bincount, which reads too)
-    offsets = device_ops.segment_offsets(xp, owners[order].astype(xp.int64), world)
+    offsets = device_unique.segment_offsets(xp, owners[order].astype(xp.int64), world)
     counts = np.diff(launch.to_host(offsets, reason="partition: per-rank counts for the exchange"))
     uniq, uniq_tables = uniq[order], uniq_tables[order]
     position = xp.empty_like(order)

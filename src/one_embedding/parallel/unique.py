@@ -14,7 +14,7 @@ import numpy as np
 from numba import njit
 
 from ..hashing import jit_mix64
-from ..kernels import device_ops
+from ..kernels import device_unique
 
 
 @njit(cache=True, nogil=True)
@@ -43,7 +43,7 @@ def _unique_inverse(keys, table_keys, table_pos, unique_out, inverse):
 def unique_ids(keys: np.ndarray, launch=None) -> tuple[np.ndarray, np.ndarray]:
     """keys: (n,) uint64 -> (unique (u,) uint64 in first-occurrence order, inverse (n,) int64)."""
     if launch is not None:
-        return device_ops.unique_ids(keys, launch)
+        return device_unique.unique_ids(keys, launch)
     keys = np.ascontiguousarray(keys, np.uint64)
     n = keys.shape[0]
     cap = 16
@@ -61,7 +61,7 @@ def first_occurrence(inverse: np.ndarray, n_unique: int, launch=None) -> np.ndar
     """inverse: (n,) int64 from ``unique_ids`` -> (n_unique,) int64 index of each unique key's first
     occurrence (writing in reverse order lets the earliest index win)."""
     if launch is not None:
-        return device_ops.first_occurrence(inverse, n_unique, launch)
+        return device_unique.first_occurrence(inverse, n_unique, launch)
     first = np.empty(n_unique, np.int64)
     first[inverse[::-1]] = np.arange(inverse.shape[0] - 1, -1, -1)
     return first
@@ -83,7 +83,7 @@ def segment_sum(values: np.ndarray, inverse: np.ndarray, n_segments: int,
     """
     if launch is not None:
         # the inverse comes from unique_ids, as on the CPU (whose kernel checks nothing)
-        return device_ops.segment_sum(values, inverse, n_segments, launch, check_inverse=False)
+        return device_unique.segment_sum(values, inverse, n_segments, launch, check_inverse=False)
     out = np.zeros((n_segments, values.shape[1]), values.dtype)
     _segment_sum(np.ascontiguousarray(values), np.ascontiguousarray(inverse, np.int64), out)
     return out

@@ -433,7 +433,7 @@ def _serving_config(saved: dict):
 def _build_model(cfg, num_tables: int):
     from ..config import make_row_optimizer
     from ..options import make_device_mem_store_options
-    from ..training import build_model
+    from ..training_setup import build_model
 
     size_factor = make_row_optimizer(cfg).required_size_factor()
     store = make_device_mem_store_options(None, capacity=1024, size_factor=size_factor)

@@ -24,7 +24,7 @@ __global__ void embedding_unique_first(const oe::i64* order, const oe::i64* segm
 }
 
 // ---- Dedup with a hash table: unique keys in first-occurrence order, the inverse and first
-// positions, in four passes over the ids with no sort (device_ops.unique_ids launches them).
+// positions, in four passes over the ids with no sort (device_unique.unique_ids launches them).
 //
 // table: (capacity + 1, 2) u64, bucket b = [key, first], capacity a power of two (mask =
 // capacity - 1) of at least twice the ids, so a probe always meets an empty bucket. Buckets

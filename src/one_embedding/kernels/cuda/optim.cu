@@ -279,7 +279,7 @@ __global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, 
 
 // The gradient summed per line from a backward's rows: values (m, dim) T; rows_by_segment (m,)
 // i64, the rows sorted by (line, row); offsets (n + 1,) i64, line s owns
-// rows_by_segment[offsets[s]:offsets[s + 1]] (device_ops.segment_order).
+// rows_by_segment[offsets[s]:offsets[s + 1]] (device_unique.segment_order).
 template <typename T>
 __global__ void optim_summed_sgd(T* lines, int line_size, const T* values,
                                  const oe::i64* rows_by_segment, const oe::i64* offsets, oe::i64 n,

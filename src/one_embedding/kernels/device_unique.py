@@ -1,0 +1,171 @@
+"""The device twins of ``parallel.unique``: unique + inverse (a hash table in device memory, and
+the sort-based baseline it replaced), first occurrences, and the segment sums of the gradient
+shuffle, launching the kernels of ``cuda/embedding.cu``.
+
+Every function takes ``launch``, a ``device_ops.Launcher`` (default: ``device_ops.cupy_launcher()``,
+CuPy on the current device; the tests pass the host emulator's). Results equal the CPU twins in
+``parallel.unique`` bit for bit (float32 subnormal sums flush to zero on the GPU).
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .. import host_sync
+from ..errors import InputError
+from .device_ops import Launcher, _float_dtype, device_array, launch_threads, resolve
+
+
+def dedup_capacity(n: int) -> int:
+    """Buckets of ``unique_ids``'s hash table for ``n`` ids: the smallest power of two of at least
+    2n (at least 2), so the table is at most half full even when every id is distinct."""
+    return 1 << max(1, (2 * int(n) - 1).bit_length())
+
+
+def _empty_unique(xp, return_first: bool):
+    empty = (xp.empty(0, xp.uint64), xp.empty(0, xp.int64))
+    return empty + (xp.empty(0, xp.int64),) if return_first else empty
+
+
+def unique_ids(keys, launch: Launcher | None = None, return_first: bool = False):
+    """keys: (n,) uint64 -> (unique (u,) uint64 in first-occurrence order, inverse (n,) int64),
+    and with ``return_first`` also first (u,) int64, the position of each unique key's first
+    occurrence (``parallel.unique.first_occurrence``).
+
+    Equals ``parallel.unique.unique_ids`` exactly, with no sort: a hash table in device memory
+    (``dedup_capacity(n)`` buckets of 16 bytes, linear probing, the key equal to the empty marker
+    in a side bucket; ``cuda/embedding.cu`` has the layout). A thread per id claims its key's
+    bucket and lowers the bucket's first position to its own by an atomic minimum; a second pass
+    flags each id that is its key's first occurrence; the inclusive prefix sum of the flags then
+    numbers the keys in first-occurrence order, and a third pass writes the inverse, the unique
+    keys and their first positions. Which bucket a key lands in depends on thread timing, the
+    results do not. One counted host read, the unique count ("dedup: unique count"), sizes them.
+    """
+    launch = resolve(launch)
+    xp = launch.xp
+    keys = device_array(launch, "keys", keys, np.uint64, ndim=1)
+    n = keys.shape[0]
+    if n == 0:
+        return _empty_unique(xp, return_first)
+    capacity = dedup_capacity(n)
+    table = xp.empty(2 * (capacity + 1), dtype=xp.uint64)           # (capacity + 1, 2) [key, first]
+    launch_threads(launch, "embedding", "dedup_clear", np.float32, capacity + 1,
+                   (table, np.int64(capacity + 1), np.int64(n)))
+    first_of = xp.empty(n, dtype=xp.int64)                         # bucket, then first position
+    launch_threads(launch, "embedding", "dedup_insert", np.float32, n,
+                   (keys, np.int64(n), table, np.int64(capacity - 1), first_of))
+    is_first = xp.empty(n, dtype=xp.uint8)
+    launch_threads(launch, "embedding", "dedup_first", np.float32, n, (table, np.int64(n), first_of, is_first))
+    rank = xp.cumsum(is_first, dtype=xp.int64)                     # (n,) ids + 1 at first positions
+    n_unique = host_sync.scalar(rank[-1], "dedup: unique count")
+    uniq = xp.empty(n_unique, dtype=xp.uint64)
+    first = xp.empty(n_unique, dtype=xp.int64)
+    inverse = xp.empty(n, dtype=xp.int64)
+    launch_threads(launch, "embedding", "dedup_output", np.float32, n,
+                   (keys, first_of, rank, np.int64(n), inverse, uniq, first))
+    if return_first:
+        return uniq, inverse, first
+    return uniq, inverse
+
+
+def unique_ids_by_sorting(keys, launch: Launcher | None = None, return_first: bool = False):
+    """``unique_ids`` as it was before the hash table, the baseline that ``benchmarks/bench_gpu.py``
+    times beside it: same arguments, same results bit for bit.
+
+    Sort-based: the keys are sorted (an argsort of all n keys), runs of equal keys found, each
+    run's first batch position taken by an atomic minimum (so the sort need not be stable), and
+    the runs are then numbered in order of their first positions (an argsort of the u firsts).
+    """
+    launch = resolve(launch)
+    xp = launch.xp
+    keys = device_array(launch, "keys", keys, np.uint64, ndim=1)
+    n = keys.shape[0]
+    if n == 0:
+        return _empty_unique(xp, return_first)
+    order = xp.argsort(keys).astype(xp.int64)                     # (n,) positions in key order
+    sorted_keys = keys[order]
+    head = xp.ones(n, dtype=xp.int64)
+    head[1:] = sorted_keys[1:] != sorted_keys[:-1]
+    segment = xp.cumsum(head) - 1                                   # (n,) run of each sorted key
+    n_unique = host_sync.scalar(segment[-1], "dedup: unique count") + 1
+    first = xp.full(n_unique, n, dtype=xp.int64)                    # (u,) first position of a run
+    launch_threads(launch, "embedding", "unique_first", np.float32, n, (order, segment, np.int64(n), first))
+    by_first = xp.argsort(first)                                    # distinct values: one order
+    new_id = xp.empty(n_unique, dtype=xp.int64)
+    new_id[by_first] = xp.arange(n_unique, dtype=xp.int64)
+    inverse = xp.empty(n, dtype=xp.int64)
+    inverse[order] = new_id[segment]
+    first = first[by_first]
+    if return_first:
+        return keys[first], inverse, first
+    return keys[first], inverse
+
+
+def segment_offsets(xp, sorted_ids, n_segments: int):
+    """sorted_ids: (n,) int64 ascending, in [0, n_segments) -> (n_segments + 1,) int64: where
+    each id's run starts (the last entry n), by a binary search per id, so nothing is read back
+    (``bincount`` would be: CuPy's reads the ids' maximum and checks their sign on the host)."""
+    bounds = xp.arange(int(n_segments) + 1, dtype=xp.int64)
+    return xp.searchsorted(sorted_ids, bounds, side="left").astype(xp.int64)
+
+
+def first_occurrence(inverse, n_unique: int, launch: Launcher | None = None):
+    """inverse: (n,) int64 from ``unique_ids`` -> (n_unique,) int64 position of each unique key's
+    first occurrence, as ``parallel.unique.first_occurrence``: (segment, position) packed into
+    one distinct int64 per position, so any sort puts each segment's positions in order and the
+    segments in id order (every id in 0..n_unique-1 occurs in an inverse)."""
+    launch = resolve(launch)
+    xp = launch.xp
+    inverse = device_array(launch, "inverse", inverse, np.int64, ndim=1)
+    n = inverse.shape[0]
+    if n == 0 or int(n_unique) == 0:
+        return xp.empty(0, dtype=xp.int64)
+    order = xp.argsort(inverse * n + xp.arange(n, dtype=xp.int64)).astype(xp.int64)
+    sorted_ids = inverse[order]
+    head = xp.ones(n, dtype=xp.bool_)
+    head[1:] = sorted_ids[1:] != sorted_ids[:-1]
+    first = order[head]
+    if first.shape[0] != int(n_unique):
+        raise InputError(f"inverse holds {first.shape[0]} distinct ids, not n_unique={n_unique}")
+    return first
+
+
+def segment_order(xp, inverse, n_segments: int):
+    """inverse: (n,) int64 in [0, n_segments) -> (rows_by_segment (n,) int64, the rows sorted by
+    (segment, row); offsets (n_segments + 1,) int64, segment s owning
+    rows_by_segment[offsets[s]:offsets[s + 1]]): the grouping the segment-sum kernels read."""
+    n = inverse.shape[0]
+    # (segment, row) packed into one distinct int64 per row, so any sort groups each segment's
+    # rows in ascending order (n**2 < 2**63 for n below 3e9)
+    rows_by_segment = xp.argsort(inverse * n + xp.arange(n, dtype=xp.int64)).astype(xp.int64)
+    return rows_by_segment, segment_offsets(xp, inverse[rows_by_segment], n_segments)
+
+
+def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None,
+                check_inverse: bool = True):
+    """values: (n, E) float32, inverse: (n,) int64 in [0, n_segments) -> (n_segments, E).
+
+    Each segment's rows are added in row order from +0, one thread per (segment, column), so the
+    sums equal ``parallel.unique.segment_sum`` bit for bit (float32 subnormal sums flush to zero
+    on the GPU). ``check_inverse=False`` skips the inverse's range check (a host read) for an
+    inverse that ``unique_ids`` made.
+    """
+    launch = resolve(launch)
+    xp = launch.xp
+    values = device_array(launch, "values", values, None, ndim=2)
+    dtype = _float_dtype("values", values)
+    inverse = device_array(launch, "inverse", inverse, np.int64, ndim=1)
+    n, dim = values.shape
+    n_segments = int(n_segments)
+    if inverse.shape[0] != n:
+        raise InputError(f"inverse has {inverse.shape[0]} entries but values has {n} rows")
+    out = xp.zeros((n_segments, dim), dtype=dtype)
+    if n == 0 or n_segments == 0 or dim == 0:
+        return out
+    if check_inverse and host_sync.flag((inverse.min() < 0) | (inverse.max() >= n_segments),
+                      "segment_sum: inverse range check"):
+        raise InputError(f"inverse holds values outside [0, {n_segments}): pass the inverse of "
+                         "unique_ids and its number of unique keys")
+    rows_by_segment, offsets = segment_order(xp, inverse, n_segments)
+    launch_threads(launch, "embedding", "segment_sum", dtype, n_segments * dim,
+                   (values, np.int32(dim), rows_by_segment, offsets, np.int64(n_segments), out))
+    return out
