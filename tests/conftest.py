@@ -64,21 +64,34 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-@pytest.fixture(scope="session")
-def emulation_lib(request, tmp_path_factory):
-    """The CUDA sources of the embedding path compiled for the host with g++ (built once, kept in
-    pytest's cache between runs); the test skips where g++ is missing."""
+def _emulation_build(request, tmp_path_factory, families):
+    """``families``' CUDA sources compiled for the host with g++ (built once, kept in pytest's
+    cache between runs); the test skips where g++ is missing."""
     import shutil
 
     from cuda_emulation import build
-
-    from one_embedding.kernels import cuda_module as cm
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not on PATH")
     cache = getattr(request.config, "cache", None)
     folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
-    return build(cm.EMBEDDING_FAMILIES, Path(folder))
+    return build(families, Path(folder))
+
+
+@pytest.fixture(scope="session")
+def emulation_lib(request, tmp_path_factory):
+    """The CUDA sources of the embedding path on the host emulator."""
+    from one_embedding.kernels import cuda_module as cm
+
+    return _emulation_build(request, tmp_path_factory, cm.EMBEDDING_FAMILIES)
+
+
+@pytest.fixture(scope="session")
+def amp_lib(request, tmp_path_factory):
+    """The dense and AMP kernels' CUDA sources (``cuda_module.AMP_FAMILIES``) on the emulator."""
+    from one_embedding.kernels import cuda_module as cm
+
+    return _emulation_build(request, tmp_path_factory, cm.AMP_FAMILIES)
 
 
 #: the emulator's stress seeds that tests marked ``stress_seeds`` run under in every run, beside

@@ -5,8 +5,6 @@ references: the cast against nn.amp.round_to and numpy's float16 bit for bit, bi
 gradient, in fp32 and under each AMP precision."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,17 +17,6 @@ PRECISIONS = ["off", "tf32", "fp16", "bf16"]
 #: the relative spacing of each precision's values: a result rounded once, from a sum the
 #: reference takes exactly, is within one unit of it
 UNIT = {"off": 1e-5, "tf32": 2.0 ** -10, "fp16": 2.0 ** -10, "bf16": 2.0 ** -7}
-
-
-@pytest.fixture(scope="session")
-def amp_lib(request, tmp_path_factory):
-    from cuda_emulation import build
-
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not on PATH")
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
-    return build(cm.AMP_FAMILIES, Path(folder))
 
 
 @pytest.fixture

@@ -8,8 +8,6 @@ unfused path and the last layer's against the float64 reference, 20 training ste
 against the unfused run's, and the numpy default (no kernel, the unfused passes bit for bit)."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,17 +25,6 @@ TABLES, DENSE, BATCH = 4, 5, 96
 #: entry apart, the loss 1.1e-8 (float32 rounding of the blocked batch sums, expf / log1p in the
 #: kernel against numpy's); the bound leaves room for the stress seeds' block orders
 GRAD_RTOL = 2e-6
-
-
-@pytest.fixture(scope="session")
-def amp_lib(request, tmp_path_factory):
-    from cuda_emulation import build
-
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not on PATH")
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
-    return build(cm.AMP_FAMILIES, Path(folder))
 
 
 @pytest.fixture

@@ -5,8 +5,6 @@ layouts), on the host emulator (default mode and stress seeds), against the path
 with the fused gather on and off, bit for bit."""
 from __future__ import annotations
 
-import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -17,17 +15,6 @@ from one_embedding.kernels import dense_ops, device_ops, layout_ops
 from one_embedding.nn import amp
 
 PRECISIONS = ["off", "tf32", "fp16", "bf16"]
-
-
-@pytest.fixture(scope="session")
-def amp_lib(request, tmp_path_factory):
-    from cuda_emulation import build
-
-    if shutil.which("g++") is None:
-        pytest.skip("g++ not on PATH")
-    cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
-    return build(cm.AMP_FAMILIES, Path(folder))
 
 
 @pytest.fixture
