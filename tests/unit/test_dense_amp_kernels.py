@@ -5,7 +5,6 @@ references: the cast against nn.amp.round_to and numpy's float16 bit for bit, bi
 gradient, in fp32 and under each AMP precision."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

@@ -8,7 +8,6 @@ unfused path and the last layer's against the float64 reference, 20 training ste
 against the unfused run's, and the numpy default (no kernel, the unfused passes bit for bit)."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 

@@ -5,7 +5,6 @@ layouts), on the host emulator (default mode and stress seeds), against the path
 with the fused gather on and off, bit for bit."""
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
