@@ -112,6 +112,32 @@ def test_the_batcher_merges_concurrent_requests_and_answers_each_as_alone(run, m
             service.close()
 
 
+def test_a_cancelled_request_is_dropped_and_the_batcher_goes_on(run):
+    """A caller that went away cancels its future while it waits in the queue (a gRPC call the
+    client cancelled, through ``asyncio.wrap_future``): the batcher drops it and answers the
+    requests merged with it and after it."""
+    from one_embedding.serving.service import Service
+
+    (dense, cat), (dense2, cat2) = raw_rows(3, 7), raw_rows(2, 8)
+    with Predictor(run) as p:
+        want = p.predict(dense2, cat2)
+        service = Service(p, max_batch_size=4096, max_queue_delay=0.3)
+        try:
+            gone = service.submit("dlrm", {"dense": dense, "categorical": cat})
+            assert gone.cancel()  # still queued: the batch waits 0.3 s for others
+            kept = service.submit("dlrm", {"dense": dense2, "categorical": cat2})
+            np.testing.assert_allclose(kept.result(timeout=30)[0]["probability"], want,
+                                       rtol=0, atol=1e-6)
+            later = service.submit("dlrm", {"dense": dense2, "categorical": cat2})
+            np.testing.assert_allclose(later.result(timeout=30)[0]["probability"], want,
+                                       rtol=0, atol=1e-6)
+            merged = {s.name: s.value for m in service.metrics.registry.collect()
+                      for s in m.samples if s.name.startswith("one_embedding_batch_requests")}
+            assert merged["one_embedding_batch_requests_sum"] == 2  # the cancelled one not run
+        finally:
+            service.close()
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--max-batch-size", "0"], "--max-batch-size 0 must be >= 1"),
     (["--max-queue-delay-us", "-5"], "--max-queue-delay-us -5.0 must be >= 0"),
