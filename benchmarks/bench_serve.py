@@ -201,8 +201,10 @@ def server_count(server: "Server", sample: str, **labels) -> float:
 
 
 def grpc_failures(server: "Server") -> float:
-    """The server's count of refused or failed gRPC requests (its /metrics)."""
-    return server_count(server, "one_embedding_request_failures_total", protocol="grpc")
+    """The server's count of refused or failed gRPC requests (its /metrics), less those the
+    client cancelled (code 499: h2load resets the streams still in flight when its time is up)."""
+    return server_count(server, "one_embedding_request_failures_total", protocol="grpc") - \
+        server_count(server, "one_embedding_request_failures_total", protocol="grpc", code="499")
 
 
 def rest_body(dense, cat) -> tuple[bytes, int]:
