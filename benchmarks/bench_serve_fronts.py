@@ -104,8 +104,8 @@ def main(argv=None) -> None:
                         row = {"version": version, "front end": proto, "batch": batch,
                                "rows_per_s": r["qps"] * batch, **r}
                         rows.append(row)
-                        print(f"{version:14s} {proto:16s} batch {batch:3d}: {row['rows_per_s']:9.0f}"
-                              f" rows/s, server CPU {r['server_cpu_ms']:.3f} ms/request, client "
+                        print(f"{version:14s} {proto:16s} batch {batch:3d}: "
+                              f"{row['rows_per_s']:9.0f} rows/s, server CPU {r['server_cpu_ms']:.3f} ms/request, client "
                               f"{r['client_cpu_ms']:.3f} ms, {r['failed']} failed", flush=True)
                     for proto in ("gRPC", "gRPC aio client"):
                         rows[-3 + ("REST", "gRPC", "gRPC aio client").index(proto)][

@@ -209,3 +209,23 @@ def test_serve_refuses_bad_batching_and_grpc_options(run, capsys, argv, words):
 
     assert cli.main(["serve", "--persistent-path", str(run), *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_grpc_port_in_use_is_a_config_error_and_leaves_no_thread(run):
+    pytest.importorskip("grpc")
+    from one_embedding.errors import ConfigError
+    from one_embedding.serving.grpc_service import start_grpc
+    from one_embedding.serving.service import Service
+
+    with Predictor(run) as p, socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        service = Service(p)
+        try:
+            with pytest.raises(ConfigError, match=f"--grpc-port {port}: cannot listen on "
+                                                  f"127.0.0.1:{port}"):
+                start_grpc(service, "127.0.0.1", port, 64)
+        finally:
+            service.close()
+    assert not [t for t in threading.enumerate() if t.name == "one_embedding-grpc"]

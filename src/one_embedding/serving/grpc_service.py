@@ -184,9 +184,9 @@ def _new_event_loop() -> asyncio.AbstractEventLoop:
 
 class GrpcServer:
     """grpcio's asyncio server for ``service`` on ``host:port``, running on its own event loop
-    (uvloop's when installed) in one thread (``one_embedding-grpc``) from construction until ``stop()``. Its messages are
-    limited to ``max_request_mb`` (a larger one: RESOURCE_EXHAUSTED). ConfigError when the
-    address cannot be listened on."""
+    (uvloop's when installed) in one thread (``one_embedding-grpc``) from construction until
+    ``stop()``. Its messages are limited to ``max_request_mb`` (a larger one:
+    RESOURCE_EXHAUSTED). ConfigError when the address cannot be listened on."""
 
     def __init__(self, service: Service, host: str, port: int, max_request_mb: float):
         self.address = f"{host}:{port}"
