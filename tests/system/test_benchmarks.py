@@ -107,3 +107,15 @@ def test_bench_serve_measures_server_and_in_process(tmp_path):
         c = ceiling[proto]
         assert 1.0 <= c["ceiling_with_client_on_the_cores"] <= c["ceiling_server_cpu_only"]
         assert "the most the measured CPU costs allow" in out
+
+
+def test_bench_serve_fronts_measures_rest_and_grpc_against_a_baseline(tmp_path):
+    src = os.path.join(str(ROOT), "src")  # this checkout as its own baseline
+    out = run_module(tmp_path, "benchmarks.bench_serve_fronts", "--steps", 10, "--seconds", 1,
+                     "--baseline-src", src, "--dir", tmp_path)
+    assert "machine:" in out
+    rows = json.loads((tmp_path / "serve_fronts.json").read_text())["rows"]
+    assert {(r["version"], r["front end"], r["batch"]) for r in rows} == {
+        (v, f, b) for v in ("baseline", "this checkout")
+        for f in ("REST", "gRPC", "gRPC aio client") for b in (1, 64)}
+    assert all(r["qps"] > 0 and r["server_cpu_ms"] > 0 and r["failed"] == 0 for r in rows)
