@@ -97,7 +97,8 @@ def test_bench_serve_measures_server_and_in_process(tmp_path):
             for on in ("off", "on") for batch in (1, 64)} <= modes
     assert ("in-process, 1 thread", 64) in modes
     assert all(r["qps"] > 0 for r in rows)
-    assert all(r.get("failed", 0) == 0 for r in rows)
+    assert all(r.get("failed", 0) == 0 for r in rows), (
+        [r for r in rows if r.get("failed", 0)], out)
     # each server cell says what a request cost the server's and the load generator's CPU, and
     # the batching ceiling follows from those costs (a server request costs more than the model)
     served = [r for r in rows if r["mode"].startswith(("REST", "gRPC")) and "server_cpu_ms" in r]
@@ -118,4 +119,5 @@ def test_bench_serve_fronts_measures_rest_and_grpc_against_a_baseline(tmp_path):
     assert {(r["version"], r["front end"], r["batch"]) for r in rows} == {
         (v, f, b) for v in ("baseline", "this checkout")
         for f in ("REST", "gRPC", "gRPC aio client") for b in (1, 64)}
-    assert all(r["qps"] > 0 and r["server_cpu_ms"] > 0 and r["failed"] == 0 for r in rows)
+    bad = [r for r in rows if not (r["qps"] > 0 and r["server_cpu_ms"] > 0 and r["failed"] == 0)]
+    assert not bad, (bad, out)
