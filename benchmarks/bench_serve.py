@@ -201,8 +201,18 @@ def server_count(server: "Server", sample: str, **labels) -> float:
 
 
 def grpc_failures(server: "Server") -> float:
-    """The server's count of refused or failed gRPC requests (its /metrics)."""
-    return server_count(server, "one_embedding_request_failures_total", protocol="grpc")
+    """The server's count of refused or failed gRPC requests (its /metrics, one scrape), less
+    those the client cancelled (code 499: h2load resets the streams still in flight when its
+    time is up)."""
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text)
+               for s in family.samples if s.name == "one_embedding_request_failures_total"
+               and s.labels.get("protocol") == "grpc" and s.labels.get("code") != "499")
 
 
 def rest_body(dense, cat) -> tuple[bytes, int]:

@@ -97,7 +97,8 @@ def test_bench_serve_measures_server_and_in_process(tmp_path):
             for on in ("off", "on") for batch in (1, 64)} <= modes
     assert ("in-process, 1 thread", 64) in modes
     assert all(r["qps"] > 0 for r in rows)
-    assert all(r.get("failed", 0) == 0 for r in rows)
+    assert all(r.get("failed", 0) == 0 for r in rows), (
+        [r for r in rows if r.get("failed", 0)], out)
     # each server cell says what a request cost the server's and the load generator's CPU, and
     # the run splits a batch-1 request's server CPU into the model's and the request's own
     served = [r for r in rows if r["mode"].startswith(("REST", "gRPC")) and "server_cpu_ms" in r]
@@ -108,3 +109,16 @@ def test_bench_serve_measures_server_and_in_process(tmp_path):
         assert 0 < c["model_ms_per_row_merged"] < c["server_cpu_ms_batching_on"]
         assert c["request_handling_ms_batching_on"] > 0
     assert "5x the rows/s of batching off needs at most" in out
+
+
+def test_bench_serve_fronts_measures_rest_and_grpc_against_a_baseline(tmp_path):
+    src = os.path.join(str(ROOT), "src")  # this checkout as its own baseline
+    out = run_module(tmp_path, "benchmarks.bench_serve_fronts", "--steps", 10, "--seconds", 1,
+                     "--baseline-src", src, "--dir", tmp_path)
+    assert "machine:" in out
+    rows = json.loads((tmp_path / "serve_fronts.json").read_text())["rows"]
+    assert {(r["version"], r["front end"], r["batch"]) for r in rows} == {
+        (v, f, b) for v in ("baseline", "this checkout")
+        for f in ("REST", "gRPC", "gRPC aio client") for b in (1, 64)}
+    bad = [r for r in rows if not (r["qps"] > 0 and r["server_cpu_ms"] > 0 and r["failed"] == 0)]
+    assert not bad, (bad, out)

@@ -2,6 +2,7 @@
 concurrently without a lock; the dynamic batcher merges concurrent requests and answers each
 as it would have been answered alone."""
 import os
+import socket
 import threading
 
 import numpy as np
@@ -112,6 +113,90 @@ def test_the_batcher_merges_concurrent_requests_and_answers_each_as_alone(run, m
             service.close()
 
 
+def test_a_cancelled_request_is_dropped_and_the_batcher_goes_on(run):
+    """A caller that went away cancels its future while it waits in the queue (a gRPC call the
+    client cancelled, through ``asyncio.wrap_future``): the batcher drops it and answers the
+    requests merged with it and after it."""
+    from one_embedding.serving.service import Service
+
+    (dense, cat), (dense2, cat2) = raw_rows(3, 7), raw_rows(2, 8)
+    with Predictor(run) as p:
+        want = p.predict(dense2, cat2)
+        service = Service(p, max_batch_size=4096, max_queue_delay=0.3)
+        try:
+            gone = service.submit("dlrm", {"dense": dense, "categorical": cat})
+            assert gone.cancel()  # still queued: the batch waits 0.3 s for others
+            kept = service.submit("dlrm", {"dense": dense2, "categorical": cat2})
+            np.testing.assert_allclose(kept.result(timeout=30)[0]["probability"], want,
+                                       rtol=0, atol=1e-6)
+            later = service.submit("dlrm", {"dense": dense2, "categorical": cat2})
+            np.testing.assert_allclose(later.result(timeout=30)[0]["probability"], want,
+                                       rtol=0, atol=1e-6)
+            merged = {s.name: s.value for m in service.metrics.registry.collect()
+                      for s in m.samples if s.name.startswith("one_embedding_batch_requests")}
+            assert merged["one_embedding_batch_requests_sum"] == 2  # the cancelled one not run
+        finally:
+            service.close()
+
+
+def test_a_cancelled_grpc_call_is_dropped_counted_499_and_the_server_goes_on(run):
+    """A gRPC call cancelled by its client while it waits in the batcher's queue: the server's
+    coroutine is cancelled, its future dropped by the batcher (no model call), the request
+    counted with code 499; the next call is answered."""
+    import time
+
+    grpc = pytest.importorskip("grpc")
+    grpcclient = pytest.importorskip("tritonclient.grpc")
+    from tritonclient.grpc import service_pb2 as pb
+    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+    from one_embedding.serving.grpc_service import start_grpc
+    from one_embedding.serving.service import Service
+
+    dense, cat = raw_rows(2, 5)
+    request = pb.ModelInferRequest(model_name="dlrm")
+    for name, array, dtype in (("dense", dense, "FP32"), ("categorical", cat, "BYTES")):
+        i = grpcclient.InferInput(name, list(array.shape), dtype)
+        i.set_data_from_numpy(array)
+        request.inputs.extend([i._get_tensor()])
+        request.raw_input_contents.extend([i._get_content()])
+
+    def count(code):
+        return sum(s.value for m in service.metrics.registry.collect() for s in m.samples
+                   if s.name == "one_embedding_requests_total" and s.labels["code"] == code
+                   and s.labels["protocol"] == "grpc")
+
+    with Predictor(run) as p:
+        want = p.predict(dense, cat)
+        service = Service(p, max_batch_size=4096, max_queue_delay=1.0)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        server = start_grpc(service, "127.0.0.1", port, 64)
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                stub = pb_grpc.GRPCInferenceServiceStub(channel)
+                call = stub.ModelInfer.future(request)
+                deadline = time.monotonic() + 30
+                while not service.batcher._queue:  # queued: its batch waits 1 s for others
+                    assert time.monotonic() < deadline and not call.done()
+                    time.sleep(0.01)
+                assert call.cancel()
+                while count("499") < 1:
+                    assert time.monotonic() < deadline, "the cancelled call was not counted"
+                    time.sleep(0.01)
+                answer = stub.ModelInfer(request, timeout=30)
+            got = np.frombuffer(answer.raw_output_contents[0], np.float32)
+            np.testing.assert_allclose(got, want, rtol=0, atol=1e-6)
+            assert (count("499"), count("200")) == (1, 1)
+            merged = {s.name: s.value for m in service.metrics.registry.collect()
+                      for s in m.samples if s.name == "one_embedding_batch_requests_sum"}
+            assert merged["one_embedding_batch_requests_sum"] == 1  # the cancelled one not run
+        finally:
+            server.stop(0)
+            service.close()
+
+
 @pytest.mark.parametrize("argv,words", [
     (["--max-batch-size", "0"], "--max-batch-size 0 must be >= 1"),
     (["--max-queue-delay-us", "-5"], "--max-queue-delay-us -5.0 must be >= 0"),
@@ -124,3 +209,23 @@ def test_serve_refuses_bad_batching_and_grpc_options(run, capsys, argv, words):
 
     assert cli.main(["serve", "--persistent-path", str(run), *argv]) == 2
     assert words in capsys.readouterr().err
+
+
+def test_a_grpc_port_in_use_is_a_config_error_and_leaves_no_thread(run):
+    pytest.importorskip("grpc")
+    from one_embedding.errors import ConfigError
+    from one_embedding.serving.grpc_service import start_grpc
+    from one_embedding.serving.service import Service
+
+    with Predictor(run) as p, socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        service = Service(p)
+        try:
+            with pytest.raises(ConfigError, match=f"--grpc-port {port}: cannot listen on "
+                                                  f"127.0.0.1:{port}"):
+                start_grpc(service, "127.0.0.1", port, 64)
+        finally:
+            service.close()
+    assert not [t for t in threading.enumerate() if t.name == "one_embedding-grpc"]

@@ -12,12 +12,18 @@ REST's binary extension) or as typed ``contents``; outputs go back as ``raw_outp
 A request REST refuses with a 4xx is refused here with the matching status: 400 ->
 INVALID_ARGUMENT, 404 -> NOT_FOUND, 413 -> RESOURCE_EXHAUSTED (the message size limit), 500 ->
 INTERNAL, 503 -> UNAVAILABLE; the details carry REST's error message.
+
+Served by grpcio's asyncio server (``grpc.aio``) on its own event loop in one thread: a call is
+parsed and decoded on the loop, its model runs in ``Service``'s worker pool or dynamic batcher,
+and the loop awaits it, so a call in flight costs no thread (grpcio's synchronous server, a
+thread per call, cost 0.3-0.8 ms more server CPU per call: ``benchmarks/bench_serve_fronts.py``).
 """
 from __future__ import annotations
 
+import asyncio
 import logging
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -25,9 +31,6 @@ from .protocol import DTYPES, ProtocolError, _element_count, bytes_elements
 from .service import Service, model_metadata
 
 log = logging.getLogger("one_embedding.serve")
-
-#: threads answering gRPC calls
-GRPC_THREADS = 32
 
 #: the typed ``InferTensorContents`` field of each datatype
 _CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
@@ -84,53 +87,58 @@ def decode_infer_request(request) -> dict:
 
 
 def make_servicer(service: Service):
-    """The ``GRPCInferenceServiceServicer`` answering through ``service``."""
+    """The ``GRPCInferenceServiceServicer`` answering through ``service``, for grpcio's asyncio
+    server: its methods are coroutines; ``ModelInfer`` decodes on the event loop and awaits the
+    model's future (the worker pool's or the dynamic batcher's), so a call in flight holds no
+    thread."""
     import grpc
     from tritonclient.grpc import service_pb2 as pb
     from tritonclient.grpc import service_pb2_grpc as pb_grpc
 
     predictor = service.predictor
 
-    def refuse(context, e: ProtocolError):
-        context.abort(_status_code(e.status), str(e))
+    async def refuse(context, e: ProtocolError):
+        await context.abort(_status_code(e.status), str(e))
 
     def tensor_metadata(specs):
         return [pb.ModelMetadataResponse.TensorMetadata(name=s["name"], datatype=s["datatype"],
                                                         shape=s["shape"]) for s in specs]
 
     class Servicer(pb_grpc.GRPCInferenceServiceServicer):
-        def ServerLive(self, request, context):
+        async def ServerLive(self, request, context):
             return pb.ServerLiveResponse(live=True)
 
-        def ServerReady(self, request, context):
+        async def ServerReady(self, request, context):
             return pb.ServerReadyResponse(ready=True)
 
-        def ServerMetadata(self, request, context):
+        async def ServerMetadata(self, request, context):
             return pb.ServerMetadataResponse(name="one_embedding", version="1",
                                              extensions=["binary_tensor_data"])
 
-        def ModelReady(self, request, context):
+        async def ModelReady(self, request, context):
             try:
                 model_metadata(predictor, request.name)
             except ProtocolError as e:
-                refuse(context, e)
+                await refuse(context, e)
             return pb.ModelReadyResponse(ready=True)
 
-        def ModelMetadata(self, request, context):
+        async def ModelMetadata(self, request, context):
             try:
                 meta = model_metadata(predictor, request.name)
             except ProtocolError as e:
-                refuse(context, e)
+                await refuse(context, e)
             return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"],
                                             platform=meta["platform"],
                                             inputs=tensor_metadata(meta["inputs"]),
                                             outputs=tensor_metadata(meta["outputs"]))
 
-        def ModelInfer(self, request, context):
-            name, started, rows, snapshot, code = request.model_name, time.perf_counter(), 0, None, 200
+        async def ModelInfer(self, request, context):
+            # counted before the answer goes out (aio's abort sends the status at once), so a
+            # client reading /metrics after its answer finds its request there
+            name, started, snapshot = request.model_name, time.perf_counter(), None
             try:
                 tensors = decode_infer_request(request)
-                outputs, snapshot = service.call(name, tensors)
+                outputs, snapshot = await asyncio.wrap_future(service.submit(name, tensors))
                 asked = [o.name for o in request.outputs]
                 unknown = [a for a in asked if a not in outputs]
                 if unknown:
@@ -144,37 +152,90 @@ def make_servicer(service: Service):
                     response.outputs.add(name=out, datatype="FP32", shape=list(array.shape))
                     response.raw_output_contents.append(array.tobytes())
                 rows = next(iter(outputs.values())).shape[0]
-                return response
+            except asyncio.CancelledError:  # the client cancelled the call or went away
+                service.answered(name, "grpc", 499, started, 0, snapshot)
+                raise
             except ProtocolError as e:
-                code = e.status
                 if e.status >= 500:
                     log.error("inference on %r failed: %s", name, e)
-                refuse(context, e)
+                code, status, message = e.status, _status_code(e.status), str(e)
             except Exception as e:  # a server fault: logged, answered, and the server goes on
-                code = 500
                 log.exception("inference on %r failed", name)
-                context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
-            finally:
-                service.answered(name, "grpc", code, started, rows, snapshot)
+                code, status = 500, grpc.StatusCode.INTERNAL
+                message = f"internal error: {type(e).__name__}: {e}"
+            else:
+                service.answered(name, "grpc", 200, started, rows, snapshot)
+                return response
+            service.answered(name, "grpc", code, started, 0, snapshot)
+            await context.abort(status, message)
 
     return Servicer()
 
 
-def start_grpc(service: Service, host: str, port: int, max_request_mb: float):
-    """A started ``grpc.Server`` for ``service`` on ``host:port``; its messages are limited to
-    ``max_request_mb`` (a larger one: RESOURCE_EXHAUSTED)."""
-    import grpc
-    from tritonclient.grpc import service_pb2_grpc as pb_grpc
+def _new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop's loop when installed (as uvicorn picks it: measured 5-15% less server CPU per
+    gRPC call than asyncio's own, benchmarks/bench_serve_fronts.py), else asyncio's."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.new_event_loop()
+    return uvloop.new_event_loop()
 
-    limit = int(max_request_mb * 2**20)
-    server = grpc.server(ThreadPoolExecutor(GRPC_THREADS, thread_name_prefix="one_embedding-grpc"),
-                         options=[("grpc.max_receive_message_length", limit),
-                                  ("grpc.max_send_message_length", -1)])
-    pb_grpc.add_GRPCInferenceServiceServicer_to_server(make_servicer(service), server)
-    address = f"{host}:{port}"
-    if server.add_insecure_port(address) == 0:
-        from ..errors import ConfigError
 
-        raise ConfigError(f"--grpc-port {port}: cannot listen on {address} (in use?)")
-    server.start()
-    return server
+class GrpcServer:
+    """grpcio's asyncio server for ``service`` on ``host:port``, running on its own event loop
+    (uvloop's when installed) in one thread (``one_embedding-grpc``) from construction until
+    ``stop()``. Its messages are limited to ``max_request_mb`` (a larger one:
+    RESOURCE_EXHAUSTED). ConfigError when the address cannot be listened on."""
+
+    def __init__(self, service: Service, host: str, port: int, max_request_mb: float):
+        self.address = f"{host}:{port}"
+        self._loop = _new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, name="one_embedding-grpc",
+                                        daemon=True)
+        self._thread.start()
+        try:
+            self._server = asyncio.run_coroutine_threadsafe(
+                self._start(service, port, int(max_request_mb * 2**20)), self._loop).result()
+        except BaseException:
+            self._close_loop()
+            raise
+
+    async def _start(self, service: Service, port: int, limit: int):
+        import grpc
+        from tritonclient.grpc import service_pb2_grpc as pb_grpc
+
+        server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                          ("grpc.max_send_message_length", -1)])
+        pb_grpc.add_GRPCInferenceServiceServicer_to_server(make_servicer(service), server)
+        try:
+            bound = server.add_insecure_port(self.address)
+        except RuntimeError as e:  # grpcio >= 1.5x raises where older ones returned 0
+            log.error("gRPC cannot bind %s: %s", self.address, e)
+            bound = 0
+        if bound == 0:
+            from ..errors import ConfigError
+
+            raise ConfigError(f"--grpc-port {port}: cannot listen on {self.address} (in use?)")
+        await server.start()
+        return server
+
+    def stop(self, grace: float | None = None) -> None:
+        """Stop taking calls, let those in flight finish for up to ``grace`` seconds (None:
+        cancel them), then end the loop's thread."""
+        try:
+            asyncio.run_coroutine_threadsafe(self._server.stop(grace), self._loop).result()
+        finally:
+            self._close_loop()
+
+    def _close_loop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(timeout=10)
+        if not self._thread.is_alive():
+            self._loop.close()
+
+
+def start_grpc(service: Service, host: str, port: int, max_request_mb: float) -> GrpcServer:
+    """A started ``GrpcServer`` for ``service`` on ``host:port`` (``stop(grace)`` to end it);
+    its messages are limited to ``max_request_mb`` (a larger one: RESOURCE_EXHAUSTED)."""
+    return GrpcServer(service, host, port, max_request_mb)

@@ -245,7 +245,7 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
                     log_level="warning")
     finally:
         if grpc_server is not None:
-            grpc_server.stop(grace=2).wait()
+            grpc_server.stop(grace=2)
         if follower is not None:
             follower.stop()
         service.close()

@@ -199,14 +199,17 @@ class Batcher:
             self._ready.notify()
         return future
 
-    def _take(self) -> list:
-        """The next batch: waits for a first request, then for more until ``max_batch_size``
-        rows are queued or the first has waited ``max_queue_delay``."""
+    def _take(self) -> list | None:
+        """The next batch (None once closed): waits for a first request, then for more until
+        ``max_batch_size`` rows are queued or the first has waited ``max_queue_delay``. A
+        request whose future was cancelled meanwhile (its caller went away: a gRPC call the
+        client cancelled) is dropped; the others' futures are marked running (no longer
+        cancellable), so each gets its answer."""
         with self._ready:
             while not self._queue and not self._stopped:
                 self._ready.wait()
             if not self._queue:
-                return []
+                return None
             deadline = self._queue[0][0] + self.max_queue_delay
             while not self._stopped:
                 queued = sum(item[1] for item in self._queue)
@@ -220,13 +223,15 @@ class Batcher:
                 item = self._queue.popleft()
                 batch.append(item)
                 rows += item[1]
-            return batch
+        return [item for item in batch if item[4].set_running_or_notify_cancel()]
 
     def _run(self) -> None:
         while True:
             batch = self._take()
-            if not batch:
+            if batch is None:
                 return
+            if not batch:  # every request of it was cancelled
+                continue
             try:
                 results, snapshot = self.predictor.predict_many([(b[2], b[3]) for b in batch])
             except Exception as e:  # the whole call failed (unreadable data): every request
@@ -250,7 +255,8 @@ class Batcher:
             self._ready.notify_all()
         self._thread.join(timeout=10)
         for item in list(self._queue):
-            item[4].set_exception(ProtocolError("the server is shutting down", 503))
+            if item[4].set_running_or_notify_cancel():
+                item[4].set_exception(ProtocolError("the server is shutting down", 503))
         self._queue.clear()
 
 
