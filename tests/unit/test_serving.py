@@ -346,3 +346,31 @@ def test_bytes_elements_of_any_length():
         raw = b"".join(struct.pack("<I", len(s)) + s for s in strings)
         got = bytes_elements(raw, len(strings), "s")
         assert got.shape == (len(strings),) and list(got) == strings, (strings, got)
+
+
+def test_small_and_large_bytes_tensors_decode_alike(monkeypatch):
+    """A BYTES tensor of a few elements is split in Python (the batch-1 fast path), a larger one
+    by the vectorised path: same arrays, same dtypes, the same refusals of broken framing."""
+    from one_embedding.serving import protocol
+
+    rng = np.random.default_rng(5)
+    cases = [[bytes(rng.integers(0, 256, rng.integers(0, 9), dtype=np.uint8)) for _ in range(n)]
+             for n in (0, 1, 26, 64, 256) for _ in range(4)]
+    cases += [[b"a\0", b"b"], [b""] * 3, [b"123"] * 26]
+    for strings in cases:
+        raw = b"".join(struct.pack("<I", len(s)) + s for s in strings)
+        small = protocol.bytes_elements(raw, len(strings), "s")
+        monkeypatch.setattr(protocol, "SMALL_BYTES_TENSOR", -1)
+        large = protocol.bytes_elements(raw, len(strings), "s")
+        monkeypatch.undo()
+        assert small.dtype == large.dtype and list(small) == list(large) == strings
+        for broken in (raw[:-1], raw + b"x"):
+            if not raw:
+                continue
+            with pytest.raises(ProtocolError) as small_error:
+                protocol.bytes_elements(broken, len(strings), "s")
+            monkeypatch.setattr(protocol, "SMALL_BYTES_TENSOR", -1)
+            with pytest.raises(ProtocolError) as large_error:
+                protocol.bytes_elements(broken, len(strings), "s")
+            monkeypatch.undo()
+            assert str(small_error.value) == str(large_error.value)

@@ -241,8 +241,11 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
                     f" and grpc {host}:{grpc_port}" if grpc_port is not None else "",
                     f", batching up to {max_batch_size} rows, {max_queue_delay_us:g} us"
                     if max_batch_size > 1 else "")
+        # no access log, no proxy-headers middleware, no Server header: per-request work the
+        # inference path does not use
         uvicorn.run(create_app(service, max_request_mb), host=host, port=port,
-                    log_level="warning")
+                    log_level="warning", access_log=False, proxy_headers=False,
+                    server_header=False)
     finally:
         if grpc_server is not None:
             grpc_server.stop(grace=2)
