@@ -44,6 +44,7 @@ import numpy as np
 
 from .errors import InputError
 
+
 class HostReadInCapture(RuntimeError):
     """A host read or wait while the calling thread captures a CUDA graph (``capturing``)."""
 

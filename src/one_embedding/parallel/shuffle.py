@@ -97,7 +97,7 @@ def _partition_on_device(keys, table_ids, world: int, launch) -> LocalIds:
     u = uniq.shape[0]
     order = xp.argsort(owners * max(u, 1) + xp.arange(u, dtype=xp.int64)).astype(xp.int64)
     # the exchange sizes its messages with them: one counted read (no bincount, which reads too)
-    offsets = device_unique.segment_offsets(xp, owners[order].astype(xp.int64), world)
+    offsets = device_unique.segment_offsets(xp, owners[order], world)
     counts = np.diff(launch.to_host(offsets, reason="partition: per-rank counts for the exchange"))
     uniq, uniq_tables = uniq[order], uniq_tables[order]
     position = xp.empty_like(order)
