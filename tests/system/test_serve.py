@@ -308,6 +308,7 @@ def test_grpc_refuses_what_rest_refuses_with_the_matching_status(server):
         "one value for two": (keys_request(contents=[1]), "1 elements"),
         "unknown datatype": (keys_request(datatype="INT99", contents=[1, 2]), "INT99"),
         "negative shape": (keys_request(shape=[-2], contents=[1]), "non-negative"),
+        "2**64 elements": (keys_request(shape=[2**32, 2**32], raw=[b""]), "0 bytes of raw"),
     }
     for what, (req, words) in raw_cases.items():
         with pytest.raises(grpc.RpcError) as e:

@@ -130,6 +130,9 @@ def test_decode_binary_and_json_tensors():
     (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "INT64", '
      b'"parameters": {"binary_data_size": 8}}]}', b"\0" * 4, "runs past the 4 bytes"),
     (b'{"inputs": []}', b"xx", "belong to no input"),
+    # 2**64 elements: an int64 product wraps to 0 and matched the empty data (then a 500)
+    (b'{"inputs": [{"name": "k", "shape": [4294967296, 4294967296], "datatype": "FP32", '
+     b'"parameters": {"binary_data_size": 0}}]}', b"", "0 bytes of binary data for shape"),
 ])
 def test_decode_refuses_malformed_requests(head, binary, match):
     header = None if binary is None else str(len(head))

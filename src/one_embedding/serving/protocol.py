@@ -12,6 +12,7 @@ when the request's ``parameters.binary_data_output`` is true or the output's
 from __future__ import annotations
 
 import json
+import math
 import struct
 
 import numpy as np
@@ -36,7 +37,7 @@ def _element_count(shape, name: str) -> int:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
                                                and d >= 0 for d in shape):
         raise ProtocolError(f"input {name!r}: shape {shape!r} must be a list of non-negative ints")
-    return int(np.prod(shape, dtype=np.int64)) if shape else 1
+    return math.prod(shape)  # Python ints: exact however large (np.prod's int64 wraps)
 
 
 _U32 = struct.Struct("<I")
