@@ -229,3 +229,54 @@ def test_a_grpc_port_in_use_is_a_config_error_and_leaves_no_thread(run):
         finally:
             service.close()
     assert not [t for t in threading.enumerate() if t.name == "one_embedding-grpc"]
+
+
+def test_an_event_loops_requests_are_answered_in_one_hand_over_per_batch(run):
+    """``submit_async`` from an event loop: the requests merged into one model call are handed
+    to their loop in one ``call_soon_threadsafe`` (one wake-up per batch, not per request), each
+    gets its own rows' scores, a refused one its error, and one cancelled while queued is
+    dropped without stopping the batcher."""
+    import asyncio
+
+    from one_embedding.serving.protocol import ProtocolError
+    from one_embedding.serving.service import Service
+
+    rows = [raw_rows(k + 1, 20 + k) for k in range(4)]
+    bad_dense, bad_cat = raw_rows(2, 30)
+    bad_cat[1, 2] = "x"
+    hand_overs = []
+
+    class CountingLoop(asyncio.SelectorEventLoop):
+        def call_soon_threadsafe(self, callback, *args, **kw):
+            if threading.current_thread().name == "one_embedding-batcher":
+                hand_overs.append(len(args[0]))
+            return super().call_soon_threadsafe(callback, *args, **kw)
+
+    with Predictor(run) as p:
+        want = [p.predict(d, c) for d, c in rows]
+        service = Service(p, max_batch_size=4096, max_queue_delay=0.3)
+
+        async def main():
+            futures = [service.submit_async("dlrm", {"dense": d, "categorical": c})
+                       for d, c in rows]
+            refused = service.submit_async("dlrm", {"dense": bad_dense, "categorical": bad_cat})
+            gone = service.submit_async("dlrm", {"dense": rows[0][0], "categorical": rows[0][1]})
+            gone.cancel()
+            answers = await asyncio.gather(*futures)
+            with pytest.raises(ProtocolError, match=r"categorical\[1, 2\] = 'x'"):
+                await refused
+            later = await service.submit_async("dlrm", {"dense": rows[1][0],
+                                                        "categorical": rows[1][1]})
+            return answers, later
+
+        loop = CountingLoop()
+        try:
+            answers, later = loop.run_until_complete(main())
+        finally:
+            loop.close()
+            service.close()
+    for (outputs, snapshot), w in zip(answers, want):
+        np.testing.assert_allclose(outputs["probability"], w, rtol=0, atol=1e-6)
+        assert snapshot == p.snapshot
+    np.testing.assert_allclose(later[0]["probability"], want[1], rtol=0, atol=1e-6)
+    assert hand_overs == [5, 1], hand_overs  # the merged five in one, then the later one

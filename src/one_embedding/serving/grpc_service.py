@@ -138,7 +138,7 @@ def make_servicer(service: Service):
             name, started, snapshot = request.model_name, time.perf_counter(), None
             try:
                 tensors = decode_infer_request(request)
-                outputs, snapshot = await asyncio.wrap_future(service.submit(name, tensors))
+                outputs, snapshot = await service.submit_async(name, tensors)
                 asked = [o.name for o in request.outputs]
                 unknown = [a for a in asked if a not in outputs]
                 if unknown:

@@ -8,14 +8,16 @@ Models:
   [n, 13] (raw integer features, NaN = missing) and ``categorical`` BYTES [n, 26] ("" = missing)
   -> output ``probability`` FP32 [n].
 
-``Service.submit`` returns a ``concurrent.futures.Future`` of (outputs, snapshot): a request to
-the trained model goes to the ``Batcher`` when dynamic batching is on (``max_batch_size`` > 1),
-else, like every ``embedding`` request, to a small thread pool (the forward keeps no activations,
-so requests run side by side). A refused request is a ``ProtocolError`` (4xx), data the server
-cannot read a ``ProtocolError`` 500.
+``Service.submit`` returns a ``concurrent.futures.Future`` of (outputs, snapshot), and
+``Service.submit_async`` (for the front ends' event loops) an ``asyncio.Future`` of the same: a
+request to the trained model goes to the ``Batcher`` when dynamic batching is on
+(``max_batch_size`` > 1), else, like every ``embedding`` request, to a small thread pool (the
+forward keeps no activations, so requests run side by side). A refused request is a
+``ProtocolError`` (4xx), data the server cannot read a ``ProtocolError`` 500.
 """
 from __future__ import annotations
 
+import asyncio
 import collections
 import logging
 import threading
@@ -144,6 +146,8 @@ class Metrics:
                                 "Switches to a newer checkpoint", registry=r)
         self._served = None
         self._lock = threading.Lock()
+        self._answered: dict = {}  # (model, protocol, code) -> the children answered() moves
+        self._merged: dict = {}    # model -> the children merged() moves
         self.served(predictor.snapshot)
 
     def served(self, snapshot: str) -> None:
@@ -159,12 +163,25 @@ class Metrics:
 
     def answered(self, model: str, protocol: str, code: int, seconds: float, rows: int) -> None:
         """One inference request answered with status ``code`` after ``seconds``."""
-        self.requests.labels(model, protocol, str(code)).inc()
-        if code >= 400:
-            self.failures.labels(model, protocol, str(code)).inc()
-        else:
-            self.rows.labels(model, protocol).inc(rows)
-        self.latency.labels(model, protocol).observe(seconds)
+        key = (model, protocol, code)
+        children = self._answered.get(key)
+        if children is None:  # a label set's first request: its children, looked up once
+            children = self._answered[key] = (
+                self.requests.labels(model, protocol, str(code)),
+                self.failures.labels(model, protocol, str(code)) if code >= 400 else
+                self.rows.labels(model, protocol), self.latency.labels(model, protocol))
+        children[0].inc()
+        children[1].inc(1 if code >= 400 else rows)
+        children[2].observe(seconds)
+
+    def merged(self, model: str, rows: int, requests: int) -> None:
+        """One model call of ``rows`` rows answering ``requests`` requests."""
+        children = self._merged.get(model)
+        if children is None:
+            children = self._merged[model] = (self.batch_rows.labels(model),
+                                                self.batch_requests.labels(model))
+        children[0].observe(rows)
+        children[1].observe(requests)
 
     def exposition(self) -> bytes:
         from prometheus_client import generate_latest
@@ -176,7 +193,12 @@ class Batcher:
     """Dynamic batching of one model's requests, as Triton's: a request waits at most
     ``max_queue_delay`` seconds for others; the queue's requests are merged (in arrival order)
     up to ``max_batch_size`` rows and answered by one ``Predictor.predict_many`` call, each with
-    its own rows' scores. A request larger than ``max_batch_size`` runs alone."""
+    its own rows' scores. A request larger than ``max_batch_size`` runs alone.
+
+    A request's answer goes to a ``concurrent.futures.Future`` (``submit``) or to an
+    ``asyncio.Future`` of an event loop (``submit_async``); the answers of one merged call that go
+    to one loop are handed over in one ``call_soon_threadsafe`` (one wake-up of the loop per
+    batch, not per request)."""
 
     def __init__(self, predictor: Predictor, max_batch_size: int, max_queue_delay: float,
                  metrics: Metrics | None = None):
@@ -190,14 +212,26 @@ class Batcher:
         self._thread.start()
 
     def submit(self, dense: np.ndarray, categorical: np.ndarray) -> Future:
-        """-> Future of ((n,) float32 probabilities, snapshot)."""
+        """-> Future of ({"probability": (n,) float32}, snapshot)."""
         future: Future = Future()
+        self._enqueue(dense, categorical, future, None)
+        return future
+
+    def submit_async(self, dense: np.ndarray, categorical: np.ndarray) -> asyncio.Future:
+        """``submit`` from a running event loop -> an ``asyncio.Future`` of that loop (cancel
+        it to drop the request while it waits)."""
+        loop = asyncio.get_running_loop()
+        future = loop.create_future()
+        self._enqueue(dense, categorical, future, loop)
+        return future
+
+    def _enqueue(self, dense, categorical, future, loop) -> None:
         with self._ready:
             if self._stopped:
                 raise ProtocolError("the server is shutting down", 503)
-            self._queue.append((time.perf_counter(), dense.shape[0], dense, categorical, future))
+            self._queue.append((time.perf_counter(), dense.shape[0], dense, categorical, future,
+                                loop))
             self._ready.notify()
-        return future
 
     def _take(self) -> list | None:
         """The next batch (None once closed): waits for a first request, then for more until
@@ -223,7 +257,10 @@ class Batcher:
                 item = self._queue.popleft()
                 batch.append(item)
                 rows += item[1]
-        return [item for item in batch if item[4].set_running_or_notify_cancel()]
+        # an asyncio future's state is read from this thread: one cancelled right after is
+        # found done by _settle on its loop and left alone
+        return [item for item in batch if (item[4].set_running_or_notify_cancel()
+                                           if item[5] is None else not item[4].cancelled())]
 
     def _run(self) -> None:
         while True:
@@ -236,28 +273,54 @@ class Batcher:
                 results, snapshot = self.predictor.predict_many([(b[2], b[3]) for b in batch])
             except Exception as e:  # the whole call failed (unreadable data): every request
                 log.error("a batch of %d requests failed: %s", len(batch), e)
-                for item in batch:
-                    item[4].set_exception(_refusal(e))
+                _answer(batch, [_refusal(e)] * len(batch))
                 continue
             if self.metrics is not None:
-                self.metrics.batch_rows.labels(self.predictor.model_name).observe(
-                    sum(item[1] for item in batch))
-                self.metrics.batch_requests.labels(self.predictor.model_name).observe(len(batch))
-            for item, result in zip(batch, results):
-                if isinstance(result, Exception):
-                    item[4].set_exception(_refusal(result))
-                else:
-                    item[4].set_result(({"probability": result}, snapshot))
+                self.metrics.merged(self.predictor.model_name, sum(item[1] for item in batch),
+                                    len(batch))
+            _answer(batch, [_refusal(r) if isinstance(r, Exception) else
+                            ({"probability": r}, snapshot) for r in results])
 
     def close(self) -> None:
         with self._ready:
             self._stopped = True
             self._ready.notify_all()
         self._thread.join(timeout=10)
-        for item in list(self._queue):
-            if item[4].set_running_or_notify_cancel():
-                item[4].set_exception(ProtocolError("the server is shutting down", 503))
+        left = [item for item in self._queue
+                if item[5] is not None or item[4].set_running_or_notify_cancel()]
+        _answer(left, [ProtocolError("the server is shutting down", 503)] * len(left))
         self._queue.clear()
+
+
+def _answer(items: list, answers: list) -> None:
+    """Each queued item's answer (a result, or an exception to raise) to its future: a
+    ``concurrent.futures.Future`` at once, the asyncio futures of each loop in one hand-over."""
+    by_loop: dict = {}
+    for item, answer in zip(items, answers):
+        future, loop = item[4], item[5]
+        if loop is None:
+            if isinstance(answer, BaseException):
+                future.set_exception(answer)
+            else:
+                future.set_result(answer)
+        else:
+            by_loop.setdefault(loop, []).append((future, answer))
+    for loop, pairs in by_loop.items():
+        try:
+            loop.call_soon_threadsafe(_settle, pairs)
+        except RuntimeError:  # the loop is closed: its front end stopped, nobody waits
+            log.debug("%d answers for a closed event loop dropped", len(pairs))
+
+
+def _settle(pairs: list) -> None:
+    """On the futures' loop: each (asyncio future, answer) settled, unless cancelled meanwhile."""
+    for future, answer in pairs:
+        if future.done():
+            continue
+        if isinstance(answer, BaseException):
+            future.set_exception(answer)
+        else:
+            future.set_result(answer)
 
 
 class Service:
@@ -277,8 +340,7 @@ class Service:
     def _run(self, name: str, inputs: tuple) -> tuple[dict, str]:
         outputs, snapshot = run_model(self.predictor, name, inputs)
         if self.metrics is not None:
-            self.metrics.batch_rows.labels(name).observe(inputs[0].shape[0])
-            self.metrics.batch_requests.labels(name).observe(1)
+            self.metrics.merged(name, inputs[0].shape[0], 1)
         return outputs, snapshot
 
     def submit(self, name: str, tensors: dict) -> Future:
@@ -288,6 +350,14 @@ class Service:
         if self.batcher is not None and name != "embedding":
             return self.batcher.submit(*inputs)
         return self._pool.submit(self._run, name, inputs)
+
+    def submit_async(self, name: str, tensors: dict) -> asyncio.Future:
+        """``submit`` from a running event loop -> an ``asyncio.Future`` of that loop (the
+        dynamic batcher settles a batch's futures in one hand-over to the loop)."""
+        inputs = model_inputs(self.predictor, name, tensors)
+        if self.batcher is not None and name != "embedding":
+            return self.batcher.submit_async(*inputs)
+        return asyncio.wrap_future(self._pool.submit(self._run, name, inputs))
 
     def call(self, name: str, tensors: dict) -> tuple[dict, str]:
         """``submit``, waited for; without batching the model runs in the calling thread (a
