@@ -6,8 +6,9 @@ request, dynamic batching on, batch 1 and 64, CLIENTS requests in flight.
 A shorter companion of ``bench_serve`` (its helpers: wrk for REST, h2load and grpcio's asyncio
 client for gRPC, the server's /metrics for the count of answered requests, /proc for its CPU).
 With ``--baseline-src`` (another checkout's ``src`` folder, e.g. the commit before a change),
-a server running that code is measured the same way right before this checkout's, in the same
-run: the machine is shared, so only cells measured back to back compare.
+a server running that code runs beside this checkout's and the two take turns, cell by cell,
+``--rounds`` times; the medians are reported: the machine is shared, so only cells measured
+back to back compare.
 """
 from __future__ import annotations
 
@@ -16,11 +17,14 @@ import os
 import sys
 import tempfile
 
+import numpy as np
+
 from .bench_serve import (BATCHES, Server, children_cpu_seconds, drive_grpc, drive_h2load,
                           drive_rest, ensure_tool, grpc_body, make_requests, rest_body,
                           server_count, train)
 from .common import markdown_table, print_header, save_result
 
+PROTOCOLS = ("REST", "gRPC", "gRPC aio client")
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
 
 
@@ -50,15 +54,18 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per cell")
     p.add_argument("--clients", type=int, default=16, help="requests kept in flight")
     p.add_argument("--max-batch-size", type=int, default=1024)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="rounds of cells; each cell's versions measured back to back, medians "
+                        "reported")
     p.add_argument("--baseline-src", default=None,
-                   help="a `src` folder of another version, served and measured first")
+                   help="a `src` folder of another version, served beside this checkout and measured in turns")
     p.add_argument("--dir", default=None, help="folder for the run (default: $TMPDIR)")
     args = p.parse_args(argv)
     tools = {"wrk": ensure_tool("wrk", "wrk", "wrk"),
              "h2load": ensure_tool("h2load", "nghttp2-client", "h2load")}
     versions = ([("baseline", os.path.abspath(args.baseline_src))] if args.baseline_src else []) \
         + [("this checkout", HERE)]
-    config = {"model": "dlrm", "steps": args.steps, "clients": args.clients,
+    config = {"model": "dlrm", "steps": args.steps, "clients": args.clients, "rounds": args.rounds,
               "seconds per cell": args.seconds, "server": f"--max-batch-size "
               f"{args.max_batch_size} --poll-seconds 0",
               "versions": {k: v for k, v in versions}}
@@ -79,40 +86,53 @@ def main(argv=None) -> None:
                 with open(name, "wb") as f:
                     f.write(data)
             files[batch] = (names[0], header, names[1], names[2])
-        for version, src in versions:
-            os.environ["PYTHONPATH"] = src + (os.pathsep + saved if saved else "")
-            try:
-                server = Server(path, "--poll-seconds", 0, "--max-batch-size",
-                                args.max_batch_size)
-            finally:
-                if saved is None:
-                    os.environ.pop("PYTHONPATH")
-                else:
-                    os.environ["PYTHONPATH"] = saved
-            try:
-                for batch in BATCHES:  # warm-up, not measured: first calls compile kernels
+        servers = {}
+        try:
+            for version, src in versions:  # every version's server up, idle until its turn
+                os.environ["PYTHONPATH"] = src + (os.pathsep + saved if saved else "")
+                try:
+                    servers[version] = Server(path, "--poll-seconds", 0, "--max-batch-size",
+                                              args.max_batch_size)
+                finally:
+                    if saved is None:
+                        os.environ.pop("PYTHONPATH")
+                    else:
+                        os.environ["PYTHONPATH"] = saved
+            for server in servers.values():  # warm-up, not measured: first calls compile kernels
+                for batch in BATCHES:
                     rest_file, header, grpc_file, _ = files[batch]
                     drive_rest(tools["wrk"], server.port, rest_file, header, args.clients, 2,
                                root)
                     drive_grpc(server.grpc_port, grpc_file, args.clients, 1)
+            # the versions take turns cell by cell, round after round: the machine is shared,
+            # so each cell's versions are measured back to back and the medians compared
+            cells: dict = {}
+            for _ in range(args.rounds):
                 for batch in BATCHES:
-                    cells = {}
-                    for proto in ("REST", "gRPC", "gRPC aio client"):
-                        r = measure(server, proto, files[batch], args.clients, args.seconds,
-                                    tools, root)
-                        cells[proto] = r
-                        row = {"version": version, "front end": proto, "batch": batch,
-                               "rows_per_s": r["qps"] * batch, **r}
-                        rows.append(row)
-                        print(f"{version:14s} {proto:16s} batch {batch:3d}: "
-                              f"{row['rows_per_s']:9.0f} rows/s, server CPU {r['server_cpu_ms']:.3f} ms/request, client "
-                              f"{r['client_cpu_ms']:.3f} ms, {r['failed']} failed", flush=True)
-                    for proto in ("gRPC", "gRPC aio client"):
-                        rows[-3 + ("REST", "gRPC", "gRPC aio client").index(proto)][
-                            "vs_rest"] = cells[proto]["qps"] / cells["REST"]["qps"]
-            finally:
+                    for proto in PROTOCOLS:
+                        for version, server in servers.items():
+                            r = measure(server, proto, files[batch], args.clients,
+                                        args.seconds, tools, root)
+                            cells.setdefault((version, proto, batch), []).append(r)
+                            print(f"{version:14s} {proto:16s} batch {batch:3d}: "
+                                  f"{r['qps'] * batch:9.0f} rows/s, server CPU "
+                                  f"{r['server_cpu_ms']:.3f} ms/request, client "
+                                  f"{r['client_cpu_ms']:.3f} ms, {r['failed']} failed",
+                                  flush=True)
+        finally:
+            for server in servers.values():
                 server.close()
-    columns = ["version", "front end", "batch", "rows_per_s", "vs_rest", "server_cpu_ms",
+    for (version, proto, batch), runs in cells.items():
+        row = {"version": version, "front end": proto, "batch": batch, "rounds": len(runs)}
+        for key in ("qps", "server_cpu_ms", "client_cpu_ms", "p50_ms", "p99_ms", "mean_ms"):
+            values = [r[key] for r in runs if r.get(key) is not None]
+            row[key] = float(np.median(values)) if values else None
+        row["failed"] = sum(r["failed"] for r in runs)
+        row["rows_per_s"] = row["qps"] * batch
+        rest = cells[(version, "REST", batch)]
+        row["vs_rest"] = row["qps"] / float(np.median([r["qps"] for r in rest]))
+        rows.append(row)
+    columns = ["version", "front end", "batch", "rounds", "rows_per_s", "vs_rest", "server_cpu_ms",
                "client_cpu_ms", "p50_ms", "p99_ms", "mean_ms", "failed"]
     print(markdown_table(rows, columns))
     print("wrote", save_result("serve_fronts", {"machine": machine, "config": config,
