@@ -26,8 +26,9 @@ value strings, binary tensors as tritonclient sends them) in batches of 1 and 64
 
 The load generator shares the machine's cores with the server. Then batch 64 again under wrk while
 a training run resumes on the same path and publishes a checkpoint every 5 steps (keeping 1), so
-the server switches snapshots under load: failed requests must stay 0. Writes results/serve.json
-and prints the markdown table.
+the server switches snapshots under load: failed requests must stay 0. Last, what the stacks
+themselves cost: an empty handler on uvicorn and on grpcio's asyncio server under the same load
+generators (``serve_floors``). Writes results/serve.json and prints the markdown table.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from .common import markdown_table, print_header, save_result
+from .serve_floors import measure_floors
 
 BATCHES = (1, 64)
 TRAIN = ["--model", "dlrm", "--optimizer", "adagrad", "--store", "cached_ssd", "--cache-mb", "16",
@@ -262,7 +264,7 @@ def _wrk_ms(text: str) -> float:
 
 
 def drive_rest(wrk: str, port: int, body_file: str, header: int, clients: int,
-               seconds: float, folder: str) -> dict:
+               seconds: float, folder: str, path: str = "/v2/models/dlrm/infer") -> dict:
     """wrk (one thread, ``clients`` HTTP/1.1 keep-alive connections, as tritonclient.http keeps
     them) posting ``body_file`` for ``seconds``: requests/s, p50/p99 (``--latency``), failures
     (non-2xx answers and socket errors)."""
@@ -272,7 +274,7 @@ def drive_rest(wrk: str, port: int, body_file: str, header: int, clients: int,
     with open(script, "w") as f:
         f.write(_WRK_SCRIPT.format(body=body_file, header=int(header)))
     cmd = [wrk, "-t1", f"-c{clients}", f"-d{max(1, round(seconds))}s", "--timeout", "120s",
-           "--latency", "-s", script, f"http://127.0.0.1:{port}/v2/models/dlrm/infer"]
+           "--latency", "-s", script, f"http://127.0.0.1:{port}{path}"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180)
     if out.returncode != 0:
         raise SystemExit(f"wrk failed: {out.stderr[-2000:]}{out.stdout[-2000:]}")
@@ -537,8 +539,18 @@ def main(argv=None) -> None:
               flush=True)
     for what, value in goals.items():
         print(f"{what}: {value:.2f}")
+    # what the stacks themselves cost (an empty handler each): gRPC's floor against the whole
+    # REST request bounds gRPC / REST on this machine
+    with tempfile.TemporaryDirectory(prefix="serve_floors_", dir=args.dir) as folder:
+        floors = measure_floors(wrk, h2load, args.clients, args.seconds, folder)
+    rest_request = cell("REST, batching on", 1)["server_cpu_ms"]
+    print(f"the stacks alone (empty handlers, same load generators): REST "
+          f"{floors['REST']['server_cpu_ms']:.3f} ms, gRPC {floors['gRPC']['server_cpu_ms']:.3f} "
+          f"ms of server CPU per request; a whole batch-1 REST request (batching on) "
+          f"{rest_request:.3f} ms", flush=True)
     print("wrote", save_result("serve", {"machine": machine, "config": config, "rows": rows,
-                                         "ratios": goals, "batching_costs": costs}))
+                                         "ratios": goals, "batching_costs": costs,
+                                         "stack_floors": floors}))
 
 
 if __name__ == "__main__":

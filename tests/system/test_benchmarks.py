@@ -109,6 +109,11 @@ def test_bench_serve_measures_server_and_in_process(tmp_path):
         assert 0 < c["model_ms_per_row_merged"] < c["server_cpu_ms_batching_on"]
         assert c["request_handling_ms_batching_on"] > 0
     assert "5x the rows/s of batching off needs at most" in out
+    # and what the two stacks cost with an empty handler, under the same load generators
+    floors = json.loads((tmp_path / "serve.json").read_text())["stack_floors"]
+    assert set(floors) == {"REST", "gRPC"}
+    assert all(f["requests"] > 0 and f["server_cpu_ms"] > 0 for f in floors.values()), floors
+    assert "the stacks alone (empty handlers" in out
 
 
 def test_bench_serve_fronts_measures_rest_and_grpc_against_a_baseline(tmp_path):
