@@ -8,9 +8,9 @@ checkpoint is served. Requests carry raw features (dense (b, 13) with NaNs, cate
 value strings, binary tensors as tritonclient sends them) in batches of 1 and 64 rows.
 
 - in-process: `Predictor.predict` in one thread (BLAS limited to 1 thread, as the server runs it,
-  and BLAS's default threads: the better is the baseline), measured first and again right before
-  each server's cells of a batch size: on a shared machine the rate moves, so each cell is
-  compared with the baseline measured next to it;
+  and BLAS's default threads: the better is the baseline), measured first and again in every
+  round of the server cells: on a shared machine the rate moves, so each cell is compared with
+  the baseline measured next to it;
 - REST: wrk (`wrk -t1 -cCLIENTS --latency`, a C load generator keeping its HTTP/1.1
   connections alive as tritonclient.http does; installed with apt-get when missing) posting the
   same request body. (ApacheBench, used before, speaks HTTP/1.0, whose keep-alive uvicorn does
@@ -22,7 +22,10 @@ value strings, binary tensors as tritonclient sends them) in batches of 1 and 64
   `benchmarks/grpc_load.py` in its own process (grpcio's asyncio client, each call a
   pre-serialized request sent as bytes) for p50 / p99. ghz, a gRPC-aware C load generator, is not
   installable here;
-- each with dynamic batching off (`--max-batch-size 1`) and on (`--max-batch-size 1024`).
+- each with dynamic batching off (`--max-batch-size 1`) and on (`--max-batch-size 1024`): both
+  servers run at once and take turns cell by cell, `--rounds` times (default 3); each cell's
+  median over the rounds is reported, so the batching on / off ratio compares cells measured
+  back to back.
 
 The load generator shares the machine's cores with the server. Then batch 64 again under wrk while
 a training run resumes on the same path and publishes a checkpoint every 5 steps (keeping 1), so
@@ -340,6 +343,46 @@ class Server:
         self.proc.wait()
 
 
+PROTOCOLS = ("REST", "gRPC", "gRPC aio client")
+
+
+def measure_cell(server: "Server", proto: str, files: tuple, clients: int, seconds: float,
+                 tools: dict, folder: str) -> dict:
+    """One cell: ``proto`` load (REST: wrk; gRPC: h2load; "gRPC aio client": grpc_load) on
+    ``server`` for ``seconds`` -> rate, latency, failures and the CPU per answered request (the
+    server's own count, h2load's warm-up included) of the server, all its threads, and of the
+    load generator. files: (REST body, its JSON header length, gRPC message, gRPC-framed)."""
+    rest_file, header, grpc_file, h2_file = files
+    answered = server_count(server, "one_embedding_requests_total", model="dlrm")
+    server_cpu, client_cpu = server.cpu_seconds(), children_cpu_seconds()
+    if proto == "REST":
+        r = drive_rest(tools["wrk"], server.port, rest_file, header, clients, seconds, folder)
+    elif proto == "gRPC":
+        r = drive_h2load(tools["h2load"], server, h2_file, clients, seconds)
+    else:
+        r = drive_grpc(server.grpc_port, grpc_file, clients, seconds)
+    served = max(1.0, server_count(server, "one_embedding_requests_total", model="dlrm")
+                 - answered)
+    return {"qps": r["qps"], "failed": r["failed"], "p50_ms": r.get("p50_ms"),
+            "p99_ms": r.get("p99_ms"), "mean_ms": r.get("mean_ms"),
+            "server_cpu_ms": (server.cpu_seconds() - server_cpu) * 1e3 / served,
+            "client_cpu_ms": (children_cpu_seconds() - client_cpu) * 1e3 / served}
+
+
+def median_cell(runs: list) -> dict:
+    """Rounds of one cell -> the median of each number ("failed": the sum; other values: the
+    first round's), and "rounds"."""
+    out = {"rounds": len(runs)}
+    for key, value in runs[0].items():
+        if key == "failed":
+            out[key] = sum(r[key] for r in runs)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = float(np.median([r[key] for r in runs if r.get(key) is not None]))
+        elif value is not None:
+            out[key] = value
+    return out
+
+
 def in_process_one_thread(path: str, requests, seconds: float) -> dict:
     """Predictor.predict in this thread: BLAS limited to 1 thread (as the server runs it) and at
     BLAS's default; the better one is the baseline."""
@@ -366,15 +409,20 @@ def main(argv=None) -> None:
                    help="the server's --max-batch-size with dynamic batching on")
     p.add_argument("--max-queue-delay-us", type=float, default=0.0,
                    help="the server's --max-queue-delay-us with dynamic batching on")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds of the server cells (batching off and on take turns in each); "
+                        "medians reported")
     p.add_argument("--dir", default=None, help="folder for the run (default: $TMPDIR)")
     args = p.parse_args(argv)
     wrk = ensure_tool("wrk", "wrk", "wrk")
     h2load = ensure_tool("h2load", "nghttp2-client", "h2load")
     config = {"model": "dlrm", "store": "cached_ssd slots", "steps": args.steps,
               "batches": BATCHES, "clients": args.clients, "seconds per cell": args.seconds,
+              "rounds": args.rounds,
               "batching on": f"--max-batch-size {args.max_batch_size} --max-queue-delay-us "
                              f"{args.max_queue_delay_us:g}",
-              "REST load": "wrk -t1 (HTTP/1.1 keep-alive)", "gRPC load": "h2load (rate, mean latency); "
+              "REST load": "wrk -t1 (HTTP/1.1 keep-alive)",
+              "gRPC load": "h2load (rate, mean latency); "
               "benchmarks.grpc_load (grpcio aio client, own process: p50 / p99)"}
     machine = print_header("serving: one-embedding serve over REST and gRPC vs Predictor "
                            "in-process", config)
@@ -403,57 +451,55 @@ def main(argv=None) -> None:
             with open(h2_file, "wb") as f:  # gRPC framing: uncompressed, big-endian length
                 f.write(b"\0" + len(message).to_bytes(4, "big") + message)
             bodies[batch] = (rest_file, header, grpc_file, h2_file)
-        for batching, extra in (("off", ["--max-batch-size", 1]),
-                                ("on", ["--max-batch-size", args.max_batch_size,
-                                        "--max-queue-delay-us", args.max_queue_delay_us])):
-            server = Server(path, "--poll-seconds", 0, *extra)
-            try:
+        servers = {}
+        try:
+            # both servers up at once, taking turns cell by cell, round after round: the
+            # machine is shared, so batching off and on are measured back to back, and each
+            # cell's median over the rounds is reported
+            for batching, extra in (("off", ["--max-batch-size", 1]),
+                                    ("on", ["--max-batch-size", args.max_batch_size,
+                                            "--max-queue-delay-us", args.max_queue_delay_us])):
+                servers[batching] = Server(path, "--poll-seconds", 0, *extra)
+            for server in servers.values():  # warm-up, not measured: first calls compile
                 for batch in BATCHES:
-                    rest_file, header, grpc_file, h2_file = bodies[batch]
-                    # the baseline again right before these cells: the machine is shared, so
-                    # its rate moves; each cell is compared with the one measured next to it
-                    requests = make_requests(batch, max(8, 4096 // batch), seed=batch)
-                    adjacent = in_process_one_thread(path, requests, args.seconds)
-                    rows.append({"mode": "in-process, 1 thread (next to the cells below)",
-                                 "batch": batch, "clients": 1, **adjacent,
-                                 "rows_per_s": adjacent["qps"] * batch})
-                    print(f"in-process batch {batch:3d}: {adjacent['qps'] * batch:9.0f} rows/s",
-                          flush=True)
-                    for proto in ("REST", "gRPC", "gRPC aio client"):
-                        answered = server_count(server, "one_embedding_requests_total",
-                                                model="dlrm")
-                        server_cpu, client_cpu = server.cpu_seconds(), children_cpu_seconds()
-                        if proto == "REST":
-                            r = drive_rest(wrk, server.port, rest_file, header, args.clients,
-                                           args.seconds, root)
-                        elif proto == "gRPC":
-                            r = drive_h2load(h2load, server, h2_file, args.clients, args.seconds)
-                        else:
-                            r = drive_grpc(server.grpc_port, grpc_file, args.clients,
-                                           args.seconds)
-                        base = adjacent
-                        # CPU per request answered (the server's own count, h2load's warm-up
-                        # included): the server's, all its threads, and the load generator's
-                        server_cpu = server.cpu_seconds() - server_cpu
-                        client_cpu = children_cpu_seconds() - client_cpu
-                        served = max(1.0, server_count(server, "one_embedding_requests_total",
-                                                       model="dlrm") - answered)
-                        server_ms, client_ms = server_cpu * 1e3 / served, client_cpu * 1e3 / served
+                    rest_file, header, grpc_file, _ = bodies[batch]
+                    drive_rest(wrk, server.port, rest_file, header, args.clients, 1, root)
+                    drive_grpc(server.grpc_port, grpc_file, args.clients, 1)
+            tools = {"wrk": wrk, "h2load": h2load}
+            for batch in BATCHES:
+                requests = make_requests(batch, max(8, 4096 // batch), seed=batch)
+                adjacent, cells = [], {}
+                for _ in range(args.rounds):
+                    # the baseline again in every round: each cell is compared with the
+                    # in-process rate measured next to it
+                    adjacent.append(in_process_one_thread(path, requests, args.seconds))
+                    print(f"in-process batch {batch:3d}: "
+                          f"{adjacent[-1]['qps'] * batch:9.0f} rows/s", flush=True)
+                    for proto in PROTOCOLS:
+                        for batching, server in servers.items():
+                            r = measure_cell(server, proto, bodies[batch], args.clients,
+                                             args.seconds, tools, root)
+                            cells.setdefault((proto, batching), []).append(r)
+                            latency = f"mean {r['mean_ms']:.1f} ms" if r.get("mean_ms") else \
+                                f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms"
+                            print(f"{proto + ', batching ' + batching:32s} batch {batch:3d} "
+                                  f"x{args.clients}: {r['qps'] * batch:9.0f} rows/s, {latency}, "
+                                  f"{r['failed']} failed; CPU per request: server "
+                                  f"{r['server_cpu_ms']:.3f} ms, client "
+                                  f"{r['client_cpu_ms']:.3f} ms", flush=True)
+                base = median_cell(adjacent)
+                rows.append({"mode": "in-process, 1 thread (next to the cells below)",
+                             "batch": batch, "clients": 1, **base,
+                             "rows_per_s": base["qps"] * batch})
+                for batching in servers:
+                    for proto in PROTOCOLS:
+                        r = median_cell(cells[(proto, batching)])
                         row = {"mode": f"{proto}, batching {batching}", "batch": batch,
-                               "clients": args.clients, "qps": r["qps"],
-                               "rows_per_s": r["qps"] * batch, "p50_ms": r.get("p50_ms"),
-                               "p99_ms": r.get("p99_ms"), "mean_ms": r.get("mean_ms"),
-                               "failed": r["failed"], "vs_in_process": r["qps"] / base["qps"],
-                               "server_cpu_ms": server_ms, "client_cpu_ms": client_ms}
-                        row = {k: v for k, v in row.items() if v is not None}
-                        rows.append(row)
-                        latency = f"mean {r['mean_ms']:.1f} ms" if "mean_ms" in r else \
-                            f"p50 {r['p50_ms']:.1f} ms, p99 {r['p99_ms']:.1f} ms"
-                        print(f"{row['mode']:32s} batch {batch:3d} x{args.clients}: "
-                              f"{row['rows_per_s']:9.0f} rows/s ({row['vs_in_process']:.2f}x "
-                              f"in-process), {latency}, {r['failed']} failed; CPU per request: "
-                              f"server {server_ms:.3f} ms, client {client_ms:.3f} ms", flush=True)
-            finally:
+                               "clients": args.clients, **r, "rows_per_s": r["qps"] * batch,
+                               "vs_in_process": r["qps"] / base["qps"]}
+                        rows.append({k: v for k, v in row.items() if v is not None})
+        finally:
+            for server in servers.values():
                 server.close()
         # under load while training publishes: snapshots switch, no request fails
         server = Server(path, "--poll-seconds", 0.5, "--max-batch-size", args.max_batch_size)
@@ -496,8 +542,8 @@ def main(argv=None) -> None:
                      "failed": r["failed"] + len(probe_failures), "snapshots_served": len(seen)})
         print(f"during reload: {r['qps'] * 64:.0f} rows/s, p99 {r['p99_ms']:.1f} ms, {len(seen)} "
               f"snapshots served, {r['failed'] + len(probe_failures)} failed", flush=True)
-    columns = ["mode", "batch", "clients", "rows_per_s", "qps", "p50_ms", "p99_ms", "mean_ms",
-               "vs_in_process", "server_cpu_ms", "client_cpu_ms", "cpu_ms_per_request",
+    columns = ["mode", "batch", "clients", "rounds", "rows_per_s", "qps", "p50_ms", "p99_ms",
+               "mean_ms", "vs_in_process", "server_cpu_ms", "client_cpu_ms", "cpu_ms_per_request",
                "snapshots_served", "failed"]
     print(markdown_table(rows, columns))
 

@@ -17,35 +17,11 @@ import os
 import sys
 import tempfile
 
-import numpy as np
-
-from .bench_serve import (BATCHES, Server, children_cpu_seconds, drive_grpc, drive_h2load,
-                          drive_rest, ensure_tool, grpc_body, make_requests, rest_body,
-                          server_count, train)
+from .bench_serve import (BATCHES, PROTOCOLS, Server, drive_grpc, drive_rest, ensure_tool,
+                          grpc_body, make_requests, measure_cell, median_cell, rest_body, train)
 from .common import markdown_table, print_header, save_result
 
-PROTOCOLS = ("REST", "gRPC", "gRPC aio client")
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
-
-
-def measure(server: Server, proto: str, files: tuple, clients: int, seconds: float,
-            tools: dict, root: str) -> dict:
-    """One cell: ``proto`` load on ``server`` -> rate, latency and CPU per answered request."""
-    rest_file, header, grpc_file, h2_file = files
-    answered = server_count(server, "one_embedding_requests_total", model="dlrm")
-    server_cpu, client_cpu = server.cpu_seconds(), children_cpu_seconds()
-    if proto == "REST":
-        r = drive_rest(tools["wrk"], server.port, rest_file, header, clients, seconds, root)
-    elif proto == "gRPC":
-        r = drive_h2load(tools["h2load"], server, h2_file, clients, seconds)
-    else:
-        r = drive_grpc(server.grpc_port, grpc_file, clients, seconds)
-    served = max(1.0, server_count(server, "one_embedding_requests_total", model="dlrm")
-                 - answered)
-    return {"qps": r["qps"], "failed": r["failed"], "p50_ms": r.get("p50_ms"),
-            "p99_ms": r.get("p99_ms"), "mean_ms": r.get("mean_ms"),
-            "server_cpu_ms": (server.cpu_seconds() - server_cpu) * 1e3 / served,
-            "client_cpu_ms": (children_cpu_seconds() - client_cpu) * 1e3 / served}
 
 
 def main(argv=None) -> None:
@@ -58,7 +34,8 @@ def main(argv=None) -> None:
                    help="rounds of cells; each cell's versions measured back to back, medians "
                         "reported")
     p.add_argument("--baseline-src", default=None,
-                   help="a `src` folder of another version, served beside this checkout and measured in turns")
+                   help="a `src` folder of another version, served beside this checkout and "
+                        "measured in turns")
     p.add_argument("--dir", default=None, help="folder for the run (default: $TMPDIR)")
     args = p.parse_args(argv)
     tools = {"wrk": ensure_tool("wrk", "wrk", "wrk"),
@@ -111,8 +88,8 @@ def main(argv=None) -> None:
                 for batch in BATCHES:
                     for proto in PROTOCOLS:
                         for version, server in servers.items():
-                            r = measure(server, proto, files[batch], args.clients,
-                                        args.seconds, tools, root)
+                            r = measure_cell(server, proto, files[batch], args.clients,
+                                             args.seconds, tools, root)
                             cells.setdefault((version, proto, batch), []).append(r)
                             print(f"{version:14s} {proto:16s} batch {batch:3d}: "
                                   f"{r['qps'] * batch:9.0f} rows/s, server CPU "
@@ -123,14 +100,9 @@ def main(argv=None) -> None:
             for server in servers.values():
                 server.close()
     for (version, proto, batch), runs in cells.items():
-        row = {"version": version, "front end": proto, "batch": batch, "rounds": len(runs)}
-        for key in ("qps", "server_cpu_ms", "client_cpu_ms", "p50_ms", "p99_ms", "mean_ms"):
-            values = [r[key] for r in runs if r.get(key) is not None]
-            row[key] = float(np.median(values)) if values else None
-        row["failed"] = sum(r["failed"] for r in runs)
+        row = {"version": version, "front end": proto, "batch": batch, **median_cell(runs)}
         row["rows_per_s"] = row["qps"] * batch
-        rest = cells[(version, "REST", batch)]
-        row["vs_rest"] = row["qps"] / float(np.median([r["qps"] for r in rest]))
+        row["vs_rest"] = row["qps"] / median_cell(cells[(version, "REST", batch)])["qps"]
         rows.append(row)
     columns = ["version", "front end", "batch", "rounds", "rows_per_s", "vs_rest", "server_cpu_ms",
                "client_cpu_ms", "p50_ms", "p99_ms", "mean_ms", "failed"]
