@@ -55,6 +55,13 @@ _KEY_TYPES = {
 }
 
 
+class TakenRows(tuple):
+    """``take_gradients``' (keys, lines, found, grads), with ``live``: None, or the (1,) int64
+    device count of a fixed-capacity batch (the rows from it on are placeholders)."""
+
+    live = None
+
+
 def dtype_name(dtype) -> str:
     """The name of a dtype: numpy dtypes, strings, and framework dtypes such as torch.float32."""
     try:
@@ -318,8 +325,13 @@ class MultiTableMultiColumnEmbedding:
             if host_sync.flag(is_pad.any(), "embedding: padding ids"):
                 keep = ~is_pad
                 keys, tables = keys[keep], tables[keep]
-        exchange = shuffle_ids(comm, keys, tables, self.traffic, self.launch)
-        owner = self._owner().lookup(exchange.owner_keys, exchange.owner_table_ids)
+        shard = self._owner()
+        # one rank over one device store: fixed-capacity arrays, the unique count on the device
+        fixed = comm.world == 1 and shard.takes_live_counts
+        exchange = shuffle_ids(comm, keys, tables, self.traffic, self.launch, fixed_capacity=fixed)
+        live = exchange.local.unique_count
+        owner = shard.lookup(exchange.owner_keys, exchange.owner_table_ids) if live is None \
+            else shard.lookup(exchange.owner_keys, exchange.owner_table_ids, live=live)
         return StepState(tuple(ids.shape), keep, exchange, owner, on_gpu=True)
 
     def embed(self, state: StepState):
@@ -440,7 +452,8 @@ class MultiTableMultiColumnEmbedding:
         local = state.exchange.local
         n_keys = local.unique_keys.shape[0]
         if self._sum_at_update(state):   # the gradient shuffle would be the identity
-            grads = fused_update.SummedGradients(grad, local.inverse, n_keys, self.launch)
+            grads = fused_update.SummedGradients(grad, local.inverse, n_keys, self.launch,
+                                                 live=local.unique_count)
         else:
             summed = segment_sum(grad, local.inverse, n_keys, self.launch)
             grads = shuffle_grads(self.comm, state.exchange, summed, self.exchange_dtype,
@@ -486,7 +499,8 @@ class MultiTableMultiColumnEmbedding:
         (keys (v,) uint64, lines (v, stored_size), found (v,) bool, grads (v, E) float32) of the
         rows this rank owns, or None when there was no backward. ``lazy_sums``: grads may be a
         ``fused_update.SummedGradients`` (the sums not computed yet) that ``stage_gradients``
-        sums inside the update kernel."""
+        sums inside the update kernel. A ``TakenRows`` tuple: its ``live`` is the device count of
+        a fixed-capacity batch (rows from it on are placeholders), or None."""
         self._owner()
         if not self._pending:
             return None
@@ -494,7 +508,8 @@ class MultiTableMultiColumnEmbedding:
             owner, grads = self._pending[0].owner, self._pending[0].grads
             if not lazy_sums:
                 grads = fused_update.materialized(grads)
-            taken = owner.keys, owner.lines, owner.found, grads
+            taken = TakenRows((owner.keys, owner.lines, owner.found, grads))
+            taken.live = owner.live
         else:
             taken = self._owner().merge([(st.owner, fused_update.materialized(st.grads))
                                          for st in self._pending])
@@ -511,7 +526,10 @@ class MultiTableMultiColumnEmbedding:
             taken = self.take_gradients(lazy_sums=True)   # summed inside the update kernel
         if taken is None:
             return None
-        return self._owner().stage_update(*taken, optimizer, step)
+        live = getattr(taken, "live", None)
+        if live is None:
+            return self._owner().stage_update(*taken, optimizer, step)
+        return self._owner().stage_update(*taken, optimizer, step, live=live)
 
     def commit_gradients(self, staged) -> int:
         """Store what ``stage_gradients`` computed; returns rows updated."""

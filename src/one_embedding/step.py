@@ -142,6 +142,9 @@ class OwnerRows:
     found: np.ndarray
     version: int
     generation: int
+    #: None, or the (1,) int64 device count of a fixed-capacity batch: the arrays hold more
+    #: entries (placeholders from ``live`` on, found, never updated or stored)
+    live: object = None
     _finalizer: object = field(default=None, repr=False, compare=False)
 
     def on_release(self, callback, *args) -> None:

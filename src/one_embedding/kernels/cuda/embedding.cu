@@ -119,6 +119,31 @@ __global__ void embedding_dedup_output(const oe::u64* keys, const oe::i64* first
   }
 }
 
+// Pass 3 of the fixed-capacity dedup (device_unique.unique_ids_fixed): embedding_dedup_output
+// into outputs of capacity n, the unique count u = rank[n - 1] left on the device. Positions
+// u..n-1 of unique_out and first_out get key 0 and position 0, so that every later gather by
+// them stays in bounds; the kernels after it take the count and skip those positions.
+// keys, first_of, rank, inverse, unique_out, first_out: (n,).
+template <typename T>
+__global__ void embedding_dedup_output_fixed(const oe::u64* keys, const oe::i64* first_of,
+                                             const oe::i64* rank, oe::i64 n, oe::i64* inverse,
+                                             oe::u64* unique_out, oe::i64* first_out) {
+  const oe::i64 count = rank[n - 1];
+  for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
+    const oe::i64 f = first_of[i];
+    const oe::i64 id = rank[f] - 1;
+    inverse[i] = id;
+    if (f == i) {
+      unique_out[id] = keys[i];
+      first_out[id] = i;
+    }
+    if (i >= count) {
+      unique_out[i] = 0;
+      first_out[i] = 0;
+    }
+  }
+}
+
 // out[s, c] = sum of values[r, c] over the rows r of segment s, added in ascending r from +0.
 // values: (n, dim); rows_by_segment: (n,) i64, the rows sorted by (segment, row); offsets:
 // (n_segments + 1,) i64, segment s owns rows_by_segment[offsets[s]:offsets[s + 1]]; out:
@@ -297,6 +322,7 @@ ONE_EMBEDDING_KERNEL(embedding_dedup_clear)
 ONE_EMBEDDING_KERNEL(embedding_dedup_insert)
 ONE_EMBEDDING_KERNEL(embedding_dedup_first)
 ONE_EMBEDDING_KERNEL(embedding_dedup_output)
+ONE_EMBEDDING_KERNEL(embedding_dedup_output_fixed)
 ONE_EMBEDDING_KERNEL(embedding_segment_sum)
 ONE_EMBEDDING_KERNEL(embedding_gather)
 ONE_EMBEDDING_KERNEL(embedding_gather_into)
