@@ -31,7 +31,7 @@ from .chain import build_chain, read_snapshot_rows
 from .errors import ConfigError, InputError, SnapshotError
 from .initializers import fill_initial_values
 from . import host_sync
-from .kernels import device_ops, fused_update
+from .kernels import device_ops, fused_update, live_rows
 from .lifecycle import Lifecycle, StepPlan, check_step
 from .options import LifecycleOptions
 from .parallel.shuffle import owner_rank
@@ -163,7 +163,7 @@ class EmbeddingShard:
                 newer = [(k, v, live) for version, k, v, live in self._log
                          if version > rows.version]
                 if newer and self.launch is not None:
-                    missing = _patch_on_device(self.xp, rows, newer)
+                    missing = _patch_on_device(self.xp, rows, newer, self.launch)
                 elif newer:
                     missing = _patch(rows, [(k, v) for k, v, _ in newer])
             rows.version, rows.generation = self._version, self._generation
@@ -281,13 +281,16 @@ class EmbeddingShard:
         backward's rows per key itself when ``grads`` is a ``SummedGradients`` (and then skips
         the rows from ``live`` on)."""
         xp = self.xp
-        # no read: a select (rows past ``live`` are found, so left alone)
-        self.layout.reset_states_where(xp, lines, ~found, optimizer)
+        if live is None:   # no read: a select
+            self.layout.reset_states_where(xp, lines, ~found, optimizer)
+        else:              # no read, and the rows past ``live`` not even read
+            live_rows.fill_missing(lines, found, live, self.layout.state_blocks(optimizer),
+                                   self.launch)
         if isinstance(grads, fused_update.SummedGradients):
             fused_update.update_lines_summed(optimizer, lines, grads, step, live)
         else:
             device_ops.update_lines(optimizer, lines, grads, step, self.launch, live)
-        _check_finite_rows(xp, keys, lines, grads, optimizer, step, live)
+        _check_finite_rows(xp, keys, lines, grads, optimizer, step, live, self.launch)
 
     def put(self, keys: np.ndarray, lines: np.ndarray, plan: StepPlan | None = None) -> int:
         """Store updated lines (v, stored_size) of keys (v,) uint64; returns v. ``plan`` (from
@@ -588,7 +591,7 @@ def _patch(rows: OwnerRows, newer: list):
     return erased
 
 
-def _patch_on_device(xp, rows: OwnerRows, newer: list):
+def _patch_on_device(xp, rows: OwnerRows, newer: list, launch=None):
     """``_patch`` on device arrays, without reading anything back: each row looks its key up
     by binary search in the put's (or erase's) sorted keys and takes the put's line by a select,
     so no compaction sizes a result (keys are unique within each). Returns the rows erased and
@@ -597,7 +600,8 @@ def _patch_on_device(xp, rows: OwnerRows, newer: list):
     newer: (keys, lines or None, live or None) per put. A fixed-capacity put's keys from its
     ``live`` count on are placeholders (key 0, maybe repeated, maybe a real key too): the
     stable sort keeps a real key ahead of them and a match counts only below ``live``; the
-    rows' own placeholders (from ``rows.live`` on) are never patched."""
+    rows' own placeholders (from ``rows.live`` on) are never patched, nor read: a put's lines
+    go in by ``live_rows.patch_rows`` (needs ``launch``)."""
     v = rows.keys.shape[0]
     if v == 0:
         return None
@@ -620,7 +624,12 @@ def _patch_on_device(xp, rows: OwnerRows, newer: list):
             erased = hit.copy() if erased is None else erased | hit
             rows.found[...] = rows.found & ~hit
             continue
-        rows.lines[...] = xp.where(hit[:, None], xp.asarray(put_lines)[order[pos]], rows.lines)
+        if valid_rows is None:
+            rows.lines[...] = xp.where(hit[:, None], xp.asarray(put_lines)[order[pos]],
+                                       rows.lines)
+        else:
+            live_rows.patch_rows(rows.lines, xp.where(hit, order[pos], -1), put_lines, rows.live,
+                                 launch)
         rows.found[...] = rows.found | hit
         if erased is not None:
             erased = erased & ~hit
@@ -653,15 +662,15 @@ def _apply_put(xp, rows: OwnerRows, slots, put_lines, hit, erased):
     return erased
 
 
-def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int, live=None) -> None:
+def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int, live=None,
+                       launch=None) -> None:
     """InputError naming the first row the update made non-finite, before anything is stored:
     read at once, or on the trainer's device path (``host_sync.deferring``) at its next metrics
     read, before any checkpoint is written. keys: (v,) uint64; lines: (v, L); grads: (v, E), or
     a ``fused_update.SummedGradients`` of v keys; live: a fixed-capacity batch's (1,) int64
-    device count (the rows from it on are not checked)."""
-    bad = ~xp.isfinite(lines).all(axis=1)
-    if live is not None:
-        bad &= xp.arange(lines.shape[0], dtype=xp.int64) < live
+    device count (the rows from it on are not read), with the device ``launch``."""
+    bad = ~xp.isfinite(lines).all(axis=1) if live is None else \
+        live_rows.nonfinite_rows(lines, live, launch)
 
     def first_bad():
         at = xp.argmax(bad)

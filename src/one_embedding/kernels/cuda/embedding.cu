@@ -316,6 +316,67 @@ __global__ void embedding_init_missing(T* lines, int line_size, const unsigned c
   }
 }
 
+namespace oe {
+namespace rows {
+
+// The exponent all ones: inf or NaN.
+__device__ __forceinline__ bool non_finite(float v) {
+  return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+}
+__device__ __forceinline__ bool non_finite(double v) {
+  return ((u64)__double_as_longlong(v) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+}
+
+// The rows of a fixed-capacity batch the kernels below touch: the first live[0] of n.
+__device__ __forceinline__ i64 live_rows(const i64* live, i64 n) {
+  return live[0] < n ? live[0] : n;
+}
+
+}  // namespace rows
+}  // namespace oe
+
+// lines[i, start + c] = value for c < width in every row i below the live count with found[i]
+// == 0 (a new key's optimizer state, or a per-row column, reset before its first update);
+// the other rows are not touched, the rows from live[0] on not even read. lines: (n, line_size);
+// found: (n,) u8; live: (1,) i64 on the device. One thread per (row, column).
+template <typename T>
+__global__ void embedding_fill_missing(T* lines, int line_size, const unsigned char* found,
+                                       oe::i64 n, const oe::i64* live, int start, int width,
+                                       double value) {
+  const oe::i64 total = oe::rows::live_rows(live, n) * width;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    const oe::i64 i = t / width;
+    if (!found[i]) lines[i * line_size + start + (t - i * width)] = T(value);
+  }
+}
+
+// bad[i] = 1 for every row i below the live count holding an inf or NaN (bad: (n,) u8, zeroed
+// before; rows from live[0] on are not read). lines: (n, line_size); live: (1,) i64. One thread
+// per element; the threads of one row all write 1, so their order does not matter.
+template <typename T>
+__global__ void embedding_nonfinite_rows(const T* lines, int line_size, oe::i64 n,
+                                         const oe::i64* live, unsigned char* bad) {
+  const oe::i64 total = oe::rows::live_rows(live, n) * line_size;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    if (oe::rows::non_finite(lines[t])) bad[t / line_size] = 1;
+  }
+}
+
+// lines[i] = put_lines[source[i]] for every row i below the live count with source[i] >= 0
+// (the write-log patch of a refresh: the rows whose key a later put wrote); the others are not
+// touched. lines: (n, line_size); source: (n,) i64; put_lines: (m, line_size); live: (1,) i64.
+// One thread per element.
+template <typename T>
+__global__ void embedding_patch_rows(T* lines, int line_size, const oe::i64* source,
+                                     const T* put_lines, oe::i64 n, const oe::i64* live) {
+  const oe::i64 total = oe::rows::live_rows(live, n) * line_size;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    const oe::i64 i = t / line_size;
+    const oe::i64 from = source[i];
+    if (from >= 0) lines[t] = put_lines[from * line_size + (t - i * line_size)];
+  }
+}
+
 #ifdef ONE_EMBEDDING_INSTANTIATE
 ONE_EMBEDDING_KERNEL(embedding_unique_first)
 ONE_EMBEDDING_KERNEL(embedding_dedup_clear)
@@ -328,4 +389,7 @@ ONE_EMBEDDING_KERNEL(embedding_gather)
 ONE_EMBEDDING_KERNEL(embedding_gather_into)
 ONE_EMBEDDING_KERNEL(embedding_init)
 ONE_EMBEDDING_KERNEL(embedding_init_missing)
+ONE_EMBEDDING_KERNEL(embedding_fill_missing)
+ONE_EMBEDDING_KERNEL(embedding_nonfinite_rows)
+ONE_EMBEDDING_KERNEL(embedding_patch_rows)
 #endif
