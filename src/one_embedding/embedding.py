@@ -358,12 +358,24 @@ class MultiTableMultiColumnEmbedding:
             return cupy.asarray(out)
         return out
 
+    def _rows_to_gather(self, state: StepState):
+        """(rows, columns) that the device gathers read: the owner's whole lines, their first E
+        columns read in place (``columns`` = E), where the embedding shuffle is the identity (one
+        rank, fp32: no copy of the (v, E) embedding columns first, v being a fixed-capacity
+        batch's capacity); else the shuffled (u, E) rows (``columns`` None)."""
+        e = self.embedding_dim
+        if self.comm.world == 1 and self.exchange_dtype == "fp32" and \
+                state.exchange.owner_inverse is None:
+            return state.owner.lines, e
+        return shuffle_rows(self.comm, state.exchange, state.owner.lines[:, :e],
+                            self.exchange_dtype, self.traffic, self.launch), None
+
     def _embed_on_device(self, state: StepState):
         """``embed`` on device arrays: the embedding shuffle, then the gather kernel."""
         e, xp, launch = self.embedding_dim, self.xp, self.launch
-        rows = shuffle_rows(self.comm, state.exchange, state.owner.lines[:, :e], self.exchange_dtype,
-                            self.traffic, launch)
-        out = device_ops.gather_rows(rows, state.exchange.local.inverse, launch, check_index=False)
+        rows, columns = self._rows_to_gather(state)
+        out = device_ops.gather_rows(rows, state.exchange.local.inverse, launch, check_index=False,
+                                     columns=columns)
         if state.keep is not None:
             n = int(np.prod(state.ids_shape, dtype=np.int64))
             full = xp.zeros((n, e), dtype=xp.float32)
@@ -384,9 +396,13 @@ class MultiTableMultiColumnEmbedding:
         if len(state.ids_shape) != 2:
             raise InputError(f"embed_into takes ids of shape (B, F); these have {state.ids_shape}")
         self._owner().refresh(state.owner)
-        e, launch = self.embedding_dim, self.launch
-        rows = shuffle_rows(self.comm, state.exchange, state.owner.lines[:, :e], self.exchange_dtype,
-                            self.traffic, launch)
+        launch = self.launch
+        if launch is not None:
+            rows, columns = self._rows_to_gather(state)
+        else:
+            rows, columns = shuffle_rows(self.comm, state.exchange,
+                                         state.owner.lines[:, :self.embedding_dim],
+                                         self.exchange_dtype, self.traffic), None
         xp = self.xp
         index = state.exchange.local.inverse
         if state.keep is not None:   # padding positions read no row (-1: a zero row)
@@ -395,7 +411,8 @@ class MultiTableMultiColumnEmbedding:
             else:                    # kept position j holds index[j-th kept]: no host read
                 rank = xp.maximum(xp.cumsum(state.keep) - 1, 0)
                 index = xp.where(state.keep, index[rank], -1).astype(xp.int64, copy=False)
-        layout_ops.gather_into(rows, index.reshape(state.ids_shape), target, first_slot, launch)
+        layout_ops.gather_into(rows, index.reshape(state.ids_shape), target, first_slot, launch,
+                               columns)
         self._last = state
 
     def forward(self, ids, table_ids=None):

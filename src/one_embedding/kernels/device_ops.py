@@ -277,11 +277,14 @@ def _float_dtype(name: str, a):
 # ---------------------------------------------------------------- gather
 
 
-def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = True):
+def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = True,
+                columns: int | None = None):
     """src: (R, E) float, index: (...) int64 -> (..., E): ``src[index]``, zero rows where index < 0.
 
     The twin of ``reference.gather_rows`` (copies, so bit-identical). ``check_index=False`` skips
     the index's range check (a host read) for an index that lies in src by construction.
+    ``columns``: gather the first ``columns`` of each row of a wider src, read in place (the
+    embedding columns of whole lines: no copy of them first) -> (..., columns).
     """
     launch = resolve(launch)
     xp = launch.xp
@@ -289,12 +292,15 @@ def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = 
     dtype = _float_dtype("src", src)
     index = device_array(launch, "index", index, np.int64)
     flat = index.reshape(-1)
-    dim = src.shape[1]
+    stride = src.shape[1]
+    dim = stride if columns is None else int(columns)
+    if not 0 <= dim <= stride:
+        raise InputError(f"columns={columns} but src rows have {stride}")
     if check_index and flat.size and host_sync.flag(flat.max() >= src.shape[0], "gather_rows: index range check"):
         raise InputError(f"index holds {int(flat.max())} but src has {src.shape[0]} rows")
     out = xp.empty((flat.shape[0], dim), dtype=dtype)
     launch_threads(launch, "embedding", "gather", dtype, flat.shape[0] * dim,
-                   (src, np.int32(dim), flat, np.int64(flat.shape[0]), out))
+                   (src, np.int32(dim), np.int32(stride), flat, np.int64(flat.shape[0]), out))
     return out.reshape(tuple(index.shape) + (dim,))
 
 

@@ -162,31 +162,35 @@ __global__ void embedding_segment_sum(const T* values, int dim, const oe::i64* r
   }
 }
 
-// out[i, c] = src[index[i], c], or 0 where index[i] < 0 (padding). src: (rows, dim);
-// index: (n,) i64; out: (n, dim). One thread per output element, consecutive threads on
+// out[i, c] = src[index[i], c], or 0 where index[i] < 0 (padding). src: (rows, src_stride),
+// its first dim columns read (src_stride > dim: the embedding columns of whole lines, read in
+// place); index: (n,) i64; out: (n, dim). One thread per output element, consecutive threads on
 // consecutive columns of a row.
 template <typename T>
-__global__ void embedding_gather(const T* src, int dim, const oe::i64* index, oe::i64 n, T* out) {
+__global__ void embedding_gather(const T* src, int dim, int src_stride, const oe::i64* index,
+                                 oe::i64 n, T* out) {
   const oe::i64 total = n * dim;
   for (oe::i64 i = oe::grid_thread(); i < total; i += oe::grid_threads()) {
     const oe::i64 r = i / dim;
     const oe::i64 source = index[r];
-    out[i] = source >= 0 ? src[source * dim + (i - r * dim)] : T(0);
+    out[i] = source >= 0 ? src[source * src_stride + (i - r * dim)] : T(0);
   }
 }
 
 // The gather of embedding_gather written straight into the dot interaction's input layout
 // (kernels/layout_ops.py): row r of the (n_rows, dim) result is feature f = r % per_sample of
 // sample b = r / per_sample and lands at out[b, first_slot + f, :] of the (batch, slots, dim)
-// buffer. src: (rows, dim); index: (n_rows,) i64 (< 0: a zero row, padding), or, with
-// has_index == 0, unused and row r reads src[r] (the bottom MLP's output into slot 0).
+// buffer. src: (rows, src_stride), its first dim columns read; index: (n_rows,) i64 (< 0: a
+// zero row, padding), or, with has_index == 0, unused and row r reads src[r] (the bottom MLP's
+// output into slot 0).
 // ``kind`` (precision.cuh) 1 / 2 writes the fp16 / bf16 pattern of each value into out_bits
 // (round to nearest even, as nn.amp.round_to: the cast the interaction applies to its operands)
 // and leaves out untouched; any other kind copies the value into out and leaves out_bits
 // untouched. One thread per element, consecutive threads on consecutive columns of a row.
 template <typename T>
-__global__ void embedding_gather_into(const T* src, int dim, const oe::i64* index, int has_index,
-                                      oe::i64 n_rows, int per_sample, int slots, int first_slot,
+__global__ void embedding_gather_into(const T* src, int dim, int src_stride,
+                                      const oe::i64* index, int has_index, oe::i64 n_rows,
+                                      int per_sample, int slots, int first_slot,
                                       int kind, T* out, unsigned short* out_bits) {
   const oe::i64 total = n_rows * dim;
   const bool half = kind == oe::precision::FP16 || kind == oe::precision::BF16;
@@ -194,7 +198,7 @@ __global__ void embedding_gather_into(const T* src, int dim, const oe::i64* inde
     const oe::i64 r = i / dim;
     const int c = (int)(i - r * dim);
     const oe::i64 source = has_index ? index[r] : r;
-    const T v = source >= 0 ? src[source * dim + c] : T(0);
+    const T v = source >= 0 ? src[source * src_stride + c] : T(0);
     const oe::i64 sample = r / per_sample;
     const int feature = (int)(r - sample * per_sample);
     const oe::i64 at = (sample * slots + first_slot + feature) * (oe::i64)dim + c;
