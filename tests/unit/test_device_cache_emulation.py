@@ -614,7 +614,7 @@ def _glue_launches():
     found = set()
     package = helpers.PACKAGE
     for path in [package / "kernels" / "device_ops.py", package / "kernels" / "device_unique.py",
-                 package / "kernels" / "fused_update.py",
+                 package / "kernels" / "fused_update.py", package / "kernels" / "live_rows.py",
                  package / "cache" / "device.py", package / "kernels" / "layout_ops.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (

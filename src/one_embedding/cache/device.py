@@ -205,12 +205,12 @@ class DeviceHashIndex:
         slots = xp.empty(n, dtype=xp.int64)
         if rows is None:   # not read when line_size == 0; any float32 array stands in
             rows = out = xp.empty((1, 1), dtype=xp.float32)
-            out_rows, line_size = slots, 0
+            line_size = 0
         else:
-            out_rows, line_size = xp.arange(n, dtype=xp.int64), rows.shape[1]
+            line_size = rows.shape[1]
         device_ops.launch_warps(self._launch, "hashindex", "find_live", np.float32, n,
                                 (self._table, np.int64(self.capacity - 1), keys, np.int64(n), live,
-                                 rows, np.int32(line_size), out_rows, out, slots))
+                                 rows, np.int32(line_size), out, slots))
         return slots
 
     def find_or_insert(self, keys, distinct: bool = False):

@@ -38,7 +38,8 @@ constexpr i64 NOT_LOOKED_UP = -2;
 // One warp finds keys[i]: the 32 lanes read 32 consecutive buckets at once and one ballot finds
 // the first bucket that ends the probe, so a chain of up to 32 buckets costs one round of loads.
 // Lane 0 writes out_slots[i] (slot or -1) and, when out_buckets is given, out_buckets[i] (bucket
-// or -1); when line_size > 0 the lanes copy the found line rows[slot] into out[out_rows[i]].
+// or -1); when line_size > 0 the lanes copy the found line rows[slot] into out[out_rows[i]]
+// (into out[i] when out_rows is null).
 template <typename T>
 __device__ __forceinline__ void find_one(const u64* table, i64 mask, const u64* keys, i64 i,
                                          const T* rows, int line_size, const i64* out_rows, T* out,
@@ -70,7 +71,7 @@ __device__ __forceinline__ void find_one(const u64* table, i64 mask, const u64* 
   }
   if (found && line_size > 0) {
     const T* src = rows + (i64)slot * line_size;
-    T* dst = out + out_rows[i] * line_size;
+    T* dst = out + (out_rows != nullptr ? out_rows[i] : i) * line_size;
     for (int c = lane; c < line_size; c += 32) dst[c] = src[c];
   }
 }
@@ -94,19 +95,20 @@ __global__ void hashindex_find(const oe::u64* table, oe::i64 mask, const oe::u64
 
 // hashindex_find of a fixed-capacity batch (device_unique.unique_ids_fixed): only the first
 // live[0] of the n keys are looked up; the others get slot NOT_LOOKED_UP (-2) and nothing else
-// (no probe, no line copied). keys, out_rows, out_slots: (n,); live: (1,) i64 on the device.
+// (no probe, no line copied). The line of found key i goes to out[i] (when line_size > 0).
+// keys, out_slots: (n,); out: (n, line_size); live: (1,) i64 on the device.
 template <typename T>
 __global__ void hashindex_find_live(const oe::u64* table, oe::i64 mask, const oe::u64* keys,
                                     oe::i64 n, const oe::i64* live, const T* rows, int line_size,
-                                    const oe::i64* out_rows, T* out, oe::i64* out_slots) {
+                                    T* out, oe::i64* out_slots) {
   const oe::i64 count = live[0];
   for (oe::i64 i = oe::grid_warp(); i < n; i += oe::grid_warps()) {
     if (i >= count) {   // the same i in every lane of the warp: it leaves together
       if ((threadIdx.x & 31) == 0) out_slots[i] = oe::hashindex::NOT_LOOKED_UP;
       continue;
     }
-    oe::hashindex::find_one(table, mask, keys, i, rows, line_size, out_rows, out, out_slots,
-                            (oe::i64*)nullptr);
+    oe::hashindex::find_one(table, mask, keys, i, rows, line_size, (const oe::i64*)nullptr, out,
+                            out_slots, (oe::i64*)nullptr);
   }
 }
 
