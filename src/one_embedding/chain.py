@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 from .cache.set_associative import SetAssociativeCache
-from .errors import ConfigError, SnapshotError
+from .errors import ConfigError, InputError, SnapshotError
 from .kernels import device_ops
 from .store.memory import MemoryStore
 from .store.rocksdb_store import RocksDBStore
@@ -104,15 +104,29 @@ class TierChain:
     def bottom(self) -> StoreTier:
         return self.tiers[-1]
 
-    def lookup(self, keys: np.ndarray, out: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    @property
+    def takes_live_counts(self) -> bool:
+        """True when ``lookup`` and ``put`` take fixed-capacity batches (``live``): every line in
+        one device store (the device_mem preset on a GPU)."""
+        return self.launch is not None and len(self.tiers) == 1 and \
+            hasattr(self.tiers[0], "find_found")
+
+    def lookup(self, keys: np.ndarray, out: np.ndarray | None = None,
+               live=None) -> tuple[np.ndarray, np.ndarray]:
         """keys: (n,) uint64 unique -> (lines (n, line_size) float32, found (n,) bool), arrays of
         ``xp``.
 
         ``out`` (n, line_size) float32 may be given as the buffer to fill. Lines of keys found
-        nowhere are left as they were; the caller initialises them.
+        nowhere are left as they were; the caller initialises them. live: where
+        ``takes_live_counts``, the (1,) int64 device count of a fixed-capacity batch
+        (``device_unique.unique_ids_fixed``): keys from ``live`` on are not looked up and come
+        back found, their lines untouched.
         """
+        if live is not None and not self.takes_live_counts:
+            raise InputError("a fixed-capacity lookup (live count) needs a chain of one device "
+                             "store (device_mem on a GPU)")
         if self.launch is not None:
-            return self._lookup_device(keys, out)
+            return self._lookup_device(keys, out, live)
         keys = np.ascontiguousarray(keys, np.uint64)
         n = keys.shape[0]
         lines = np.empty((n, self.line_size), np.float32) if out is None else out
@@ -128,9 +142,17 @@ class TierChain:
         found[rows] = False
         return lines, found
 
-    def put(self, keys: np.ndarray, lines: np.ndarray) -> None:
+    def put(self, keys: np.ndarray, lines: np.ndarray, live=None) -> None:
         """keys: (n,) uint64 unique, lines: (n, line_size) float32 (arrays of ``xp``) -> written
-        to the top level."""
+        to the top level. live: as ``lookup``'s, only the first ``live`` are written."""
+        if live is not None:
+            if not self.takes_live_counts:
+                raise InputError("a fixed-capacity put (live count) needs a chain of one device "
+                                 "store (device_mem on a GPU)")
+            with self._lock, self._device_order():
+                self.tiers[0].insert_or_assign(keys, lines, live)
+                self.counters[0].record_write(live.reshape(()), 0)
+            return
         with self._lock, self._device_order():
             self._write_from(0, keys, lines, self.launch is not None)
 
@@ -200,16 +222,18 @@ class TierChain:
         self.transfers.to_device(a.nbytes)
         return self.launch.to_device(a)
 
-    def _lookup_device(self, keys, out):
+    def _lookup_device(self, keys, out, live=None):
         xp = self.xp
         keys = xp.ascontiguousarray(keys, dtype=xp.uint64)
         n = keys.shape[0]
         lines = xp.empty((n, self.line_size), dtype=xp.float32) if out is None else out
-        if len(self.tiers) == 1 and hasattr(self.tiers[0], "find_found"):
+        if self.takes_live_counts:
             # every line in one device store: found is a mask, and nothing is read back
             with self._lock, self._ordered():
-                found = self.tiers[0].find_found(keys, lines)
-                self.counters[0].record_find(n, xp.asarray(xp.count_nonzero(~found)))
+                found = self.tiers[0].find_found(keys, lines, live)
+                # past ``live`` every key comes back found: the misses are the real ones
+                self.counters[0].record_find(n if live is None else live.reshape(()),
+                                             xp.asarray(xp.count_nonzero(~found)))
             return lines, found
         rows = xp.arange(n, dtype=xp.int64)  # rows of `lines` still missing
         with self._lock, self._ordered():

@@ -55,6 +55,13 @@ _KEY_TYPES = {
 }
 
 
+class TakenRows(tuple):
+    """``take_gradients``' (keys, lines, found, grads), with ``live``: None, or the (1,) int64
+    device count of a fixed-capacity batch (the rows from it on are placeholders)."""
+
+    live = None
+
+
 def dtype_name(dtype) -> str:
     """The name of a dtype: numpy dtypes, strings, and framework dtypes such as torch.float32."""
     try:
@@ -318,8 +325,13 @@ class MultiTableMultiColumnEmbedding:
             if host_sync.flag(is_pad.any(), "embedding: padding ids"):
                 keep = ~is_pad
                 keys, tables = keys[keep], tables[keep]
-        exchange = shuffle_ids(comm, keys, tables, self.traffic, self.launch)
-        owner = self._owner().lookup(exchange.owner_keys, exchange.owner_table_ids)
+        shard = self._owner()
+        # one rank over one device store: fixed-capacity arrays, the unique count on the device
+        fixed = comm.world == 1 and shard.takes_live_counts
+        exchange = shuffle_ids(comm, keys, tables, self.traffic, self.launch, fixed_capacity=fixed)
+        live = exchange.local.unique_count
+        owner = shard.lookup(exchange.owner_keys, exchange.owner_table_ids) if live is None \
+            else shard.lookup(exchange.owner_keys, exchange.owner_table_ids, live=live)
         return StepState(tuple(ids.shape), keep, exchange, owner, on_gpu=True)
 
     def embed(self, state: StepState):
@@ -346,12 +358,24 @@ class MultiTableMultiColumnEmbedding:
             return cupy.asarray(out)
         return out
 
+    def _rows_to_gather(self, state: StepState):
+        """(rows, columns) that the device gathers read: the owner's whole lines, their first E
+        columns read in place (``columns`` = E), where the embedding shuffle is the identity (one
+        rank, fp32: no copy of the (v, E) embedding columns first, v being a fixed-capacity
+        batch's capacity); else the shuffled (u, E) rows (``columns`` None)."""
+        e = self.embedding_dim
+        if self.comm.world == 1 and self.exchange_dtype == "fp32" and \
+                state.exchange.owner_inverse is None:
+            return state.owner.lines, e
+        return shuffle_rows(self.comm, state.exchange, state.owner.lines[:, :e],
+                            self.exchange_dtype, self.traffic, self.launch), None
+
     def _embed_on_device(self, state: StepState):
         """``embed`` on device arrays: the embedding shuffle, then the gather kernel."""
         e, xp, launch = self.embedding_dim, self.xp, self.launch
-        rows = shuffle_rows(self.comm, state.exchange, state.owner.lines[:, :e], self.exchange_dtype,
-                            self.traffic, launch)
-        out = device_ops.gather_rows(rows, state.exchange.local.inverse, launch, check_index=False)
+        rows, columns = self._rows_to_gather(state)
+        out = device_ops.gather_rows(rows, state.exchange.local.inverse, launch, check_index=False,
+                                     columns=columns)
         if state.keep is not None:
             n = int(np.prod(state.ids_shape, dtype=np.int64))
             full = xp.zeros((n, e), dtype=xp.float32)
@@ -372,9 +396,13 @@ class MultiTableMultiColumnEmbedding:
         if len(state.ids_shape) != 2:
             raise InputError(f"embed_into takes ids of shape (B, F); these have {state.ids_shape}")
         self._owner().refresh(state.owner)
-        e, launch = self.embedding_dim, self.launch
-        rows = shuffle_rows(self.comm, state.exchange, state.owner.lines[:, :e], self.exchange_dtype,
-                            self.traffic, launch)
+        launch = self.launch
+        if launch is not None:
+            rows, columns = self._rows_to_gather(state)
+        else:
+            rows, columns = shuffle_rows(self.comm, state.exchange,
+                                         state.owner.lines[:, :self.embedding_dim],
+                                         self.exchange_dtype, self.traffic), None
         xp = self.xp
         index = state.exchange.local.inverse
         if state.keep is not None:   # padding positions read no row (-1: a zero row)
@@ -383,7 +411,8 @@ class MultiTableMultiColumnEmbedding:
             else:                    # kept position j holds index[j-th kept]: no host read
                 rank = xp.maximum(xp.cumsum(state.keep) - 1, 0)
                 index = xp.where(state.keep, index[rank], -1).astype(xp.int64, copy=False)
-        layout_ops.gather_into(rows, index.reshape(state.ids_shape), target, first_slot, launch)
+        layout_ops.gather_into(rows, index.reshape(state.ids_shape), target, first_slot, launch,
+                               columns)
         self._last = state
 
     def forward(self, ids, table_ids=None):
@@ -440,7 +469,8 @@ class MultiTableMultiColumnEmbedding:
         local = state.exchange.local
         n_keys = local.unique_keys.shape[0]
         if self._sum_at_update(state):   # the gradient shuffle would be the identity
-            grads = fused_update.SummedGradients(grad, local.inverse, n_keys, self.launch)
+            grads = fused_update.SummedGradients(grad, local.inverse, n_keys, self.launch,
+                                                 live=local.unique_count)
         else:
             summed = segment_sum(grad, local.inverse, n_keys, self.launch)
             grads = shuffle_grads(self.comm, state.exchange, summed, self.exchange_dtype,
@@ -486,7 +516,8 @@ class MultiTableMultiColumnEmbedding:
         (keys (v,) uint64, lines (v, stored_size), found (v,) bool, grads (v, E) float32) of the
         rows this rank owns, or None when there was no backward. ``lazy_sums``: grads may be a
         ``fused_update.SummedGradients`` (the sums not computed yet) that ``stage_gradients``
-        sums inside the update kernel."""
+        sums inside the update kernel. A ``TakenRows`` tuple: its ``live`` is the device count of
+        a fixed-capacity batch (rows from it on are placeholders), or None."""
         self._owner()
         if not self._pending:
             return None
@@ -494,7 +525,8 @@ class MultiTableMultiColumnEmbedding:
             owner, grads = self._pending[0].owner, self._pending[0].grads
             if not lazy_sums:
                 grads = fused_update.materialized(grads)
-            taken = owner.keys, owner.lines, owner.found, grads
+            taken = TakenRows((owner.keys, owner.lines, owner.found, grads))
+            taken.live = owner.live
         else:
             taken = self._owner().merge([(st.owner, fused_update.materialized(st.grads))
                                          for st in self._pending])
@@ -511,7 +543,10 @@ class MultiTableMultiColumnEmbedding:
             taken = self.take_gradients(lazy_sums=True)   # summed inside the update kernel
         if taken is None:
             return None
-        return self._owner().stage_update(*taken, optimizer, step)
+        live = getattr(taken, "live", None)
+        if live is None:
+            return self._owner().stage_update(*taken, optimizer, step)
+        return self._owner().stage_update(*taken, optimizer, step, live=live)
 
     def commit_gradients(self, staged) -> int:
         """Store what ``stage_gradients`` computed; returns rows updated."""

@@ -142,13 +142,15 @@ class StepPlan:
 
     step: the optimizer step; new_rows: keys admitted now (stored for the first time);
     cells / counts: the sketch update of the keys counted this step (None without admission);
-    rejected: lookups whose gradient was dropped (not admitted yet)."""
+    rejected: lookups whose gradient was dropped (not admitted yet); live: the (1,) int64
+    device count of a fixed-capacity batch (only that many of its rows are stored), or None."""
 
     step: int
     new_rows: int
     rejected: int = 0
     cells: np.ndarray | None = None
     counts: np.ndarray | None = None
+    live: object = None
 
 
 @dataclass

@@ -31,7 +31,7 @@ from .chain import build_chain, read_snapshot_rows
 from .errors import ConfigError, InputError, SnapshotError
 from .initializers import fill_initial_values
 from . import host_sync
-from .kernels import device_ops, fused_update
+from .kernels import device_ops, fused_update, live_rows
 from .lifecycle import Lifecycle, StepPlan, check_step
 from .options import LifecycleOptions
 from .parallel.shuffle import owner_rank
@@ -104,19 +104,29 @@ class EmbeddingShard:
         self._state = threading.Lock()  # version, generation, log, outstanding
         self._version = 0  # puts so far
         self._generation = 0  # snapshot loads so far
-        self._log: list[tuple[int, np.ndarray, np.ndarray]] = []  # (version, keys, lines)
+        # (version, keys, lines or None: erased, live count of a fixed-capacity put or None)
+        self._log: list[tuple] = []
         self._log_floor = 0  # puts at or below this version may be missing from the log
         self._outstanding: Counter = Counter()  # version -> lookups not yet refreshed
         self._optimizer: dict | None = None  # the row optimizer whose state the lines hold
         self._loaded_optimizer: dict | None = None  # ... as the last loaded snapshot records it
 
     # ---------------------------------------------------------------- reads
-    def lookup(self, keys: np.ndarray, table_ids: np.ndarray) -> OwnerRows:
+    @property
+    def takes_live_counts(self) -> bool:
+        """True when ``lookup`` takes fixed-capacity batches (``live``): one device store holds
+        every line (device_mem on a GPU) and no admission rule needs the keys on the host."""
+        return self._chain.takes_live_counts and self._lifecycle.sketch is None
+
+    def lookup(self, keys: np.ndarray, table_ids: np.ndarray, live=None) -> OwnerRows:
         """keys: (v,) uint64 unique owned by this rank; table_ids: (v,) int32 -> their lines.
 
         A key stored nowhere gets its deterministic initial value (nothing is stored: a key is
         created by the first optimizer step that updates it). Safe to call from a background
         thread; ``refresh`` the result before using it if puts may have happened since.
+        live: where ``takes_live_counts``, the (1,) int64 device count of a fixed-capacity batch
+        (``device_unique.unique_ids_fixed``): only the first ``live`` keys are real, the others
+        come back found (never initialised, updated or stored) and the rows carry the count.
         """
         with self._state:
             version, generation = self._version, self._generation
@@ -125,12 +135,13 @@ class EmbeddingShard:
         # main thread's refresh: the chain's own lock makes the lookup atomic against a put, and
         # every put after ``version`` is logged, so refresh patches in whatever it missed
         # (re-applying a put it already saw changes nothing)
-        lines, found = self._chain.lookup(keys)
+        lines, found = self._chain.lookup(keys) if live is None else \
+            self._chain.lookup(keys, live=live)
         if self.launch is not None:         # no read: a masked init kernel
             self._initialize_on_device(lines, ~found, keys, table_ids)
         elif not found.all():
             self._initialize(lines, ~found, keys, table_ids)
-        rows = OwnerRows(keys, table_ids, lines, found, version, generation)
+        rows = OwnerRows(keys, table_ids, lines, found, version, generation, live=live)
         rows.on_release(self._release, version)
         return rows
 
@@ -142,17 +153,19 @@ class EmbeddingShard:
             stale = (rows.generation != self._generation or rows.version < self._log_floor
                      or not rows.holds_log)
             if stale:
-                lines, found = self._chain.lookup(rows.keys)
+                lines, found = self._chain.lookup(rows.keys) if rows.live is None else \
+                    self._chain.lookup(rows.keys, live=rows.live)
                 rows.lines[...] = lines
                 rows.found[...] = found
                 missing = ~found
             else:
                 missing = None
-                newer = [(k, v) for version, k, v in self._log if version > rows.version]
+                newer = [(k, v, live) for version, k, v, live in self._log
+                         if version > rows.version]
                 if newer and self.launch is not None:
-                    missing = _patch_on_device(self.xp, rows, newer)
+                    missing = _patch_on_device(self.xp, rows, newer, self.launch)
                 elif newer:
-                    missing = _patch(rows, newer)
+                    missing = _patch(rows, [(k, v) for k, v, _ in newer])
             rows.version, rows.generation = self._version, self._generation
         if missing is not None and (self.launch is not None or missing.any()):
             self._initialize(rows.lines, missing, rows.keys, rows.table_ids)
@@ -206,7 +219,7 @@ class EmbeddingShard:
         return self.put(*self.stage_update(keys, lines, found, grads, optimizer, step))
 
     def stage_update(self, keys: np.ndarray, lines: np.ndarray, found: np.ndarray,
-                     grads: np.ndarray, optimizer, step: int):
+                     grads: np.ndarray, optimizer, step: int, live=None):
         """Apply the row optimizer to ``lines``, nothing stored yet. keys: (v,) uint64 unique;
         lines: (v, stored_size) float32, current (refreshed); found: (v,) bool (a new key's state
         starts at the optimizer's initial values); grads: (v, E) float32, or on the device a
@@ -215,10 +228,18 @@ class EmbeddingShard:
         With admission, the rows of keys not admitted yet are left out (their gradient is
         dropped); with eviction, the lifecycle columns record ``step``. Returns (keys, lines,
         plan) for ``put`` (the lines updated in place when no row was left out). Raises
-        InputError, storing nothing, when the update made a line non-finite."""
+        InputError, storing nothing, when the update made a line non-finite.
+
+        live: the (1,) int64 device count of a fixed-capacity batch (``lookup``'s): rows from
+        ``live`` on are neither updated nor checked, and ``put`` stores only the first ``live``
+        (the plan carries the count)."""
+        if live is not None and not self.takes_live_counts:
+            raise InputError("a fixed-capacity update (live count) needs device_mem on a GPU "
+                             "without admission")
         keys, lines, found, grads, plan = self._admit(keys, lines, found, grads, step)
+        plan.live = live
         if self.launch is not None:
-            self._stage_on_device(keys, lines, found, grads, optimizer, step)
+            self._stage_on_device(keys, lines, found, grads, optimizer, step, live)
         else:
             self._stage(keys, lines, found, grads, optimizer, step)
         self._lifecycle.touch(self.xp, lines, step)
@@ -254,23 +275,31 @@ class EmbeddingShard:
                          step, last_step=layout.row_column(lines, optimizer))
         _check_finite_rows(np, keys, lines, grads, optimizer, step)
 
-    def _stage_on_device(self, keys, lines, found, grads, optimizer, step: int):
+    def _stage_on_device(self, keys, lines, found, grads, optimizer, step: int, live=None):
         """``stage_update`` on device arrays: one fused optimizer kernel over the whole lines
         (bit-identical to the numpy update; see ``device_ops.update_lines``), which sums the
-        backward's rows per key itself when ``grads`` is a ``SummedGradients``."""
+        backward's rows per key itself when ``grads`` is a ``SummedGradients`` (and then skips
+        the rows from ``live`` on)."""
         xp = self.xp
-        self.layout.reset_states_where(xp, lines, ~found, optimizer)   # no read: a select
+        if live is None:   # no read: a select
+            self.layout.reset_states_where(xp, lines, ~found, optimizer)
+        else:              # no read, and the rows past ``live`` not even read
+            live_rows.fill_missing(lines, found, live, self.layout.state_blocks(optimizer),
+                                   self.launch)
         if isinstance(grads, fused_update.SummedGradients):
-            fused_update.update_lines_summed(optimizer, lines, grads, step)
+            fused_update.update_lines_summed(optimizer, lines, grads, step, live)
         else:
-            device_ops.update_lines(optimizer, lines, grads, step, self.launch)
-        _check_finite_rows(xp, keys, lines, grads, optimizer, step)
+            device_ops.update_lines(optimizer, lines, grads, step, self.launch, live)
+        _check_finite_rows(xp, keys, lines, grads, optimizer, step, live, self.launch)
 
     def put(self, keys: np.ndarray, lines: np.ndarray, plan: StepPlan | None = None) -> int:
         """Store updated lines (v, stored_size) of keys (v,) uint64; returns v. ``plan`` (from
         ``stage_update``): the step's lifecycle decisions, recorded now, and the eviction sweep
-        when one is due after this step."""
-        self._put(keys, lines)
+        when one is due after this step. With a fixed-capacity batch (the plan's ``live``
+        count) only the first ``live`` lines are stored and the count returned stays on the
+        device ((1,) int64)."""
+        live = getattr(plan, "live", None)
+        self._put(keys, lines, live)
         if plan is not None:
             if not isinstance(plan.new_rows, (int, np.integer)):   # a device count
                 pending = self._new_rows_on_device
@@ -283,7 +312,7 @@ class EmbeddingShard:
             self._rows += plan.new_rows
             if self._lifecycle.sweep_due(plan.step, self._rows):
                 self._sweep(plan.step)
-        return keys.shape[0]
+        return keys.shape[0] if live is None else live
 
     def _settle_rows(self) -> None:
         """Add the new rows counted on the device since the last settle to the row count and the
@@ -312,27 +341,32 @@ class EmbeddingShard:
             if keys.shape[0]:
                 self._version += 1
                 if self._outstanding and min(self._outstanding) < self._version:
-                    self._log.append((self._version, keys, None))  # None: erased
+                    self._log.append((self._version, keys, None, None))  # None: erased
                 self._rows -= self._chain.erase(keys)
                 self._chain.collect_garbage()
 
-    def _put(self, keys: np.ndarray, lines: np.ndarray) -> None:
+    def _put(self, keys: np.ndarray, lines: np.ndarray, live=None) -> None:
         with self._state:
             self._version += 1
             if self._outstanding and min(self._outstanding) < self._version:
-                self._log.append((self._version, keys, lines))
+                # a fixed-capacity put logs its n entries (a bound of the live ones)
+                self._log.append((self._version, keys, lines, live))
                 logged = sum(e[1].shape[0] for e in self._log)
                 while logged > MAX_LOGGED_LINES and len(self._log) > 1:
                     dropped = self._log.pop(0)
                     logged -= dropped[1].shape[0]
                     self._log_floor = dropped[0]  # lookups older than this read everything again
-            self._chain.put(keys, lines)
+            if live is None:
+                self._chain.put(keys, lines)
+            else:
+                self._chain.put(keys, lines, live=live)
 
     def merge(self, parts: list[tuple[OwnerRows, np.ndarray]]) -> tuple[np.ndarray, np.ndarray,
                                                                       np.ndarray, np.ndarray]:
         """Several backward calls before one step: (keys, lines, found, grads) with the gradients
         of the same key summed (in call order) and its first lines."""
         xp, launch = self.xp, self.launch
+        parts = [_live_part(r, g) for r, g in parts]
         keys = xp.concatenate([r.keys for r, _ in parts])
         uniq, inverse = unique_ids(keys, launch)
         first = first_occurrence(inverse, uniq.shape[0], launch)
@@ -557,33 +591,60 @@ def _patch(rows: OwnerRows, newer: list):
     return erased
 
 
-def _patch_on_device(xp, rows: OwnerRows, newer: list):
+def _patch_on_device(xp, rows: OwnerRows, newer: list, launch=None):
     """``_patch`` on device arrays, without reading anything back: each row looks its key up
     by binary search in the put's (or erase's) sorted keys and takes the put's line by a select,
     so no compaction sizes a result (keys are unique within each). Returns the rows erased and
-    not put again since (to initialise), or None."""
+    not put again since (to initialise), or None.
+
+    newer: (keys, lines or None, live or None) per put. A fixed-capacity put's keys from its
+    ``live`` count on are placeholders (key 0, maybe repeated, maybe a real key too): the
+    stable sort keeps a real key ahead of them and a match counts only below ``live``; the
+    rows' own placeholders (from ``rows.live`` on) are never patched, nor read: a put's lines
+    go in by ``live_rows.patch_rows`` (needs ``launch``)."""
     v = rows.keys.shape[0]
     if v == 0:
         return None
     erased = None
-    for put_keys, put_lines in newer:
+    valid_rows = None if rows.live is None else xp.arange(v, dtype=xp.int64) < rows.live
+    for put_keys, put_lines, put_live in newer:
         put_keys = xp.asarray(put_keys)
         m = put_keys.shape[0]
         if m == 0:
             continue
-        order = xp.argsort(put_keys)
+        order = xp.argsort(put_keys, kind="stable")
         sorted_keys = put_keys[order]
         pos = xp.minimum(xp.searchsorted(sorted_keys, rows.keys), m - 1)
         hit = sorted_keys[pos] == rows.keys                        # (v,) row's key was put
+        if put_live is not None:
+            hit &= order[pos] < put_live
+        if valid_rows is not None:
+            hit &= valid_rows
         if put_lines is None:                                      # an erase
             erased = hit.copy() if erased is None else erased | hit
             rows.found[...] = rows.found & ~hit
             continue
-        rows.lines[...] = xp.where(hit[:, None], xp.asarray(put_lines)[order[pos]], rows.lines)
+        if valid_rows is None:
+            rows.lines[...] = xp.where(hit[:, None], xp.asarray(put_lines)[order[pos]],
+                                       rows.lines)
+        else:
+            live_rows.patch_rows(rows.lines, xp.where(hit, order[pos], -1), put_lines, rows.live,
+                                 launch)
         rows.found[...] = rows.found | hit
         if erased is not None:
             erased = erased & ~hit
     return erased
+
+
+def _live_part(rows: OwnerRows, grads):
+    """(rows, grads) of one backward for ``merge``: a fixed-capacity batch cut to its live
+    count (one counted read: merging several backwards is off the steady-state path)."""
+    if rows.live is None:
+        return rows, grads
+    count = int(host_sync.scalar(rows.live, "fixed capacity: merge of several backwards"))
+    cut = OwnerRows(rows.keys[:count], rows.table_ids[:count], rows.lines[:count],
+                    rows.found[:count], rows.version, rows.generation)
+    return cut, grads[:count]
 
 
 def _apply_put(xp, rows: OwnerRows, slots, put_lines, hit, erased):
@@ -601,12 +662,15 @@ def _apply_put(xp, rows: OwnerRows, slots, put_lines, hit, erased):
     return erased
 
 
-def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int) -> None:
+def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int, live=None,
+                       launch=None) -> None:
     """InputError naming the first row the update made non-finite, before anything is stored:
     read at once, or on the trainer's device path (``host_sync.deferring``) at its next metrics
     read, before any checkpoint is written. keys: (v,) uint64; lines: (v, L); grads: (v, E), or
-    a ``fused_update.SummedGradients`` of v keys."""
-    bad = ~xp.isfinite(lines).all(axis=1)
+    a ``fused_update.SummedGradients`` of v keys; live: a fixed-capacity batch's (1,) int64
+    device count (the rows from it on are not read), with the device ``launch``."""
+    bad = ~xp.isfinite(lines).all(axis=1) if live is None else \
+        live_rows.nonfinite_rows(lines, live, launch)
 
     def first_bad():
         at = xp.argmax(bad)

@@ -122,6 +122,15 @@ class LineLayout:
             column[...] = xp.where(keep.reshape(keep.shape[:1] + (1,) * (column.ndim - 1)),
                                    column, column.dtype.type(0))
 
+    def state_blocks(self, optimizer) -> list[tuple[int, int, float]]:
+        """(start column, width, initial value) of each block ``reset_states`` sets: the
+        optimizer's states, then its per-row columns (0)."""
+        e = self.embedding_dim
+        blocks = [(e * (i + 1), e, float(value))
+                  for i, value in enumerate(optimizer.initial_state()[:optimizer.n_states])]
+        return blocks + [(optimizer.row_column_offset(e) + 2 * index, 2, 0.0)
+                         for index in range(len(optimizer.row_columns))]
+
     def manifest_fields(self) -> dict:
         return {"embedding_dims": list(self.column_dims), "line_size": self.line_size}
 
@@ -142,6 +151,9 @@ class OwnerRows:
     found: np.ndarray
     version: int
     generation: int
+    #: None, or the (1,) int64 device count of a fixed-capacity batch: the arrays hold more
+    #: entries (placeholders from ``live`` on, found, never updated or stored)
+    live: object = None
     _finalizer: object = field(default=None, repr=False, compare=False)
 
     def on_release(self, callback, *args) -> None:

@@ -127,6 +127,37 @@ def test_hash_dedup_equals_the_sort_and_the_cpu(n, kind):
         _exact(a, b)
 
 
+@pytest.mark.parametrize("kind", ["zipf", "distinct", "all_same", "marker_and_zero"])
+@pytest.mark.parametrize("n", [0, 1, 1000, 100_000, 1_700_000])
+def test_fixed_capacity_dedup_keeps_its_count_on_the_device(n, kind):
+    """``unique_ids_fixed`` under real concurrency: arrays of capacity n whose first ``count``
+    entries are the CPU's unique keys and first positions (placeholders of key 0 and position 0
+    behind them), the CPU's inverse, the count a (1,) int64 device array, and no counted read."""
+    from one_embedding import host_sync
+    from one_embedding.kernels import device_unique
+    from one_embedding.parallel.unique import first_occurrence, unique_ids
+
+    cp = _cp()
+    if os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1":
+        n = min(n, 20_000)   # the emulator runs one thread at a time
+    rng = np.random.default_rng(n + 2)
+    if kind == "marker_and_zero":
+        keys = rng.choice(np.array([0, 2**64 - 1, 1, 2**63], np.uint64), n)
+    else:
+        keys = _ids(kind, n, rng)
+    want_unique, want_inverse = unique_ids(keys)
+    want_first = first_occurrence(want_inverse, want_unique.size)
+    u = want_unique.size
+    device_keys = cp.asarray(keys)
+    with host_sync.counting() as reads:
+        fixed = device_unique.unique_ids_fixed(device_keys)
+    assert reads.total == 0, dict(reads.by_reason)
+    _exact(fixed.count, np.array([u], np.int64))
+    _exact(fixed.keys, np.concatenate([want_unique, np.zeros(n - u, np.uint64)]))
+    _exact(fixed.first, np.concatenate([want_first, np.zeros(n - u, np.int64)]))
+    _exact(fixed.inverse, want_inverse)
+
+
 # ---------------------------------------------------------------- segment sums, gathers
 
 

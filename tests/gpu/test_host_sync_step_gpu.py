@@ -44,14 +44,10 @@ def _steady(tmp_path, main_thread: bool = False):
     return sum(steady.values()) / 20, {k: v for k, v in sorted(steady.items()) if v}
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "issue 30 item 2 is not finished: measured 1.10 counted host reads per steady-state step on "
-    "the dry run: the loss read every 10 steps, and the unique count of each batch's ids, which "
-    "sizes its arrays (read by the prefetch thread; fixed-capacity arrays with the count on the "
-    "device in every kernel are left); goal <= 1"))
 def test_a_steady_state_step_reads_at_most_once(tmp_path):
     """At most one read per steady-state step on average, by any thread (the loss read every 10
-    steps counts once per 10 steps)."""
+    steps counts once per 10 steps): the prefetch thread's dedup keeps its unique count on the
+    device (fixed-capacity arrays, ``device_unique.unique_ids_fixed``) and reads nothing."""
     per_step, breakdown = _steady(tmp_path)
     print(f"host reads per steady-state step: {per_step:.2f}; by reason over 20 steps: "
           f"{breakdown}")
@@ -61,8 +57,7 @@ def test_a_steady_state_step_reads_at_most_once(tmp_path):
 
 def test_the_steps_own_thread_reads_only_the_losses(tmp_path):
     """The thread that runs the steps reads the device once every --log-interval (10) steps:
-    the losses with the deferred checks' flags. The one read left per step (the unique count)
-    is the prefetch thread's, which prepares later batches while the step runs."""
+    the losses with the deferred checks' flags."""
     per_step, breakdown = _steady(tmp_path, main_thread=True)
     print(f"main-thread host reads per steady-state step: {per_step:.2f}; over 20 steps: "
           f"{breakdown}")

@@ -87,8 +87,9 @@ def _same_bits(got, want):
 
 
 def _train(device, preset, optim, path, steps=6, depth=0, padding_idx=None, exchange_dtype=None,
-           two_lookups=False, lifecycle=None):
-    """Train ``steps`` steps; returns (outputs per step, exported keys and lines, store stats)."""
+           two_lookups=False, lifecycle=None, batches=None):
+    """Train ``steps`` steps (of ``batches``, by default ``_batches(steps)``); returns (outputs
+    per step, exported keys and lines, store stats)."""
     opt_rows = _optimizer(optim)
     emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
                                  _store(preset, path, opt_rows.required_size_factor(),
@@ -98,7 +99,8 @@ def _train(device, preset, optim, path, steps=6, depth=0, padding_idx=None, exch
     opt = oe.Optimizer(opt_rows, embeddings=[emb])
     grad_rng = np.random.default_rng(9)
     outputs = []
-    for batch, state in Prefetcher(_batches(steps), emb, depth=depth, ids=lambda b: b):
+    batches = _batches(steps) if batches is None else batches
+    for batch, state in Prefetcher(batches, emb, depth=depth, ids=lambda b: b):
         out = emb.embed(state)
         outputs.append(_host(out).copy())
         emb.backward(emb.xp.asarray(grad_rng.standard_normal(out.shape).astype(np.float32)))
@@ -135,9 +137,12 @@ def test_device_embedding_trains_as_the_cpu_embedding(launch, tmp_path, preset, 
         assert {k: g[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")} == \
             {k: w[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")}
     assert got[2][0]["tier"].startswith("device.") and "d2h_bytes" in got[2][0]
-    # one rank, fp32: the per-key gradient sum happens inside the update kernel
+    # one rank, fp32: the per-key gradient sum happens inside the update kernel; over one
+    # device store (device_mem) the batch has fixed capacity, its unique count on the device
     kernels = {"embedding_dedup_insert", "embedding_init_missing", "embedding_gather",
-               f"optim_summed_{optim}", "cache_find" if "cached" in preset else "hashindex_find"}
+               f"optim_summed_{optim}"}
+    kernels |= {"cache_find", "embedding_dedup_output"} if "cached" in preset else \
+        {"hashindex_find_live", "hashindex_put_rows", "embedding_dedup_output_fixed"}
     assert kernels <= launch.launched
     assert not {"embedding_segment_sum", f"optim_{optim}"} & launch.launched
 
@@ -191,6 +196,84 @@ def test_device_padding_exchange_dtypes_and_two_lookups(launch, tmp_path):
             _same_bits(a, b)
         _same_bits(got[1][1], want[1][1])
         shutil.rmtree(tmp_path)
+
+
+def _batches_with_key_zero(steps: int):
+    """``_batches`` with id 0 (key 0, the placeholder key of a fixed-capacity batch) in every
+    third batch, so that a prefetched lookup of key 0 sees puts with and without it."""
+    out = _batches(steps)
+    for k, ids in enumerate(out):
+        if k % 3 == 1:
+            ids[: 2 + k, 0] = 0
+    return out
+
+
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("case", ["key_zero_prefetched", "padding", "int8", "fp16",
+                                  "two_lookups", "eviction_prefetched"])
+def test_device_mem_fixed_capacity_batches_give_the_cpu_bits(launch, tmp_path, case):
+    """One rank over device_mem dedups into fixed-capacity arrays (the unique count stays on the
+    device, placeholders of key 0 behind it): every way through it gives the CPU's bits. A real
+    key 0 beside the placeholders, patched in from a fixed-capacity put by a prefetched lookup;
+    padding ids; int8 / fp16 exchange (the rows and sums of the placeholders cross too); two
+    lookups in one step (merged: cut to the count); eviction by time-to-live and row limit
+    without admission (an erase in the write log beside fixed-capacity puts)."""
+    kwargs = {"key_zero_prefetched": dict(depth=2, batches=_batches_with_key_zero(7), steps=7),
+              "padding": dict(padding_idx=11, depth=1),
+              "int8": dict(exchange_dtype="int8"), "fp16": dict(exchange_dtype="fp16"),
+              "two_lookups": dict(two_lookups=True),
+              "eviction_prefetched": dict(depth=2, steps=10, batches=_batches_with_key_zero(10),
+                                          lifecycle=oe.make_lifecycle_options(
+                                              steps_to_live=3, evict_interval=1, max_rows=80))}[case]
+    want = _train("cpu", "device_mem", "adagrad", tmp_path / "cpu", **kwargs)
+    got = _train(launch, "device_mem", "adagrad", tmp_path / "dev", **kwargs)
+    for a, b in zip(got[0], want[0], strict=True):
+        _same_bits(a, b)
+    _same_bits(got[1][0], want[1][0])
+    _same_bits(got[1][1], want[1][1])
+    # a prefetched lookup's hits depend on the puts before it (thread timing): not compared
+    counted = ("writes", "rows") if kwargs.get("depth") else ("hits", "misses", "writes", "rows")
+    for g, w in zip(got[2], want[2], strict=True):
+        assert {k: g[k] for k in counted} == {k: w[k] for k in counted}
+    if case == "eviction_prefetched":
+        counters = ("admitted_rows", "evicted_rows")
+        assert {k: got[2][-1][k] for k in counters} == {k: want[2][-1][k] for k in counters}
+        assert want[2][-1]["evicted_rows"] > 0
+    assert "embedding_dedup_output_fixed" in launch.launched
+    if case.startswith("key_zero"):
+        assert 0 in want[1][0]
+
+
+@pytest.mark.stress_seeds
+def test_device_mem_refresh_skips_the_placeholders_of_fixed_capacity_puts(launch, tmp_path):
+    """Each batch looked up before the previous step's put (as a prefetch does, but in a fixed
+    order): its refresh patches in puts whose keys end in placeholders of key 0, and the
+    batches with a real key 0 still get the CPU's rows (key 0 only in batch 2, so the puts
+    before it hold key 0 only as a placeholder)."""
+    batches = _batches(5)
+    batches[2][:3, 0] = 0
+    runs = {}
+    for where in ("cpu", launch):
+        emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
+                                     _store("device_mem", tmp_path / str(where == "cpu"), 2),
+                                     seed=5, device=where)
+        opt = oe.Optimizer(_optimizer("adagrad"), embeddings=[emb])
+        rng = np.random.default_rng(9)
+        states, outputs = {0: emb.prepare(batches[0])}, []
+        for i in range(len(batches)):
+            if i + 1 < len(batches):
+                states[i + 1] = emb.prepare(batches[i + 1])   # before this step's put
+            out = emb.embed(states.pop(i))
+            outputs.append(_host(out).copy())
+            emb.backward(emb.xp.asarray(rng.standard_normal(out.shape).astype(np.float32)))
+            opt.step()
+            opt.zero_grad()
+        runs[where == "cpu"] = outputs, emb.export()
+        emb.close()
+    for a, b in zip(runs[False][0], runs[True][0], strict=True):
+        _same_bits(a, b)
+    _same_bits(runs[False][1][1], runs[True][1][1])
+    assert 0 in runs[True][1][0]
 
 
 @pytest.mark.stress_seeds

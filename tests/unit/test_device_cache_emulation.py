@@ -212,6 +212,45 @@ def test_device_full_store_matches_memory_store(launch, tmp_path):
         np.testing.assert_array_equal(out, want)
 
 
+def test_device_full_store_takes_fixed_capacity_batches_as_the_memory_store_their_live_keys(
+        launch):
+    """Fixed-capacity batches (``device_unique.unique_ids_fixed``: n entries, the count on the
+    device) into a small store that must grow its index and rows many times: the same slots,
+    finds, size and export as a MemoryStore given each batch's live keys alone. The host's slot
+    bound grows by the capacity, never below the true count, and the reads that bring the true
+    size back happen only where it reaches the capacity of the index or the rows."""
+    from one_embedding import host_sync
+    from one_embedding.kernels import device_unique
+
+    rng = np.random.default_rng(5)
+    line = 5
+    dev, cpu = DeviceFullStore(line, capacity=8, launch=launch), MemoryStore(line, capacity=8)
+    universe = rng.integers(0, 2**64, 400, dtype=np.uint64, endpoint=False)
+    universe[:3] = [0, 1, 2**64 - 1]                      # key 0, the placeholders' key, too
+    reads = []
+    with pytest.warns(RuntimeWarning, match="exceed capacity"):
+        for step in range(12):
+            ids = universe[rng.integers(0, 40 + 30 * step, 60)]
+            fixed = device_unique.unique_ids_fixed(ids, launch=launch)
+            u = int(fixed.count[0])
+            lines = rng.standard_normal((ids.size, line)).astype(np.float32)
+            with host_sync.counting() as counted:
+                dev.insert_or_assign(fixed.keys, lines, fixed.count)
+                out = np.full((ids.size, line), 7.0, np.float32)
+                found = dev.find_found(fixed.keys, out, fixed.count)
+            reads.append(counted.total)
+            cpu.insert_or_assign(fixed.keys[:u], lines[:u])
+            assert dev._index.slot_bound >= len(cpu)      # an upper bound, known without a read
+            assert found.all()
+            np.testing.assert_array_equal(out[:u], lines[:u])
+            assert (out[u:] == 7.0).all()
+    assert 0 < sum(reads) < len(reads)        # the true size read back now and then, not always
+    assert len(dev) == len(cpu)
+    for (k1, l1), (k2, l2) in zip(dev.export_batches(64), cpu.export_batches(64), strict=True):
+        np.testing.assert_array_equal(k1, k2)
+        np.testing.assert_array_equal(l1, l2)
+
+
 # ---------------------------------------------------------------- the set-associative cache
 
 
@@ -614,7 +653,7 @@ def _glue_launches():
     found = set()
     package = helpers.PACKAGE
     for path in [package / "kernels" / "device_ops.py", package / "kernels" / "device_unique.py",
-                 package / "kernels" / "fused_update.py",
+                 package / "kernels" / "fused_update.py", package / "kernels" / "live_rows.py",
                  package / "cache" / "device.py", package / "kernels" / "layout_ops.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (

@@ -159,3 +159,95 @@ def test_unique_ids_refuses_bad_keys(launch):
     got_unique, got_inverse = device_unique.unique_ids(keys, launch=launch)
     np.testing.assert_array_equal(got_unique, np.array([EMPTY, 5], np.uint64))
     np.testing.assert_array_equal(got_inverse, [0, 1, 0])
+
+
+# ---------------------------------------------------------------- fixed capacity, count on the device
+
+
+def _check_fixed_against_unique_ids(keys, launch):
+    """``unique_ids_fixed``: arrays of capacity n, the first ``count`` entries those of
+    ``unique_ids`` (and so of the CPU unique), the inverse the same, the rest placeholders
+    (key 0, first position 0), the count a (1,) int64 device array."""
+    n = keys.size
+    fixed = device_unique.unique_ids_fixed(keys, launch=launch)
+    want_unique, want_inverse = unique_ids(keys)
+    want_first = first_occurrence(want_inverse, want_unique.size)
+    u = want_unique.size
+    assert fixed.count.shape == (1,) and fixed.count.dtype == np.int64
+    assert int(fixed.count[0]) == u
+    for got, want, dtype in ((fixed.keys, want_unique, np.uint64), (fixed.first, want_first, np.int64)):
+        assert got.shape == (n,) and got.dtype == dtype
+        np.testing.assert_array_equal(got[:u], want)
+        np.testing.assert_array_equal(got[u:], np.zeros(n - u, dtype))   # placeholders
+    assert fixed.inverse.shape == (n,) and fixed.inverse.dtype == np.int64
+    np.testing.assert_array_equal(fixed.inverse, want_inverse)
+    return fixed
+
+
+@pytest.mark.parametrize("case", sorted(KEY_SETS))
+def test_unique_ids_fixed_equal_unique_ids_below_the_count(launch, case):
+    _check_fixed_against_unique_ids(KEY_SETS[case], launch)
+    assert "embedding_dedup_output_fixed" in launch.launched or case == "empty"
+
+
+def test_unique_ids_fixed_of_many_random_batches(launch):
+    rng = np.random.default_rng(35)
+    for n in (1, 2, 3, 17, 31, 32, 33, 255, 256, 257, 1000):
+        universe = max(1, int(rng.integers(1, 2 * n)))
+        keys = rng.integers(0, universe, size=n).astype(np.uint64)
+        keys[rng.random(n) < 0.1] = EMPTY
+        keys[rng.random(n) < 0.1] = 0     # a real key 0 beside the placeholders
+        _check_fixed_against_unique_ids(keys, launch)
+
+
+def test_unique_ids_fixed_edge_batches(launch):
+    """Empty (count 0), all keys equal (count 1, n - 1 placeholders), every key the empty
+    marker, every key distinct (no placeholder), key 0 alone."""
+    empty = _check_fixed_against_unique_ids(np.empty(0, np.uint64), launch)
+    assert empty.keys.shape == (0,) and int(empty.count[0]) == 0
+    same = _check_fixed_against_unique_ids(np.full(500, 12345, np.uint64), launch)
+    assert int(same.count[0]) == 1
+    marker = _check_fixed_against_unique_ids(np.full(300, EMPTY, np.uint64), launch)
+    assert int(marker.count[0]) == 1 and int(marker.keys[0]) == EMPTY
+    distinct = _check_fixed_against_unique_ids(KEY_SETS["distinct"], launch)
+    assert int(distinct.count[0]) == KEY_SETS["distinct"].size
+    zero = _check_fixed_against_unique_ids(np.zeros(9, np.uint64), launch)
+    assert int(zero.count[0]) == 1
+
+
+def test_unique_ids_fixed_reads_nothing(launch):
+    """No host read, where ``unique_ids`` makes one (the count that sizes its arrays)."""
+    with host_sync.counting() as reads:
+        device_unique.unique_ids_fixed(KEY_SETS["zipf"], launch=launch)
+        device_unique.unique_ids_fixed(KEY_SETS["empty"], launch=launch)
+    assert reads.total == 0, dict(reads.by_reason)
+
+
+def test_the_kernels_after_the_dedup_skip_the_placeholders(launch):
+    """The device store's find and insert take the count: a batch of capacity n stores and
+    finds only its first ``count`` keys; the placeholders (key 0 here, never a real key of the
+    batch) are not looked up (slot -2), not inserted, and their lines are not written."""
+    from one_embedding.cache.device import NOT_LOOKED_UP, DeviceFullStore
+
+    keys = np.array([7, 9, 7, 11, 9, 7], np.uint64)
+    fixed = device_unique.unique_ids_fixed(keys, launch=launch)   # [7, 9, 11, 0, 0, 0], count 3
+    store = DeviceFullStore(4, capacity=16, launch=launch)
+    lines = np.arange(24, dtype=np.float32).reshape(6, 4)
+    store.insert_or_assign(fixed.keys, lines, fixed.count)
+    assert len(store) == 3
+    held_keys, held_lines = next(store.export_batches())
+    np.testing.assert_array_equal(held_keys, [7, 9, 11])
+    np.testing.assert_array_equal(held_lines, lines[:3])
+    out = np.full((6, 4), -1.0, np.float32)
+    found = store.find_found(fixed.keys, out, fixed.count)
+    np.testing.assert_array_equal(found, [True] * 6)          # placeholders: nothing to do
+    np.testing.assert_array_equal(out[:3], lines[:3])
+    assert (out[3:] == -1.0).all()                             # untouched
+    slots = store._index.find_live(fixed.keys, fixed.count)
+    np.testing.assert_array_equal(slots[3:], [NOT_LOOKED_UP] * 3)
+    assert (store._index.find(np.array([0], np.uint64)) == -1).all()   # 0 never inserted
+    # a real key 0 below the count is found and stored like any other
+    with_zero = device_unique.unique_ids_fixed(np.array([0, 5, 0, 5], np.uint64), launch=launch)
+    store.insert_or_assign(with_zero.keys, np.ones((4, 4), np.float32), with_zero.count)
+    assert len(store) == 5
+    assert (store._index.find(np.array([0, 5], np.uint64)) >= 0).all()

@@ -133,14 +133,14 @@ def test_device_write_log_is_written_and_read_by_the_consumer_thread_only(launch
     seen = {"put": set(), "patch": set(), "patched_lines": 0}
     real_patch, real_put = shard_mod._patch_on_device, shard_mod.EmbeddingShard._put
 
-    def patch(xp, rows, newer):
+    def patch(xp, rows, newer, *launch):
         seen["patch"].add(threading.current_thread().name)
-        seen["patched_lines"] += sum(k.shape[0] for k, _ in newer)
-        return real_patch(xp, rows, newer)
+        seen["patched_lines"] += sum(k.shape[0] for k, *_ in newer)
+        return real_patch(xp, rows, newer, *launch)
 
-    def put(self, keys, lines):
+    def put(self, keys, lines, live=None):
         seen["put"].add(threading.current_thread().name)
-        return real_put(self, keys, lines)
+        return real_put(self, keys, lines, live)
 
     monkeypatch.setattr(shard_mod, "_patch_on_device", patch)
     monkeypatch.setattr(shard_mod.EmbeddingShard, "_put", put)

@@ -34,6 +34,8 @@ from .set_associative import POLICIES
 #: The slot word of an empty bucket (hashindex.cu's EMPTY; -1 as int64, as tiers.hash_index).
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
 MAX_LOAD = 0.7
+#: The slot of a key past the count of a fixed-capacity batch (hashindex.cu's NOT_LOOKED_UP).
+NOT_LOOKED_UP = -2
 #: One warp owns a set and lane w its way w.
 MAX_WAYS = 32
 #: Rows a DeviceFullStore reserves before its first growth (capacity permitting).
@@ -192,6 +194,25 @@ class DeviceHashIndex:
             raise InputError(f"out has lines of {out.shape[1]} floats, the store {rows.shape[1]}")
         return self._find(keys, rows, out, out_rows)[0]
 
+    def find_live(self, keys, live, rows=None, out=None):
+        """``find`` of a fixed-capacity batch (``device_unique.unique_ids_fixed``): only the
+        first ``live`` keys are looked up, without a read; with ``rows`` (R, L) float32, the line
+        of found key i is copied into row i of ``out`` (n, L) float32 too. keys: (n,) uint64;
+        live: (1,) int64 device count -> slots (n,) int64: the slot, -1 where absent,
+        ``NOT_LOOKED_UP`` (-2) from ``live`` on."""
+        xp = self._xp
+        n = keys.shape[0]
+        slots = xp.empty(n, dtype=xp.int64)
+        if rows is None:   # not read when line_size == 0; any float32 array stands in
+            rows = out = xp.empty((1, 1), dtype=xp.float32)
+            line_size = 0
+        else:
+            line_size = rows.shape[1]
+        device_ops.launch_warps(self._launch, "hashindex", "find_live", np.float32, n,
+                                (self._table, np.int64(self.capacity - 1), keys, np.int64(n), live,
+                                 rows, np.int32(line_size), out, slots))
+        return slots
+
     def find_or_insert(self, keys, distinct: bool = False):
         """keys: (n,) uint64 -> (slots (n,) int64, is_new (n,) bool); new keys take the next slots
         in batch order. A key given twice gets one slot, new at its first place only (as on the
@@ -235,14 +256,28 @@ class DeviceHashIndex:
             self._size += m
         return slots, is_new
 
-    def _insert_new_on_device(self, keys):
+    def insert_live(self, keys, live):
+        """``find_or_insert(keys, distinct=True)`` of a fixed-capacity batch: only the first
+        ``live`` ((1,) int64 device count) of the n distinct keys; the others get slot
+        ``NOT_LOOKED_UP`` and are neither new nor inserted. No read: the host's slot bound grows
+        by n, an upper bound of the keys inserted."""
+        keys = self._keys(keys)
+        self._reserve(keys.shape[0])
+        return self._insert_new_on_device(keys, live)
+
+    def _insert_new_on_device(self, keys, live=None):
         """``find_or_insert`` of distinct keys without a read: a new key's slot is the device's
         next slot plus its rank among the new keys (batch order, as on the CPU), the masked
-        insert kernel adds them, and the counts stay on the device."""
+        insert kernel adds them, and the counts stay on the device. live: the keys' count in a
+        fixed-capacity batch (None: all of them)."""
         xp = self._xp
         n = keys.shape[0]
-        slots, _ = self._find(keys)
-        is_new = slots < 0
+        if live is None:
+            slots, _ = self._find(keys)
+            is_new = slots < 0
+        else:                       # NOT_LOOKED_UP (-2) past the count: not new
+            slots = self.find_live(keys, live)
+            is_new = slots == -1
         if n == 0:
             return slots, is_new
         rank = xp.cumsum(is_new, dtype=xp.int64)                 # (n,) inclusive
@@ -337,22 +372,39 @@ class DeviceFullStore(_OnDevice, StoreTier):
         slots = self._index.find_rows(keys, self._rows, out, out_rows)
         return device_ops.flatnonzero(self._xp, slots < 0, "device store find: missing count")
 
-    def find_found(self, keys, out):
+    def find_found(self, keys, out, live=None):
         """keys: (n,) uint64; out: (n, line_size) float32, row i written with key i's line where
-        held -> found (n,) bool, on the device: no count is read back."""
+        held -> found (n,) bool, on the device: no count is read back. live: (1,) int64 device
+        count of a fixed-capacity batch (``device_unique.unique_ids_fixed``): only its first
+        ``live`` keys are looked up, the others come back found (nothing to initialise or
+        count there) with their rows of ``out`` untouched."""
+        if live is not None:
+            return self._index.find_live(keys, live, self._rows, out) != -1
         rows = self._xp.arange(keys.shape[0], dtype=self._xp.int64)
         return self._index.find_rows(keys, self._rows, out, rows) >= 0
 
-    def insert_or_assign(self, keys, lines):
-        """keys: (n,) uint64 unique, lines: (n, line_size) float32 -> nothing evicted (empty)."""
+    def insert_or_assign(self, keys, lines, live=None):
+        """keys: (n,) uint64 unique, lines: (n, line_size) float32 -> nothing evicted (empty).
+        live: (1,) int64 device count of a fixed-capacity batch: only its first ``live`` keys
+        and lines are stored (no read)."""
         xp = self._xp
         lines = device_ops.device_array(self._launch, "lines", lines, np.float32, ndim=2)
-        slots, _ = self._index.find_or_insert(keys, distinct=True)  # unique, as documented
+        if live is None:
+            slots, _ = self._index.find_or_insert(keys, distinct=True)  # unique, as documented
+        else:
+            slots, _ = self._index.insert_live(keys, live)
         if lines.shape != (slots.shape[0], self.line_size):
             raise InputError(f"lines {tuple(lines.shape)} must be ({slots.shape[0]}, {self.line_size})")
         if self._index.slot_bound > self._rows.shape[0]:  # else the rows hold every slot: no read
             self._ensure_rows(self._index.slot_limit)
-        self._rows[slots] = lines
+        if live is None:
+            self._rows[slots] = lines
+        else:
+            n = slots.shape[0]
+            device_ops.launch_threads(self._launch, "hashindex", "put_rows", np.float32,
+                                      n * self.line_size,
+                                      (self._rows, np.int32(self.line_size), slots,
+                                       xp.ascontiguousarray(lines), np.int64(n), live))
         return xp.empty(0, dtype=xp.uint64), xp.empty((0, self.line_size), dtype=xp.float32)
 
     def _sorted_items(self):

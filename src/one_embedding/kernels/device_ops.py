@@ -277,11 +277,14 @@ def _float_dtype(name: str, a):
 # ---------------------------------------------------------------- gather
 
 
-def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = True):
+def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = True,
+                columns: int | None = None):
     """src: (R, E) float, index: (...) int64 -> (..., E): ``src[index]``, zero rows where index < 0.
 
     The twin of ``reference.gather_rows`` (copies, so bit-identical). ``check_index=False`` skips
     the index's range check (a host read) for an index that lies in src by construction.
+    ``columns``: gather the first ``columns`` of each row of a wider src, read in place (the
+    embedding columns of whole lines: no copy of them first) -> (..., columns).
     """
     launch = resolve(launch)
     xp = launch.xp
@@ -289,12 +292,15 @@ def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = 
     dtype = _float_dtype("src", src)
     index = device_array(launch, "index", index, np.int64)
     flat = index.reshape(-1)
-    dim = src.shape[1]
+    stride = src.shape[1]
+    dim = stride if columns is None else int(columns)
+    if not 0 <= dim <= stride:
+        raise InputError(f"columns={columns} but src rows have {stride}")
     if check_index and flat.size and host_sync.flag(flat.max() >= src.shape[0], "gather_rows: index range check"):
         raise InputError(f"index holds {int(flat.max())} but src has {src.shape[0]} rows")
     out = xp.empty((flat.shape[0], dim), dtype=dtype)
     launch_threads(launch, "embedding", "gather", dtype, flat.shape[0] * dim,
-                   (src, np.int32(dim), flat, np.int64(flat.shape[0]), out))
+                   (src, np.int32(dim), np.int32(stride), flat, np.int64(flat.shape[0]), out))
     return out.reshape(tuple(index.shape) + (dim,))
 
 
@@ -436,25 +442,30 @@ def optimizer_kernel(optimizer, lr: float, t: int) -> tuple[str, tuple]:
                       "Ftrl or SmartDecayAdam")
 
 
-def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = None) -> None:
+def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = None,
+                 live=None) -> None:
     """One optimizer step on whole lines, in place, fused in one kernel.
 
     lines: (n, L) float32, C-contiguous, each ``[w (E) | state 1 (E) | ...]`` (SmartDecayAdam's
     with its int64 step per row after the blocks); grads: (n, E). Computes what
     ``optimizer.update(lines[:, :E], [state views], grads, step)`` computes on numpy (float64
     intermediates, one rounding per stored value): bit-identical, except Ftrl with lr_power
-    other than +-0.5, whose pow may differ in the last float64 ulp.
+    other than +-0.5, whose pow may differ in the last float64 ulp. live: the (1,) int64
+    device count of a fixed-capacity batch: its lines from ``live`` on are placeholders (this
+    kernel updates them too, wasted work; nothing reads them).
     """
     launch = resolve(launch)
     grads = device_array(launch, "grads", grads, np.float32, ndim=2)
-    run_update(optimizer, lines, grads.shape, step, launch, "", (grads,))
+    run_update(optimizer, lines, grads.shape, step, launch, "", (grads,), live)
 
 
 def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher, variant: str,
-               grad_args: tuple) -> None:
+               grad_args: tuple, live=None) -> None:
     """The launches of ``update_lines`` for a gradient of ``grad_shape`` (n, E) that kernel
     ``optim_<variant><rule>`` reads from ``grad_args`` (``update_lines``: the (n, E) rows;
-    ``fused_update``: a backward's rows and their grouping, summed in the kernel)."""
+    ``fused_update``: a backward's rows, their grouping and the live count, summed in the
+    kernel). live: a fixed-capacity batch's (1,) int64 device count (the rows' last steps are
+    checked below it only)."""
     t = _check_step(step)
     lr = optimizer._current_lr()
     lines = device_array(launch, "lines", lines, np.float32, ndim=2, writable=True)
@@ -470,8 +481,11 @@ def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher,
         launch_threads(launch, "optim", variant + name, np.float32, n * dim, head + scalars)
         return
     step_col = optimizer.row_column_offset(dim)
-    steps = lines[:, step_col:step_col + 2].view(launch.xp.uint32)
-    optimizer.check_last_steps(launch.xp, steps, t)
+    xp = launch.xp
+    steps = lines[:, step_col:step_col + 2].view(xp.uint32)
+    if live is not None:   # placeholders past the count hold whatever: step 0 there
+        steps = xp.where((xp.arange(n, dtype=xp.int64) < live)[:, None], steps, xp.uint32(0))
+    optimizer.check_last_steps(xp, steps, t)
     launch_threads(launch, "optim", variant + name, np.float32, n * dim,
                    head + scalars + (np.int32(step_col),))
     # the rows' new step, once every thread has read the old one

@@ -8,6 +8,8 @@ CuPy on the current device; the tests pass the host emulator's). Results equal t
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import numpy as np
 
 from .. import host_sync
@@ -46,16 +48,7 @@ def unique_ids(keys, launch: Launcher | None = None, return_first: bool = False)
     n = keys.shape[0]
     if n == 0:
         return _empty_unique(xp, return_first)
-    capacity = dedup_capacity(n)
-    table = xp.empty(2 * (capacity + 1), dtype=xp.uint64)           # (capacity + 1, 2) [key, first]
-    launch_threads(launch, "embedding", "dedup_clear", np.float32, capacity + 1,
-                   (table, np.int64(capacity + 1), np.int64(n)))
-    first_of = xp.empty(n, dtype=xp.int64)                         # bucket, then first position
-    launch_threads(launch, "embedding", "dedup_insert", np.float32, n,
-                   (keys, np.int64(n), table, np.int64(capacity - 1), first_of))
-    is_first = xp.empty(n, dtype=xp.uint8)
-    launch_threads(launch, "embedding", "dedup_first", np.float32, n, (table, np.int64(n), first_of, is_first))
-    rank = xp.cumsum(is_first, dtype=xp.int64)                     # (n,) ids + 1 at first positions
+    first_of, rank = _dedup_passes(launch, keys)
     n_unique = host_sync.scalar(rank[-1], "dedup: unique count")
     uniq = xp.empty(n_unique, dtype=xp.uint64)
     first = xp.empty(n_unique, dtype=xp.int64)
@@ -65,6 +58,63 @@ def unique_ids(keys, launch: Launcher | None = None, return_first: bool = False)
     if return_first:
         return uniq, inverse, first
     return uniq, inverse
+
+
+class FixedUnique(NamedTuple):
+    """``unique_ids_fixed``'s result: arrays of capacity n (the number of ids), the first
+    ``count`` entries of ``keys`` and ``first`` those of ``unique_ids``.
+
+    keys: (n,) uint64, the unique keys in first-occurrence order, then key 0 in positions
+    count..n-1; inverse: (n,) int64, as ``unique_ids``'; first: (n,) int64, each unique key's
+    first position, then 0; count: (1,) int64 device array, u, never read by the host here.
+    """
+    keys: object
+    inverse: object
+    first: object
+    count: object
+
+
+def _dedup_passes(launch, keys):
+    """Passes 0-2 of the hash-table dedup and the numbering of the first occurrences ->
+    (first_of (n,) int64: each id's first position, rank (n,) int64: the inclusive prefix sum
+    of the first occurrences, so rank[n - 1] is the unique count). keys: (n,) uint64, n > 0."""
+    xp = launch.xp
+    n = keys.shape[0]
+    capacity = dedup_capacity(n)
+    table = xp.empty(2 * (capacity + 1), dtype=xp.uint64)           # (capacity + 1, 2) [key, first]
+    launch_threads(launch, "embedding", "dedup_clear", np.float32, capacity + 1,
+                   (table, np.int64(capacity + 1), np.int64(n)))
+    first_of = xp.empty(n, dtype=xp.int64)                         # bucket, then first position
+    launch_threads(launch, "embedding", "dedup_insert", np.float32, n,
+                   (keys, np.int64(n), table, np.int64(capacity - 1), first_of))
+    is_first = xp.empty(n, dtype=xp.uint8)
+    launch_threads(launch, "embedding", "dedup_first", np.float32, n, (table, np.int64(n), first_of, is_first))
+    return first_of, xp.cumsum(is_first, dtype=xp.int64)           # (n,) ids + 1 at first positions
+
+
+def unique_ids_fixed(keys, launch: Launcher | None = None) -> FixedUnique:
+    """keys: (n,) uint64 -> ``FixedUnique``: ``unique_ids(keys, return_first=True)`` written
+    into arrays of capacity n (an upper bound of the unique count), the count kept on the
+    device: no host read, so nothing waits for the device and a CUDA graph can hold it.
+
+    The same kernels as ``unique_ids`` but the last (``dedup_output_fixed``), which also fills
+    positions count..n-1 (key 0, first position 0: in bounds for any gather by them). The
+    kernels after it on the device path take ``count`` and skip those positions. An empty
+    batch gives empty arrays and a count of 0.
+    """
+    launch = resolve(launch)
+    xp = launch.xp
+    keys = device_array(launch, "keys", keys, np.uint64, ndim=1)
+    n = keys.shape[0]
+    if n == 0:
+        return FixedUnique(*_empty_unique(xp, True), xp.zeros(1, dtype=xp.int64))
+    first_of, rank = _dedup_passes(launch, keys)
+    uniq = xp.empty(n, dtype=xp.uint64)
+    first = xp.empty(n, dtype=xp.int64)
+    inverse = xp.empty(n, dtype=xp.int64)
+    launch_threads(launch, "embedding", "dedup_output_fixed", np.float32, n,
+                   (keys, first_of, rank, np.int64(n), inverse, uniq, first))
+    return FixedUnique(uniq, inverse, first, rank[n - 1:])
 
 
 def unique_ids_by_sorting(keys, launch: Launcher | None = None, return_first: bool = False):

@@ -33,14 +33,17 @@ class SummedGradients:
     values: (n, E) float32 device array, the backward's gradient rows (padding dropped);
     inverse: (n,) int64 in [0, n_keys), the key of each row (``unique_ids``' inverse);
     n_keys: u, the number of keys. Stands for the (u, E) float32 array
-    ``segment_sum(values, inverse, n_keys)``, which ``materialize`` computes.
+    ``segment_sum(values, inverse, n_keys)``, which ``materialize`` computes. live: None, or
+    the (1,) int64 device count of a fixed-capacity batch (n_keys is then its capacity and the
+    keys from ``live`` on are placeholders no row sums into: the update leaves their lines).
     """
 
-    def __init__(self, values, inverse, n_keys: int, launch: Launcher):
+    def __init__(self, values, inverse, n_keys: int, launch: Launcher, live=None):
         self.values = device_ops.device_array(launch, "values", values, np.float32, ndim=2)
         self.inverse = device_ops.device_array(launch, "inverse", inverse, np.int64, ndim=1)
         self.n_keys = int(n_keys)
         self.launch = launch
+        self.live = live
         self._order = None
 
     @property
@@ -78,10 +81,16 @@ def materialized(grads):
     return grads.materialize() if isinstance(grads, SummedGradients) else grads
 
 
-def update_lines_summed(optimizer, lines, grads: SummedGradients, step: int) -> None:
+def update_lines_summed(optimizer, lines, grads: SummedGradients, step: int,
+                        live=None) -> None:
     """``device_ops.update_lines(optimizer, lines, grads.materialize(), step)``, bit for bit, in
     one kernel that sums each key's rows itself. lines: (u, L) float32, C-contiguous, the lines
-    of the u keys in key order."""
+    of the u keys in key order. live: the (1,) int64 device count of a fixed-capacity batch
+    (default ``grads.live``): the lines from it on are left untouched (the kernel's threads
+    there return at once)."""
+    launch = grads.launch
+    live = grads.live if live is None else live
+    count = launch.xp.full(1, grads.n_keys, dtype=launch.xp.int64) if live is None else live
     rows_by_segment, offsets = grads.order()
-    device_ops.run_update(optimizer, lines, grads.shape, step, grads.launch, "summed_",
-                          (grads.values, rows_by_segment, offsets))
+    device_ops.run_update(optimizer, lines, grads.shape, step, launch, "summed_",
+                          (grads.values, rows_by_segment, offsets, count), live)

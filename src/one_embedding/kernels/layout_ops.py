@@ -106,13 +106,16 @@ def _check_target(target: InteractionInput, batch: int, n_features: int, slot: i
 
 
 def gather_into(rows, index, target: InteractionInput, first_slot: int,
-                launch: Launcher | None = None) -> None:
+                launch: Launcher | None = None, columns: int | None = None) -> None:
     """rows: (U, E) float32, index: (B, F) int64 into rows (< 0: a zero row) -> writes
     ``rows[index]`` cast to the target's storage into ``target.data[:, first_slot:first_slot + F]``.
+    ``columns``: the first ``columns`` of each row of wider rows (whole lines, read in place).
 
     The twin of ``gather_rows`` + stacking + ``encode``, bit for bit."""
     batch, n_features = index.shape
-    dim = rows.shape[1]
+    if columns is not None and launch is None:
+        rows = rows[:, :columns]
+    dim = rows.shape[1] if columns is None else int(columns)
     _check_target(target, batch, n_features, first_slot, dim)
     if launch is None:
         values = np.zeros(index.shape + (dim,), np.float32)
@@ -121,7 +124,7 @@ def gather_into(rows, index, target: InteractionInput, first_slot: int,
         target.data[:, first_slot:first_slot + n_features] = encode(values, target.precision)
         return
     _launch(launch, rows, index.reshape(-1), True, batch * n_features, n_features, target,
-            first_slot)
+            first_slot, dim)
 
 
 def write_slot(x, target: InteractionInput, slot: int, launch: Launcher | None = None) -> None:
@@ -135,17 +138,20 @@ def write_slot(x, target: InteractionInput, slot: int, launch: Launcher | None =
     _launch(launch, x, None, False, batch, 1, target, slot)
 
 
-def _launch(launch, src, index, has_index, n_rows, per_sample, target, first_slot):
+def _launch(launch, src, index, has_index, n_rows, per_sample, target, first_slot, dim=None):
     xp = launch.xp
     src = device_array(launch, "rows", src, np.float32, ndim=2)
+    dim = src.shape[1] if dim is None else dim
+    if not 0 <= dim <= src.shape[1]:
+        raise InputError(f"{dim} columns of rows of {src.shape[1]}")
     index = (device_array(launch, "index", index, np.int64) if has_index
              else xp.zeros((1,), dtype=xp.int64))
     half = target.precision in HALF_PRECISIONS
     data = device_array(launch, "interaction input", target.data, target.data.dtype, writable=True)
     unused_float = xp.empty((1,), dtype=xp.float32)
     unused_bits = xp.empty((1,), dtype=xp.uint16)
-    launch_threads(launch, "embedding", "gather_into", np.float32, n_rows * src.shape[1],
-                   (src, np.int32(src.shape[1]), index, np.int32(bool(has_index)),
+    launch_threads(launch, "embedding", "gather_into", np.float32, n_rows * dim,
+                   (src, np.int32(dim), np.int32(src.shape[1]), index, np.int32(bool(has_index)),
                     np.int64(n_rows), np.int32(per_sample), np.int32(data.shape[1]),
                     np.int32(first_slot), np.int32(_KINDS.get(target.precision, 0)),
                     unused_float if half else data, data if half else unused_bits))

@@ -58,20 +58,29 @@ class LocalIds:
     unique_table_ids: (u,) int32 table of each unique key (its first occurrence's)
     inverse: (n,) int64 row of ``unique_keys`` for each input id
     counts_per_rank: (P,) int64 unique ids owned by each rank (P = 1: [u])
+    unique_count: None, or for a fixed-capacity batch (one rank on the device,
+    ``partition_ids(fixed_capacity=True)``) the (1,) int64 device count u: the arrays then hold
+    n entries (the ids' count, an upper bound of u; ``counts_per_rank`` is [n]), those from u on
+    placeholders that the kernels after it skip (``device_unique.unique_ids_fixed``)
     """
 
     unique_keys: np.ndarray
     unique_table_ids: np.ndarray
     inverse: np.ndarray
     counts_per_rank: np.ndarray
+    unique_count: object = None
 
 
 def partition_ids(keys: np.ndarray, table_ids: np.ndarray, world: int = 1,
-                  launch=None) -> LocalIds:
+                  launch=None, fixed_capacity: bool = False) -> LocalIds:
     """De-duplicate ``keys`` (n,) uint64 with their ``table_ids`` (n,) int32 and group them by
-    owner rank (a stable grouping, so first-occurrence order holds within each owner)."""
+    owner rank (a stable grouping, so first-occurrence order holds within each owner).
+    fixed_capacity (one rank on the device only): arrays of n entries and the unique count on
+    the device (``LocalIds.unique_count``), so nothing is read back."""
+    if fixed_capacity and (launch is None or world != 1):
+        raise ValueError("fixed_capacity is for one rank on the device")
     if launch is not None:
-        return _partition_on_device(keys, table_ids, world, launch)
+        return _partition_on_device(keys, table_ids, world, launch, fixed_capacity)
     uniq, inverse = unique_ids(keys)
     uniq_tables = table_ids[first_occurrence(inverse, uniq.shape[0])].astype(np.int32)
     owners = owner_rank(uniq, world)
@@ -85,9 +94,15 @@ def partition_ids(keys: np.ndarray, table_ids: np.ndarray, world: int = 1,
     return LocalIds(uniq, uniq_tables, inverse, counts)
 
 
-def _partition_on_device(keys, table_ids, world: int, launch) -> LocalIds:
-    """``partition_ids`` on device arrays; counts_per_rank comes back to the host."""
+def _partition_on_device(keys, table_ids, world: int, launch,
+                         fixed_capacity: bool = False) -> LocalIds:
+    """``partition_ids`` on device arrays; counts_per_rank comes back to the host (but with
+    ``fixed_capacity``, where nothing is read)."""
     xp = launch.xp
+    if fixed_capacity:
+        fixed = device_unique.unique_ids_fixed(keys, launch)
+        return LocalIds(fixed.keys, table_ids[fixed.first].astype(xp.int32), fixed.inverse,
+                        np.array([fixed.keys.shape[0]], np.int64), fixed.count)
     uniq, inverse, first = device_unique.unique_ids(keys, launch, return_first=True)
     uniq_tables = table_ids[first].astype(xp.int32)
     if world == 1:
@@ -162,14 +177,16 @@ def _exchange_rows(comm: Communicator, rows: np.ndarray, send_counts, recv_count
 
 
 def shuffle_ids(comm: Communicator, keys: np.ndarray, table_ids: np.ndarray,
-                traffic: Traffic | None = None, launch=None) -> IdExchange:
+                traffic: Traffic | None = None, launch=None,
+                fixed_capacity: bool = False) -> IdExchange:
     """The ID shuffle. keys: (n,) uint64, table_ids: (n,) int32 -> the step's ``IdExchange``.
 
     Unique, partition by owner, exchange counts, all-to-all of ids and table ids, unique again on
     the owner (the same key arrives from several ranks). launch: device arrays (see the module
-    docstring).
+    docstring). fixed_capacity: one rank on the device, arrays of n entries with the unique
+    count on the device (``LocalIds.unique_count``), nothing read back.
     """
-    local = partition_ids(keys, table_ids, comm.world, launch)
+    local = partition_ids(keys, table_ids, comm.world, launch, fixed_capacity)
     if traffic is not None:
         traffic.id_bytes += 12 * _remote(comm, local.counts_per_rank)  # uint64 key + int32 table
     recv_counts = comm.alltoall_counts(local.counts_per_rank)

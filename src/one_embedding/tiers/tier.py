@@ -37,34 +37,50 @@ class TierCounters:
     writes: int = 0  # lines written into this level (puts, evictions from above, flushes)
 
     def __post_init__(self):
-        # finds whose missing count is still on the device (not fields: ``as_dict`` settles them)
+        # counts still on the device (not fields: ``as_dict`` settles them): finds whose missing
+        # count, or whose number of keys (a fixed-capacity batch's live count), is a 0-d device
+        # array, and writes of such a batch
         self._queried_on_device = 0
         self._missing_on_device = None
+        self._written_on_device = None
 
-    def record_find(self, queried: int, missing) -> None:
-        """missing: an int, or a 0-d device count, summed on the device and read (once, counted)
-        when the counters are (``as_dict``), not during the step."""
-        if isinstance(missing, (int, np.integer)):
+    def record_find(self, queried, missing) -> None:
+        """queried: an int, or a 0-d device count; missing: an int, or a 0-d device count.
+        Device counts are summed on the device and read (counted) when the counters are
+        (``as_dict``), not during the step."""
+        if isinstance(missing, (int, np.integer)) and isinstance(queried, (int, np.integer)):
             self.hits += queried - int(missing)
             self.misses += int(missing)
             return
-        self._queried_on_device += queried
+        self._queried_on_device = self._queried_on_device + queried
         pending = self._missing_on_device
         self._missing_on_device = missing if pending is None else pending + missing
 
-    def record_write(self, written: int, evicted: int) -> None:
+    def record_write(self, written, evicted: int) -> None:
+        """written: an int, or a 0-d device count (read with the counters, as ``record_find``'s)."""
+        if not isinstance(written, (int, np.integer)):
+            pending = self._written_on_device
+            self._written_on_device = written if pending is None else pending + written
+            written = 0
         self.writes += written
         self.evictions += evicted
 
     def as_dict(self) -> dict:
+        from .. import host_sync
+
         pending = self._missing_on_device
         if pending is not None:
-            from .. import host_sync
-
             missing = int(host_sync.scalar(pending, "tier counters: device misses"))
+            queried = self._queried_on_device
+            if not isinstance(queried, (int, np.integer)):
+                queried = int(host_sync.scalar(queried, "tier counters: device lookups"))
             self._missing_on_device = None
-            self.record_find(self._queried_on_device, missing)
             self._queried_on_device = 0
+            self.record_find(int(queried), missing)
+        if self._written_on_device is not None:
+            self.writes += int(host_sync.scalar(self._written_on_device,
+                                                "tier counters: device writes"))
+            self._written_on_device = None
         return asdict(self)
 
 

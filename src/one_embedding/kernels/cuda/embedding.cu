@@ -119,6 +119,31 @@ __global__ void embedding_dedup_output(const oe::u64* keys, const oe::i64* first
   }
 }
 
+// Pass 3 of the fixed-capacity dedup (device_unique.unique_ids_fixed): embedding_dedup_output
+// into outputs of capacity n, the unique count u = rank[n - 1] left on the device. Positions
+// u..n-1 of unique_out and first_out get key 0 and position 0, so that every later gather by
+// them stays in bounds; the kernels after it take the count and skip those positions.
+// keys, first_of, rank, inverse, unique_out, first_out: (n,).
+template <typename T>
+__global__ void embedding_dedup_output_fixed(const oe::u64* keys, const oe::i64* first_of,
+                                             const oe::i64* rank, oe::i64 n, oe::i64* inverse,
+                                             oe::u64* unique_out, oe::i64* first_out) {
+  const oe::i64 count = rank[n - 1];
+  for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
+    const oe::i64 f = first_of[i];
+    const oe::i64 id = rank[f] - 1;
+    inverse[i] = id;
+    if (f == i) {
+      unique_out[id] = keys[i];
+      first_out[id] = i;
+    }
+    if (i >= count) {
+      unique_out[i] = 0;
+      first_out[i] = 0;
+    }
+  }
+}
+
 // out[s, c] = sum of values[r, c] over the rows r of segment s, added in ascending r from +0.
 // values: (n, dim); rows_by_segment: (n,) i64, the rows sorted by (segment, row); offsets:
 // (n_segments + 1,) i64, segment s owns rows_by_segment[offsets[s]:offsets[s + 1]]; out:
@@ -137,31 +162,35 @@ __global__ void embedding_segment_sum(const T* values, int dim, const oe::i64* r
   }
 }
 
-// out[i, c] = src[index[i], c], or 0 where index[i] < 0 (padding). src: (rows, dim);
-// index: (n,) i64; out: (n, dim). One thread per output element, consecutive threads on
+// out[i, c] = src[index[i], c], or 0 where index[i] < 0 (padding). src: (rows, src_stride),
+// its first dim columns read (src_stride > dim: the embedding columns of whole lines, read in
+// place); index: (n,) i64; out: (n, dim). One thread per output element, consecutive threads on
 // consecutive columns of a row.
 template <typename T>
-__global__ void embedding_gather(const T* src, int dim, const oe::i64* index, oe::i64 n, T* out) {
+__global__ void embedding_gather(const T* src, int dim, int src_stride, const oe::i64* index,
+                                 oe::i64 n, T* out) {
   const oe::i64 total = n * dim;
   for (oe::i64 i = oe::grid_thread(); i < total; i += oe::grid_threads()) {
     const oe::i64 r = i / dim;
     const oe::i64 source = index[r];
-    out[i] = source >= 0 ? src[source * dim + (i - r * dim)] : T(0);
+    out[i] = source >= 0 ? src[source * src_stride + (i - r * dim)] : T(0);
   }
 }
 
 // The gather of embedding_gather written straight into the dot interaction's input layout
 // (kernels/layout_ops.py): row r of the (n_rows, dim) result is feature f = r % per_sample of
 // sample b = r / per_sample and lands at out[b, first_slot + f, :] of the (batch, slots, dim)
-// buffer. src: (rows, dim); index: (n_rows,) i64 (< 0: a zero row, padding), or, with
-// has_index == 0, unused and row r reads src[r] (the bottom MLP's output into slot 0).
+// buffer. src: (rows, src_stride), its first dim columns read; index: (n_rows,) i64 (< 0: a
+// zero row, padding), or, with has_index == 0, unused and row r reads src[r] (the bottom MLP's
+// output into slot 0).
 // ``kind`` (precision.cuh) 1 / 2 writes the fp16 / bf16 pattern of each value into out_bits
 // (round to nearest even, as nn.amp.round_to: the cast the interaction applies to its operands)
 // and leaves out untouched; any other kind copies the value into out and leaves out_bits
 // untouched. One thread per element, consecutive threads on consecutive columns of a row.
 template <typename T>
-__global__ void embedding_gather_into(const T* src, int dim, const oe::i64* index, int has_index,
-                                      oe::i64 n_rows, int per_sample, int slots, int first_slot,
+__global__ void embedding_gather_into(const T* src, int dim, int src_stride,
+                                      const oe::i64* index, int has_index, oe::i64 n_rows,
+                                      int per_sample, int slots, int first_slot,
                                       int kind, T* out, unsigned short* out_bits) {
   const oe::i64 total = n_rows * dim;
   const bool half = kind == oe::precision::FP16 || kind == oe::precision::BF16;
@@ -169,7 +198,7 @@ __global__ void embedding_gather_into(const T* src, int dim, const oe::i64* inde
     const oe::i64 r = i / dim;
     const int c = (int)(i - r * dim);
     const oe::i64 source = has_index ? index[r] : r;
-    const T v = source >= 0 ? src[source * dim + c] : T(0);
+    const T v = source >= 0 ? src[source * src_stride + c] : T(0);
     const oe::i64 sample = r / per_sample;
     const int feature = (int)(r - sample * per_sample);
     const oe::i64 at = (sample * slots + first_slot + feature) * (oe::i64)dim + c;
@@ -291,15 +320,80 @@ __global__ void embedding_init_missing(T* lines, int line_size, const unsigned c
   }
 }
 
+namespace oe {
+namespace rows {
+
+// The exponent all ones: inf or NaN.
+__device__ __forceinline__ bool non_finite(float v) {
+  return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+}
+__device__ __forceinline__ bool non_finite(double v) {
+  return ((u64)__double_as_longlong(v) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+}
+
+// The rows of a fixed-capacity batch the kernels below touch: the first live[0] of n.
+__device__ __forceinline__ i64 live_rows(const i64* live, i64 n) {
+  return live[0] < n ? live[0] : n;
+}
+
+}  // namespace rows
+}  // namespace oe
+
+// lines[i, start + c] = value for c < width in every row i below the live count with found[i]
+// == 0 (a new key's optimizer state, or a per-row column, reset before its first update);
+// the other rows are not touched, the rows from live[0] on not even read. lines: (n, line_size);
+// found: (n,) u8; live: (1,) i64 on the device. One thread per (row, column).
+template <typename T>
+__global__ void embedding_fill_missing(T* lines, int line_size, const unsigned char* found,
+                                       oe::i64 n, const oe::i64* live, int start, int width,
+                                       double value) {
+  const oe::i64 total = oe::rows::live_rows(live, n) * width;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    const oe::i64 i = t / width;
+    if (!found[i]) lines[i * line_size + start + (t - i * width)] = T(value);
+  }
+}
+
+// bad[i] = 1 for every row i below the live count holding an inf or NaN (bad: (n,) u8, zeroed
+// before; rows from live[0] on are not read). lines: (n, line_size); live: (1,) i64. One thread
+// per element; the threads of one row all write 1, so their order does not matter.
+template <typename T>
+__global__ void embedding_nonfinite_rows(const T* lines, int line_size, oe::i64 n,
+                                         const oe::i64* live, unsigned char* bad) {
+  const oe::i64 total = oe::rows::live_rows(live, n) * line_size;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    if (oe::rows::non_finite(lines[t])) bad[t / line_size] = 1;
+  }
+}
+
+// lines[i] = put_lines[source[i]] for every row i below the live count with source[i] >= 0
+// (the write-log patch of a refresh: the rows whose key a later put wrote); the others are not
+// touched. lines: (n, line_size); source: (n,) i64; put_lines: (m, line_size); live: (1,) i64.
+// One thread per element.
+template <typename T>
+__global__ void embedding_patch_rows(T* lines, int line_size, const oe::i64* source,
+                                     const T* put_lines, oe::i64 n, const oe::i64* live) {
+  const oe::i64 total = oe::rows::live_rows(live, n) * line_size;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    const oe::i64 i = t / line_size;
+    const oe::i64 from = source[i];
+    if (from >= 0) lines[t] = put_lines[from * line_size + (t - i * line_size)];
+  }
+}
+
 #ifdef ONE_EMBEDDING_INSTANTIATE
 ONE_EMBEDDING_KERNEL(embedding_unique_first)
 ONE_EMBEDDING_KERNEL(embedding_dedup_clear)
 ONE_EMBEDDING_KERNEL(embedding_dedup_insert)
 ONE_EMBEDDING_KERNEL(embedding_dedup_first)
 ONE_EMBEDDING_KERNEL(embedding_dedup_output)
+ONE_EMBEDDING_KERNEL(embedding_dedup_output_fixed)
 ONE_EMBEDDING_KERNEL(embedding_segment_sum)
 ONE_EMBEDDING_KERNEL(embedding_gather)
 ONE_EMBEDDING_KERNEL(embedding_gather_into)
 ONE_EMBEDDING_KERNEL(embedding_init)
 ONE_EMBEDDING_KERNEL(embedding_init_missing)
+ONE_EMBEDDING_KERNEL(embedding_fill_missing)
+ONE_EMBEDDING_KERNEL(embedding_nonfinite_rows)
+ONE_EMBEDDING_KERNEL(embedding_patch_rows)
 #endif

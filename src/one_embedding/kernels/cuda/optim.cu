@@ -279,63 +279,78 @@ __global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, 
 
 // The gradient summed per line from a backward's rows: values (m, dim) T; rows_by_segment (m,)
 // i64, the rows sorted by (line, row); offsets (n + 1,) i64, line s owns
-// rows_by_segment[offsets[s]:offsets[s + 1]] (device_unique.segment_order).
+// rows_by_segment[offsets[s]:offsets[s + 1]] (device_unique.segment_order). live: (1,) i64 on
+// the device, the lines to update: n, or the count of a fixed-capacity batch
+// (device_unique.unique_ids_fixed), whose lines from it on are placeholders left untouched
+// (their threads find nothing to do).
 template <typename T>
 __global__ void optim_summed_sgd(T* lines, int line_size, const T* values,
-                                 const oe::i64* rows_by_segment, const oe::i64* offsets, oe::i64 n,
-                                 int dim, double factor, double lr, double wd) {
+                                 const oe::i64* rows_by_segment, const oe::i64* offsets,
+                                 const oe::i64* live, oe::i64 n, int dim, double factor, double lr,
+                                 double wd) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
-  oe::optim::sgd(lines, line_size, grad, n, dim, factor, lr, wd);
+  const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
+  oe::optim::sgd(lines, line_size, grad, rows, dim, factor, lr, wd);
 }
 
 template <typename T>
 __global__ void optim_summed_momentum(T* lines, int line_size, const T* values,
                                       const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                      oe::i64 n, int dim, double factor, double l2, double lr,
-                                      double beta, double keep, int nesterov, double lr_wd) {
+                                      const oe::i64* live, oe::i64 n, int dim, double factor,
+                                      double l2, double lr, double beta, double keep, int nesterov,
+                                      double lr_wd) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
-  oe::optim::momentum(lines, line_size, grad, n, dim, factor, l2, lr, beta, keep, nesterov, lr_wd);
+  const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
+  oe::optim::momentum(lines, line_size, grad, rows, dim, factor, l2, lr, beta, keep, nesterov,
+                      lr_wd);
 }
 
 template <typename T>
 __global__ void optim_summed_adagrad(T* lines, int line_size, const T* values,
                                      const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                     oe::i64 n, int dim, double factor, double l2, double clr,
-                                     double eps, double clr_wd) {
+                                     const oe::i64* live, oe::i64 n, int dim, double factor,
+                                     double l2, double clr, double eps, double clr_wd) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
-  oe::optim::adagrad(lines, line_size, grad, n, dim, factor, l2, clr, eps, clr_wd);
+  const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
+  oe::optim::adagrad(lines, line_size, grad, rows, dim, factor, l2, clr, eps, clr_wd);
 }
 
 template <typename T>
 __global__ void optim_summed_adam(T* lines, int line_size, const T* values,
-                                  const oe::i64* rows_by_segment, const oe::i64* offsets, oe::i64 n,
-                                  int dim, double factor, double l2, double b1, double b2,
+                                  const oe::i64* rows_by_segment, const oe::i64* offsets,
+                                  const oe::i64* live, oe::i64 n, int dim, double factor,
+                                  double l2, double b1, double b2,
                                   double step_size, double inv_sqrt_bc2, double eps, double lr_wd,
                                   int amsgrad) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
-  oe::optim::adam(lines, line_size, grad, n, dim, factor, l2, b1, b2, step_size, inv_sqrt_bc2, eps,
-                  lr_wd, amsgrad);
+  const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
+  oe::optim::adam(lines, line_size, grad, rows, dim, factor, l2, b1, b2, step_size, inv_sqrt_bc2,
+                  eps, lr_wd, amsgrad);
 }
 
 template <typename T>
 __global__ void optim_summed_ftrl(T* lines, int line_size, const T* values,
-                                  const oe::i64* rows_by_segment, const oe::i64* offsets, oe::i64 n,
-                                  int dim, double factor, double l2, double inv_lr, double power,
+                                  const oe::i64* rows_by_segment, const oe::i64* offsets,
+                                  const oe::i64* live, oe::i64 n, int dim, double factor,
+                                  double l2, double inv_lr, double power,
                                   double l1, double quad_l2, double beta, int closed,
                                   double lr_wd) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
-  oe::optim::ftrl(lines, line_size, grad, n, dim, factor, l2, inv_lr, power, l1, quad_l2, beta,
+  const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
+  oe::optim::ftrl(lines, line_size, grad, rows, dim, factor, l2, inv_lr, power, l1, quad_l2, beta,
                   closed, lr_wd);
 }
 
 template <typename T>
 __global__ void optim_summed_smart_decay_adam(T* lines, int line_size, const T* values,
                                               const oe::i64* rows_by_segment,
-                                              const oe::i64* offsets, oe::i64 n, int dim,
+                                              const oe::i64* offsets, const oe::i64* live,
+                                              oe::i64 n, int dim,
                                               double factor, double l2, double b1, double b2,
                                               double lr, double eps, oe::i64 t, int step_col) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
-  oe::optim::smart_decay_adam(lines, line_size, grad, n, dim, factor, l2, b1, b2, lr, eps, t,
+  const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
+  oe::optim::smart_decay_adam(lines, line_size, grad, rows, dim, factor, l2, b1, b2, lr, eps, t,
                               step_col);
 }
 
