@@ -164,20 +164,22 @@ def ensure_tool(tool: str, package: str, what: str) -> str:
                      f"install it (Debian/Ubuntu: apt-get install {package}) and run it again")
 
 
-def drive_h2load(h2load: str, server: "Server", body_file: str, clients: int,
-                 seconds: float) -> dict:
-    """gRPC load from h2load (nghttp2's C HTTP/2 client): the ModelInfer call as a gRPC-framed
-    POST, ``clients`` streams in flight over 4 connections. h2load sees HTTP statuses only (a
-    gRPC error is an HTTP 200 with a grpc-status trailer), so failures are also counted from the
-    server's own /metrics; h2load reports the mean latency, not percentiles."""
+def run_h2load(h2load: str, port: int, body_file: str, clients: int, seconds: float,
+               warm_up: int = 1) -> dict:
+    """h2load (nghttp2's C HTTP/2 client) posting ``body_file`` as a gRPC ModelInfer call for
+    ``seconds`` after ``warm_up`` seconds whose requests it leaves out of its figures,
+    ``clients`` streams in flight over 4 connections ->
+    {"qps", "requests" (succeeded), "mean_ms", "failed" (HTTP-level: failed, errored, timed
+    out)}. h2load sees HTTP statuses only: a gRPC error is an HTTP 200 with a grpc-status
+    trailer."""
     import re
 
-    before = grpc_failures(server)
     connections = min(4, clients)
     cmd = [h2load, "-c", str(connections), "-m", str(-(-clients // connections)),
-           "-D", str(max(1, round(seconds))), "--warm-up-time", "1", "-d", body_file,
+           "-D", str(max(1, round(seconds))),
+           *(["--warm-up-time", str(warm_up)] if warm_up else []), "-d", body_file,
            "-H", "content-type: application/grpc", "-H", "te: trailers",
-           f"http://127.0.0.1:{server.grpc_port}/inference.GRPCInferenceService/ModelInfer"]
+           f"http://127.0.0.1:{port}/inference.GRPCInferenceService/ModelInfer"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 180)
     if out.returncode != 0:
         raise SystemExit(f"h2load failed: {out.stderr[-2000:]}{out.stdout[-2000:]}")
@@ -187,8 +189,18 @@ def drive_h2load(h2load: str, server: "Server", body_file: str, clients: int,
     mean = re.search(r"time for request:\s+\S+\s+\S+\s+([\d.]+)(us|ms|s)\b", out.stdout)
     scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[mean.group(2)]
     return {"qps": qps, "requests": int(done.group(2)), "mean_ms": float(mean.group(1)) * scale,
-            "failed": int(done.group(3)) + int(done.group(4)) + int(done.group(5))
-            + grpc_failures(server) - before}
+            "failed": int(done.group(3)) + int(done.group(4)) + int(done.group(5))}
+
+
+def drive_h2load(h2load: str, server: "Server", body_file: str, clients: int,
+                 seconds: float) -> dict:
+    """gRPC load from h2load (``run_h2load``) on ``server``; failures also counted from the
+    server's own /metrics (gRPC-level refusals h2load cannot see); h2load reports the mean
+    latency, not percentiles."""
+    before = grpc_failures(server)
+    r = run_h2load(h2load, server.grpc_port, body_file, clients, seconds)
+    r["failed"] += grpc_failures(server) - before
+    return r
 
 
 def server_count(server: "Server", sample: str, **labels) -> float:

@@ -25,7 +25,6 @@ import time
 #: a ``ModelInferResponse`` with model_name "dlrm" (field 1), serialized
 GRPC_ANSWER = b"\x0a\x04dlrm"
 REST_ANSWER = b'{"model_name":"dlrm","outputs":[]}'
-METHOD = "/inference.GRPCInferenceService/ModelInfer"
 
 
 def serve_rest(port: int) -> None:
@@ -101,7 +100,7 @@ def _start(kind: str) -> tuple[subprocess.Popen, int]:
 def measure_floors(wrk: str, h2load: str, clients: int, seconds: float, folder: str) -> dict:
     """{"REST": cell, "gRPC": cell}, each cell {"qps", "requests", "server_cpu_ms"}: the empty
     servers under ``clients`` requests in flight for ``seconds``."""
-    from .bench_serve import drive_rest, process_cpu_seconds
+    from .bench_serve import drive_rest, process_cpu_seconds, run_h2load
 
     body = os.path.join(folder, "floor_request.bin")
     with open(body, "wb") as f:  # an empty ModelInferRequest, gRPC-framed; REST posts it too
@@ -114,7 +113,8 @@ def measure_floors(wrk: str, h2load: str, clients: int, seconds: float, folder: 
             if kind == "rest":
                 r = drive_rest(wrk, port, body, 0, clients, seconds, folder, path="/")
             else:
-                r = _drive_h2load(h2load, port, body, clients, seconds)
+                # no warm-up: its requests would cost CPU h2load does not count
+                r = run_h2load(h2load, port, body, clients, seconds, warm_up=0)
             cpu = process_cpu_seconds(proc.pid) - before
         finally:
             proc.terminate()
@@ -123,22 +123,6 @@ def measure_floors(wrk: str, h2load: str, clients: int, seconds: float, folder: 
             "qps": r["qps"], "requests": r["requests"],
             "server_cpu_ms": cpu * 1e3 / max(1, r["requests"])}
     return out
-
-
-def _drive_h2load(h2load: str, port: int, body: str, clients: int, seconds: float) -> dict:
-    import re
-
-    connections = min(4, clients)
-    cmd = [h2load, "-c", str(connections), "-m", str(-(-clients // connections)),
-           "-D", str(max(1, round(seconds))), "-d", body,
-           "-H", "content-type: application/grpc", "-H", "te: trailers",
-           f"http://127.0.0.1:{port}{METHOD}"]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
-    if out.returncode != 0:
-        raise SystemExit(f"h2load failed: {out.stderr[-2000:]}{out.stdout[-2000:]}")
-    qps = float(re.search(r"finished in [\d.]+s, ([\d.]+) req/s", out.stdout).group(1))
-    done = re.search(r"requests: \d+ total, \d+ started, (\d+) done", out.stdout)
-    return {"qps": qps, "requests": int(done.group(1))}
 
 
 def main(argv=None) -> None:
