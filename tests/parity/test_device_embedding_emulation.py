@@ -138,13 +138,16 @@ def test_device_embedding_trains_as_the_cpu_embedding(launch, tmp_path, preset, 
             {k: w[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")}
     assert got[2][0]["tier"].startswith("device.") and "d2h_bytes" in got[2][0]
     # one rank, fp32: the per-key gradient sum happens inside the update kernel; over one
-    # device store (device_mem) the batch has fixed capacity, its unique count on the device
+    # device store (device_mem) the batch has fixed capacity, its unique count on the device,
+    # and the dedup's output pass probes the store's index (no separate output pass)
     kernels = {"embedding_dedup_insert", "embedding_init_missing", "embedding_gather",
                f"optim_summed_{optim}"}
     kernels |= {"cache_find", "embedding_dedup_output"} if "cached" in preset else \
-        {"hashindex_find_live", "hashindex_put_rows", "embedding_dedup_output_fixed"}
+        {"hashindex_dedup_output_find", "hashindex_put_rows"}
     assert kernels <= launch.launched
     assert not {"embedding_segment_sum", f"optim_{optim}"} & launch.launched
+    if "cached" not in preset:
+        assert "embedding_dedup_output_fixed" not in launch.launched
 
 
 @pytest.mark.stress_seeds
@@ -239,7 +242,7 @@ def test_device_mem_fixed_capacity_batches_give_the_cpu_bits(launch, tmp_path, c
         counters = ("admitted_rows", "evicted_rows")
         assert {k: got[2][-1][k] for k in counters} == {k: want[2][-1][k] for k in counters}
         assert want[2][-1]["evicted_rows"] > 0
-    assert "embedding_dedup_output_fixed" in launch.launched
+    assert "hashindex_dedup_output_find" in launch.launched
     if case.startswith("key_zero"):
         assert 0 in want[1][0]
 
