@@ -469,6 +469,36 @@ def test_dlrm_dedup_fused_with_the_find_gives_the_unfused_bits(launch, tmp_path,
     assert "hashindex_dedup_output_find" not in unfused[3]
 
 
+def test_the_fused_lookup_launches_one_kernel_fewer(launch, tmp_path, monkeypatch):
+    """One device_mem lookup (``prepare``: dedup + the store's find + initial values), the
+    kernels in launch order: fused, the dedup's output pass and the find are one kernel; off,
+    the same sequence with the two in its place."""
+    from one_embedding.kernels import device_unique
+
+    sequences = {}
+    for fused in (True, False):
+        monkeypatch.setattr(device_unique, "FIND_IN_DEDUP", fused)
+        device = EmulatedLauncher(launch.lib, cm.EMBEDDING_FAMILIES, seed=launch.seed)
+        emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
+                                     _store("device_mem", tmp_path / str(fused), 2), seed=5,
+                                     device=device)
+        opt = oe.Optimizer(_optimizer("adagrad"), embeddings=[emb])
+        batches = _batches(2)
+        out = emb(batches[0])
+        emb.backward(np.ones(out.shape, np.float32))
+        opt.step()
+        seen, run = [], device.run
+        monkeypatch.setattr(device, "run", lambda family, name, *a: (seen.append(f"{family}_{name}"),
+                                                                     run(family, name, *a))[1])
+        emb.prepare(batches[1])
+        sequences[fused] = seen
+        emb.close()
+    passes = ["embedding_dedup_clear", "embedding_dedup_insert", "embedding_dedup_first"]
+    assert sequences[True] == passes + ["hashindex_dedup_output_find", "embedding_init_missing"]
+    assert sequences[False] == passes + ["embedding_dedup_output_fixed", "hashindex_find_live",
+                                         "embedding_init_missing"]
+
+
 def _grow_between(where: str, emb, opt, launch, batches, monkeypatch):
     """Steps W and A, then B looked up with A's put (which grows the store's index) made at
     ``where`` -> (B's rows, the index capacities before and after A's put, exported table).
