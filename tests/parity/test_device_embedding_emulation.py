@@ -488,8 +488,12 @@ def test_the_fused_lookup_launches_one_kernel_fewer(launch, tmp_path, monkeypatc
         emb.backward(np.ones(out.shape, np.float32))
         opt.step()
         seen, run = [], device.run
-        monkeypatch.setattr(device, "run", lambda family, name, *a: (seen.append(f"{family}_{name}"),
-                                                                     run(family, name, *a))[1])
+
+        def recording(family, name, *args, run=run, seen=seen):
+            seen.append(f"{family}_{name}")
+            return run(family, name, *args)
+
+        monkeypatch.setattr(device, "run", recording)
         emb.prepare(batches[1])
         sequences[fused] = seen
         emb.close()

@@ -253,7 +253,7 @@ def test_the_kernels_after_the_dedup_skip_the_placeholders(launch):
     assert (store._index.find(np.array([0, 5], np.uint64)) >= 0).all()
 
 
-# ---------------------------------------------------------------- the output pass fused with the store's find
+# ---------------------------------------------------------------- the output pass fused with the find
 
 
 def _store_holding(held, launch, capacity: int | None = None, line_size: int = 5):
@@ -302,16 +302,18 @@ def _check_fused_against_dedup_then_find(keys, launch):
         want_out = np.full((n, store.line_size), -1.0, np.float32)
         want_slots = store._index.find_live(want.keys, want.count, store._rows, want_out)
         got_out = np.full((n, store.line_size), -1.0, np.float32)
-        got, got_slots = store._index.dedup_find_live(device_unique.dedup_passes_fixed(keys, launch),
-                                                      store._rows, got_out)
+        passes = device_unique.dedup_passes_fixed(keys, launch)
+        got, got_slots = store._index.dedup_find_live(passes, store._rows, got_out)
         for a, b in zip((*got, got_slots, got_out), (*want, want_slots, want_out), strict=True):
             assert a.dtype == b.dtype and a.shape == b.shape, name
             np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
-        slots_only, bare = store._index.dedup_find_live(device_unique.dedup_passes_fixed(keys, launch))
+        passes = device_unique.dedup_passes_fixed(keys, launch)
+        slots_only, bare = store._index.dedup_find_live(passes)
         np.testing.assert_array_equal(bare, want_slots, err_msg=name)
         np.testing.assert_array_equal(slots_only.keys, want.keys, err_msg=name)
         found_out = np.full((n, store.line_size), -1.0, np.float32)
-        fixed, found = store.dedup_find_found(device_unique.dedup_passes_fixed(keys, launch), found_out)
+        passes = device_unique.dedup_passes_fixed(keys, launch)
+        fixed, found = store.dedup_find_found(passes, found_out)
         want_found_out = np.full((n, store.line_size), -1.0, np.float32)
         want_found = store.find_found(want.keys, want_found_out, want.count)
         np.testing.assert_array_equal(found, want_found, err_msg=name)
