@@ -11,7 +11,9 @@
    counted read + write (``2 * bytes / t``). Goal: lookup >= 0.8x copy. The parts (unique alone,
    the chain's find, the gather kernel) are timed too, to show where the time goes; unique twice:
    the hash-table dedup the lookup runs and, as its baseline in the same run, the sort-based one
-   it replaced (``device_unique.unique_ids_by_sorting``), whose results it must equal. Then the
+   it replaced (``device_unique.unique_ids_by_sorting``), whose results it must equal. The
+   dedup and the store's find as two kernels against the find fused into the dedup's output
+   pass (``bench_dedup_find``), results compared, and ``emb(ids)`` with the fusion off. Then the
    backward's other end: the per-key gradient sum and the row update (Adam, lines of 3E) of the
    same ids, as two kernels (``segment_sum`` then ``update_lines``: the (u, E) sums written and
    read back) and fused (``fused_update``: each key's rows summed inside the update), timed
@@ -157,6 +159,8 @@ def bench_lookup(dev: Device, args) -> dict:
             rows.append({"what": f"  part: {name}", "ms": 1e3 * t})
         rows[-1].update({"GB/s": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / 1e9,
                          "x copy": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / copy_bw})
+        dedup_find = bench_dedup_find(dev, args, emb, ids)
+        rows += dedup_find.pop("rows")
         update = bench_grad_update(dev, args, launch, inverse, int(uniq.shape[0]), copy_bw)
         rows += update.pop("rows")
         unique_count = int(uniq.shape[0])
@@ -164,11 +168,58 @@ def bench_lookup(dev: Device, args) -> dict:
                           / parts["unique (hash table: unique_ids)"], "same_results": unique_same}
     else:
         unique_count = int(np.unique(batches[0]).size)
-        unique_vs_sort, update = {}, {}
+        unique_vs_sort, update, dedup_find = {}, {}, {}
     emb.close()
     return {"ids": n, "unique": unique_count, "dim": e, "copy_GBps": copy_bw / 1e9,
             "lookup_GBps": lookup_bw / 1e9, "ratio": lookup_bw / copy_bw, "rows": rows,
-            "parts_s": parts, "unique_hash_vs_sort": unique_vs_sort, "grad_update": update}
+            "parts_s": parts, "unique_hash_vs_sort": unique_vs_sort, "grad_update": update,
+            "dedup_find": dedup_find}
+
+
+def bench_dedup_find(dev: Device, args, emb, ids) -> dict:
+    """The dedup and the store's find of one batch on the one-rank device_mem path, two ways in
+    the same run: the dedup's own output pass then the find (``unique_ids_fixed``, then
+    ``chain.lookup(live=count)``: two kernels, the unique keys written then read back) and the
+    find fused into the output pass (``dedup_passes_fixed`` + ``chain.lookup_deduped``: one
+    kernel); results compared bit for bit (unique keys, inverse, first positions, count, found,
+    the lines of the keys found). Then the whole ``emb(ids)`` with the fusion switched off
+    (``device_unique.FIND_IN_DEDUP``) beside the lookup row above, which ran it on."""
+    from one_embedding.kernels import device_unique
+
+    launch, chain, xp = emb.launch, emb._owner()._chain, dev.xp
+    keys = ids.reshape(-1).view(xp.uint64)
+
+    def unfused():
+        fixed = device_unique.unique_ids_fixed(keys, launch)
+        return (fixed, *chain.lookup(fixed.keys, live=fixed.count))
+
+    def fused():
+        return chain.lookup_deduped(device_unique.dedup_passes_fixed(keys, launch))
+
+    (want, want_lines, want_found), (got, got_lines, got_found) = unfused(), fused()
+    count = int(launch.to_host(want.count, reason="bench: unique count")[0])
+    held = want_found[:count]          # the lines of missing keys are left as they were
+    same = all(bool((a == b).all()) for a, b in zip(got, want, strict=True)) and \
+        bool((got_found == want_found).all()) and \
+        bool((got_lines[:count][held].view(xp.uint32) ==
+              want_lines[:count][held].view(xp.uint32)).all())
+    t_unfused = dev.seconds(unfused, args.repeats)
+    t_fused = dev.seconds(fused, args.repeats)
+    before = device_unique.FIND_IN_DEDUP
+    device_unique.FIND_IN_DEDUP = False
+    try:
+        t_lookup_unfused = dev.seconds(lambda: emb(ids), args.repeats)
+    finally:
+        device_unique.FIND_IN_DEDUP = before
+    rows = [{"what": "  part: dedup + find, two kernels (unique_ids_fixed, chain.lookup(live))",
+             "ms": 1e3 * t_unfused},
+            {"what": "  part: dedup + find fused (dedup_passes_fixed, chain.lookup_deduped)",
+             "ms": 1e3 * t_fused},
+            {"what": "lookup emb(ids) with the dedup and find unfused (FIND_IN_DEDUP off)",
+             "ms": 1e3 * t_lookup_unfused}]
+    return {"rows": rows, "unfused_s": t_unfused, "fused_s": t_fused,
+            "lookup_unfused_s": t_lookup_unfused, "speedup": t_unfused / t_fused,
+            "same_results": same}
 
 
 def bench_grad_update(dev: Device, args, launch, inverse, n_unique: int, copy_bw: float) -> dict:
@@ -627,6 +678,12 @@ def main(argv=None):
                        f"{FBGEMM_HBM_SHARE[1]:.2f}x; goal {LOOKUP_GOAL}x: {verdict})")
         if lookup["unique_hash_vs_sort"]:
             summary.append(f"unique: hash {lookup['unique_hash_vs_sort']['speedup']:.2f}x sort")
+        if lookup["dedup_find"]:
+            fusion = lookup["dedup_find"]
+            print(f"dedup + find: fused {fusion['speedup']:.2f}x two kernels (same results: "
+                  f"{fusion['same_results']})")
+            summary.append(f"dedup + find: fused {fusion['speedup']:.2f}x two kernels "
+                           f"(same results: {fusion['same_results']})")
         if lookup["grad_update"]:
             update = lookup["grad_update"]
             summary.append(f"grad sum + update: fused {update['speedup']:.2f}x two kernels "

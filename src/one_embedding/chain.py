@@ -142,6 +142,24 @@ class TierChain:
         found[rows] = False
         return lines, found
 
+    def lookup_deduped(self, passes):
+        """A fixed-capacity batch's dedup finished and looked up in one kernel (where
+        ``takes_live_counts``): passes, ``device_unique.dedup_passes_fixed``'s of n ids ->
+        (``device_unique.FixedUnique``, lines (n, line_size) float32, found (n,) bool): what
+        ``unique_ids_fixed`` then ``lookup(fixed.keys, live=fixed.count)`` give, the same
+        counters recorded. Under the chain's lock, so no put grows or rehashes the store's index
+        between the probe and its use of the table."""
+        if not self.takes_live_counts:
+            raise InputError("a lookup fused with the dedup needs a chain of one device store "
+                             "(device_mem on a GPU)")
+        xp = self.xp
+        lines = xp.empty((passes.keys.shape[0], self.line_size), dtype=xp.float32)
+        with self._lock, self._ordered():
+            fixed, found = self.tiers[0].dedup_find_found(passes, lines)
+            self.counters[0].record_find(fixed.count.reshape(()),
+                                         xp.asarray(xp.count_nonzero(~found)))
+        return fixed, lines, found
+
     def put(self, keys: np.ndarray, lines: np.ndarray, live=None) -> None:
         """keys: (n,) uint64 unique, lines: (n, line_size) float32 (arrays of ``xp``) -> written
         to the top level. live: as ``lookup``'s, only the first ``live`` are written."""

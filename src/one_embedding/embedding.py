@@ -32,7 +32,7 @@ import numpy as np
 
 from .backend import default_embedding_device, is_cupy_array, to_numpy
 from .errors import ClosedError, ConfigError, InputError
-from .kernels import device_ops, fused_update
+from .kernels import device_ops, device_unique, fused_update
 from .options import (
     DEFAULT_INITIALIZER,
     StoreOptions,
@@ -43,7 +43,7 @@ from .options import (
 from .parallel import Communicator, segment_sum, shuffle_grads, shuffle_ids, shuffle_rows
 from .parallel.codec import resolve_exchange_dtype
 from .parallel.comm import default_comm
-from .parallel.shuffle import Traffic
+from .parallel.shuffle import IdExchange, LocalIds, Traffic
 from .shard import EmbeddingShard
 from .step import LineLayout, StepState
 from . import host_sync
@@ -328,6 +328,14 @@ class MultiTableMultiColumnEmbedding:
         shard = self._owner()
         # one rank over one device store: fixed-capacity arrays, the unique count on the device
         fixed = comm.world == 1 and shard.takes_live_counts
+        if fixed and device_unique.FIND_IN_DEDUP:
+            # the dedup's output pass probes the store's index too, under the chain's lock (the
+            # ID shuffle of one rank is the identity: nothing crosses, nothing to count)
+            unique, unique_tables, owner = shard.lookup_ids(keys, tables)
+            n = np.array([unique.keys.shape[0]], np.int64)
+            local = LocalIds(unique.keys, unique_tables, unique.inverse, n, unique.count)
+            exchange = IdExchange(local, n, unique.keys, unique_tables, None)
+            return StepState(tuple(ids.shape), keep, exchange, owner, on_gpu=True)
         exchange = shuffle_ids(comm, keys, tables, self.traffic, self.launch, fixed_capacity=fixed)
         live = exchange.local.unique_count
         owner = shard.lookup(exchange.owner_keys, exchange.owner_table_ids) if live is None \

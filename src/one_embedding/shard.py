@@ -31,7 +31,7 @@ from .chain import build_chain, read_snapshot_rows
 from .errors import ConfigError, InputError, SnapshotError
 from .initializers import fill_initial_values
 from . import host_sync
-from .kernels import device_ops, fused_update, live_rows
+from .kernels import device_ops, device_unique, fused_update, live_rows
 from .lifecycle import Lifecycle, StepPlan, check_step
 from .options import LifecycleOptions
 from .parallel.shuffle import owner_rank
@@ -144,6 +144,31 @@ class EmbeddingShard:
         rows = OwnerRows(keys, table_ids, lines, found, version, generation, live=live)
         rows.on_release(self._release, version)
         return rows
+
+    def lookup_ids(self, keys, table_ids):
+        """The one-rank device_mem lookup with the dedup fused in (where ``takes_live_counts``):
+        keys: (n,) uint64 with repeats, table_ids: (n,) int32, device arrays -> (``FixedUnique``
+        of the keys, unique table ids (n,) int32, ``OwnerRows`` of the unique keys with their
+        count as ``live``): what ``device_unique.unique_ids_fixed`` and then ``lookup(fixed.keys,
+        table_ids[fixed.first], live=fixed.count)`` give, bit for bit.
+
+        The dedup's passes that read no store run first, outside every lock; its output pass,
+        which probes the store's index for each unique key as it writes it, runs after this
+        lookup's write version is recorded and under the chain's lock. So a put that grows or
+        rehashes the index comes either before the probe (which then reads the new table) or
+        after the recorded version (logged, and patched in by ``refresh``), never in between:
+        the rows are those a ``lookup`` at that moment would return, as with prefetch today."""
+        passes = device_unique.dedup_passes_fixed(keys, self.launch)
+        with self._state:
+            version, generation = self._version, self._generation
+            self._outstanding[version] += 1
+        fixed, lines, found = self._chain.lookup_deduped(passes)
+        table_ids = table_ids[fixed.first].astype(self.xp.int32)
+        self._initialize_on_device(lines, ~found, fixed.keys, table_ids)
+        rows = OwnerRows(fixed.keys, table_ids, lines, found, version, generation,
+                         live=fixed.count)
+        rows.on_release(self._release, version)
+        return fixed, table_ids, rows
 
     def refresh(self, rows: OwnerRows) -> None:
         """Make ``rows`` current: patch in every line put since the lookup (in put order), or read

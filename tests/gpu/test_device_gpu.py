@@ -158,6 +158,48 @@ def test_fixed_capacity_dedup_keeps_its_count_on_the_device(n, kind):
     _exact(fixed.inverse, want_inverse)
 
 
+@pytest.mark.parametrize("kind", ["zipf", "distinct", "marker_and_zero"])
+@pytest.mark.parametrize("n", [0, 33, 1000, 100_000, 1_000_000])
+def test_dedup_output_fused_with_the_store_find(n, kind):
+    """``hashindex_dedup_output_find`` under real concurrency: the fixed-capacity dedup's
+    output pass probing a device store's index (half the batch's keys stored, among foreign
+    ones) gives ``unique_ids_fixed`` then ``find_live``'s arrays, slots and lines bit for bit,
+    and the CPU's unique keys; no counted read."""
+    from one_embedding import host_sync
+    from one_embedding.cache.device import DeviceFullStore
+    from one_embedding.kernels import device_unique
+    from one_embedding.parallel.unique import unique_ids
+
+    cp = _cp()
+    if os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1":
+        n = min(n, 20_000)   # the emulator runs one thread at a time
+    rng = np.random.default_rng(n + 3)
+    if kind == "marker_and_zero":
+        keys = rng.choice(np.array([0, 2**64 - 1, 1, 2**63], np.uint64), n)
+    else:
+        keys = _ids(kind, n, rng)
+    line = 129
+    distinct = np.unique(keys)
+    held = np.concatenate([distinct[::2], rng.integers(0, 2**64, 1000, dtype=np.uint64,
+                                                       endpoint=False)])
+    held = np.unique(held)
+    store = DeviceFullStore(line, capacity=held.size + 16)
+    store.insert_or_assign(cp.asarray(held), cp.asarray(_normal_floats(rng, (held.size, line))))
+    device_keys = cp.asarray(keys)
+    want = device_unique.unique_ids_fixed(device_keys)
+    want_out = cp.full((n, line), 7.0, dtype=cp.float32)
+    want_slots = store._index.find_live(want.keys, want.count, store._rows, want_out)
+    got_out = cp.full((n, line), 7.0, dtype=cp.float32)
+    with host_sync.counting() as reads:
+        got, got_slots = store._index.dedup_find_live(
+            device_unique.dedup_passes_fixed(device_keys), store._rows, got_out)
+    assert reads.total == 0, dict(reads.by_reason)
+    for a, b in zip((*got, got_slots, got_out), (*want, want_slots, want_out), strict=True):
+        _exact(a, _get(b))
+    u = unique_ids(keys)[0].size
+    _exact(got.keys[:u], unique_ids(keys)[0])
+
+
 # ---------------------------------------------------------------- segment sums, gathers
 
 

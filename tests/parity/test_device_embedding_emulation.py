@@ -138,13 +138,16 @@ def test_device_embedding_trains_as_the_cpu_embedding(launch, tmp_path, preset, 
             {k: w[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")}
     assert got[2][0]["tier"].startswith("device.") and "d2h_bytes" in got[2][0]
     # one rank, fp32: the per-key gradient sum happens inside the update kernel; over one
-    # device store (device_mem) the batch has fixed capacity, its unique count on the device
+    # device store (device_mem) the batch has fixed capacity, its unique count on the device,
+    # and the dedup's output pass probes the store's index (no separate output pass)
     kernels = {"embedding_dedup_insert", "embedding_init_missing", "embedding_gather",
                f"optim_summed_{optim}"}
     kernels |= {"cache_find", "embedding_dedup_output"} if "cached" in preset else \
-        {"hashindex_find_live", "hashindex_put_rows", "embedding_dedup_output_fixed"}
+        {"hashindex_dedup_output_find", "hashindex_put_rows"}
     assert kernels <= launch.launched
     assert not {"embedding_segment_sum", f"optim_{optim}"} & launch.launched
+    if "cached" not in preset:
+        assert "embedding_dedup_output_fixed" not in launch.launched
 
 
 @pytest.mark.stress_seeds
@@ -239,7 +242,7 @@ def test_device_mem_fixed_capacity_batches_give_the_cpu_bits(launch, tmp_path, c
         counters = ("admitted_rows", "evicted_rows")
         assert {k: got[2][-1][k] for k in counters} == {k: want[2][-1][k] for k in counters}
         assert want[2][-1]["evicted_rows"] > 0
-    assert "embedding_dedup_output_fixed" in launch.launched
+    assert "hashindex_dedup_output_find" in launch.launched
     if case.startswith("key_zero"):
         assert 0 in want[1][0]
 
@@ -406,6 +409,181 @@ def test_dlrm_fused_gradient_update_gives_the_two_kernel_bits(launch, optim, mon
     assert f"optim_summed_{optim}" in launched_on and "embedding_segment_sum" not in launched_on
     assert f"optim_{optim}" in launched_off and "embedding_segment_sum" in launched_off
     assert f"optim_summed_{optim}" not in launched_off
+
+
+def _dlrm_run(launch, path, depth: int, fused_find: bool, monkeypatch, steps: int = 10):
+    """A DLRM on a device_mem embedding with eviction (time-to-live and a row limit, no
+    admission: the fixed-capacity path), trained through a Prefetcher of ``depth``, with the
+    dedup's output pass fused with the store's find or not -> (losses, exported table, store
+    stats, launched kernels)."""
+    from one_embedding.kernels import device_unique
+    from one_embedding.models import DLRM
+    from one_embedding.nn.loss import BCEWithLogits
+
+    monkeypatch.setattr(device_unique, "FIND_IN_DEDUP", fused_find)
+    device = EmulatedLauncher(launch.lib, cm.EMBEDDING_FAMILIES, seed=launch.seed)
+    rules = oe.make_lifecycle_options(steps_to_live=3, evict_interval=1, max_rows=80)
+    emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
+                                 _store("device_mem", path, 2, lifecycle=rules), seed=5,
+                                 device=device)
+    model = DLRM(num_tables=TABLES, embedding_dim=E, dense_features=4, bottom_mlp=[16, E],
+                 top_mlp=[16, 1], embedding=emb, seed=1)
+    opt = oe.Optimizer(oe.optim.Adagrad(lr=0.1), embeddings=[emb],
+                       parameters=list(model.parameters()))
+    loss_fn, rng, losses = BCEWithLogits(), np.random.default_rng(2), []
+    with Prefetcher(_batches_with_key_zero(steps), emb, depth=depth, ids=lambda b: b) as batches:
+        for ids, state in batches:
+            dense = rng.standard_normal((ids.shape[0], 4)).astype(np.float32)
+            labels = (rng.random(ids.shape[0]) < 0.3).astype(np.float32)
+            losses.append(float(loss_fn(model(dense, state), labels)))
+            model.backward(loss_fn.backward())
+            opt.step()
+            opt.zero_grad()
+    table, stats = emb.export(), emb.store_stats()
+    emb.close()
+    return losses, table, stats, device.launched
+
+
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("depth", [0, 2])
+def test_dlrm_dedup_fused_with_the_find_gives_the_unfused_bits(launch, tmp_path, depth,
+                                                               monkeypatch):
+    """Issue 32 item 3: one rank over device_mem, the dedup's output pass probes the store's
+    index itself (``hashindex_dedup_output_find``, under the chain's lock) where it ran
+    ``embedding_dedup_output_fixed`` then ``hashindex_find_live``: a DLRM with eviction,
+    prefetch off and 2 batches ahead, gets the same losses, rows and counters, bit for bit."""
+    fused = _dlrm_run(launch, tmp_path / "fused", depth, True, monkeypatch)
+    unfused = _dlrm_run(launch, tmp_path / "unfused", depth, False, monkeypatch)
+    assert fused[0] == unfused[0]
+    _same_bits(fused[1][0], unfused[1][0])
+    _same_bits(fused[1][1], unfused[1][1])
+    # a prefetched lookup's hits depend on the puts before it (thread timing): not compared
+    counted = ("writes", "rows", "admitted_rows", "evicted_rows") + \
+        (() if depth else ("hits", "misses"))
+    for g, w in zip(fused[2], unfused[2], strict=True):
+        assert {k: g.get(k) for k in counted} == {k: w.get(k) for k in counted}
+    assert fused[2][-1]["evicted_rows"] > 0 and 0 in fused[1][0]
+    assert "hashindex_dedup_output_find" in fused[3]
+    assert "embedding_dedup_output_fixed" not in fused[3]
+    assert {"embedding_dedup_output_fixed", "hashindex_find_live"} <= unfused[3]
+    assert "hashindex_dedup_output_find" not in unfused[3]
+
+
+def test_the_fused_lookup_launches_one_kernel_fewer(launch, tmp_path, monkeypatch):
+    """One device_mem lookup (``prepare``: dedup + the store's find + initial values), the
+    kernels in launch order: fused, the dedup's output pass and the find are one kernel; off,
+    the same sequence with the two in its place."""
+    from one_embedding.kernels import device_unique
+
+    sequences = {}
+    for fused in (True, False):
+        monkeypatch.setattr(device_unique, "FIND_IN_DEDUP", fused)
+        device = EmulatedLauncher(launch.lib, cm.EMBEDDING_FAMILIES, seed=launch.seed)
+        emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
+                                     _store("device_mem", tmp_path / str(fused), 2), seed=5,
+                                     device=device)
+        opt = oe.Optimizer(_optimizer("adagrad"), embeddings=[emb])
+        batches = _batches(2)
+        out = emb(batches[0])
+        emb.backward(np.ones(out.shape, np.float32))
+        opt.step()
+        seen, run = [], device.run
+
+        def recording(family, name, *args, run=run, seen=seen):
+            seen.append(f"{family}_{name}")
+            return run(family, name, *args)
+
+        monkeypatch.setattr(device, "run", recording)
+        emb.prepare(batches[1])
+        sequences[fused] = seen
+        emb.close()
+    passes = ["embedding_dedup_clear", "embedding_dedup_insert", "embedding_dedup_first"]
+    assert sequences[True] == passes + ["hashindex_dedup_output_find", "embedding_init_missing"]
+    assert sequences[False] == passes + ["embedding_dedup_output_fixed", "hashindex_find_live",
+                                         "embedding_init_missing"]
+
+
+def _grow_between(where: str, emb, opt, launch, batches, monkeypatch):
+    """Steps W and A, then B looked up with A's put (which grows the store's index) made at
+    ``where`` -> (B's rows, the index capacities before and after A's put, exported table).
+    "cpu": the serial order, A's put before B's lookup. Device: before_the_probe (after the
+    dedup's first passes, before the lookup's version is recorded), after_the_probe (after the
+    fused output pass probed the old index), before_use (a prefetched batch waiting)."""
+    from one_embedding.kernels import device_unique
+
+    rng = np.random.default_rng(9)
+    grads = [rng.standard_normal((b.size, E)).astype(np.float32) for b in batches]
+    shard = emb._owner()
+    capacity = lambda: shard._chain.tiers[0]._index.capacity if launch != "cpu" else 0  # noqa: E731
+    out = emb(batches[0])
+    emb.backward(emb.xp.asarray(grads[0].reshape(out.shape)))
+    opt.step()
+    opt.zero_grad()
+    out = emb(batches[1])
+    emb.backward(emb.xp.asarray(grads[1].reshape(out.shape)))
+    grown = []
+
+    def put_a():
+        grown.append(capacity())
+        opt.step()
+        opt.zero_grad()
+        grown.append(capacity())
+
+    def once(real):
+        def wrapped(*args, **kwargs):
+            result = real(*args, **kwargs)
+            if not grown:
+                put_a()
+            return result
+        return wrapped
+
+    if where == "cpu":
+        put_a()
+    elif where == "before_the_probe":
+        monkeypatch.setattr(device_unique, "dedup_passes_fixed",
+                            once(device_unique.dedup_passes_fixed))
+    elif where == "after_the_probe":
+        monkeypatch.setattr(shard._chain, "lookup_deduped", once(shard._chain.lookup_deduped))
+    state = emb.prepare(batches[2])
+    monkeypatch.undo()
+    if where == "before_use":
+        put_a()
+    rows = _host(emb.embed(state)).copy()
+    emb.backward(emb.xp.asarray(grads[2].reshape(rows.shape)))
+    opt.step()
+    return rows, grown, emb.export()
+
+
+@pytest.mark.stress_seeds
+@pytest.mark.filterwarnings("ignore:.*exceed capacity")
+@pytest.mark.parametrize("where", ["before_the_probe", "after_the_probe", "before_use"])
+def test_a_put_that_grows_the_index_around_the_fused_find_leaves_no_stale_row(launch, tmp_path,
+                                                                              where, monkeypatch):
+    """The fused dedup + find reads the store's index; a put (the previous step's, on the main
+    thread while a prefetch looks up) may grow and rehash that index at any point around it.
+    Whether the put lands before the lookup's probe, just after it, or while the looked-up
+    batch waits for its step, the batch's rows are those of the serial order (the put first),
+    bit for bit: the probe runs after the lookup's write version is recorded, under the
+    chain's lock, so a put either precedes it or is logged and patched in by the refresh."""
+    batches = _batches(3)
+    # A: 240 new keys, more than the index (grown to 256 buckets by W's put) takes at 0.7
+    batches[1] = np.arange(240, dtype=np.int64).reshape(80, 3) * 13 + 100_003
+    batches[2] = np.concatenate([batches[0][:20], batches[1][:20]])   # B: W's and A's keys
+    runs = {}
+    for device in ("cpu", launch):
+        store = oe.make_device_mem_store_options(str(tmp_path / str(device == "cpu")),
+                                                 capacity=8, size_factor=2)
+        emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(), store, seed=5,
+                                     device=device)
+        opt = oe.Optimizer(_optimizer("adagrad"), embeddings=[emb])
+        runs[device == "cpu"] = _grow_between("cpu" if device == "cpu" else where, emb, opt,
+                                              device, batches, monkeypatch)
+        emb.close()
+    (rows, grown, table), (want_rows, _, want_table) = runs[False], runs[True]
+    assert grown[1] > grown[0], f"the put did not grow the index: {grown}"
+    _same_bits(rows, want_rows)
+    _same_bits(table[0], want_table[0])
+    _same_bits(table[1], want_table[1])
 
 
 def _fused_run(launch, device_fused, make_opt, steps=4, second_backward=False, lr=None):

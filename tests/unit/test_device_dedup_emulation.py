@@ -251,3 +251,101 @@ def test_the_kernels_after_the_dedup_skip_the_placeholders(launch):
     store.insert_or_assign(with_zero.keys, np.ones((4, 4), np.float32), with_zero.count)
     assert len(store) == 5
     assert (store._index.find(np.array([0, 5], np.uint64)) >= 0).all()
+
+
+# ---------------------------------------------------------------- the output pass fused with the find
+
+
+def _store_holding(held, launch, capacity: int | None = None, line_size: int = 5):
+    """A ``DeviceFullStore`` holding ``held`` (distinct uint64), key k's line filled with
+    k % 1000 + its column / 8 (every line distinct from the -1 rows the finds start from)."""
+    from one_embedding.cache.device import DeviceFullStore
+
+    held = np.asarray(held, np.uint64)
+    capacity = max(16, held.size) if capacity is None else capacity
+    store = DeviceFullStore(line_size, capacity=capacity, launch=launch)
+    lines = (held % np.uint64(1000)).astype(np.float32)[:, None] + \
+        np.arange(line_size, dtype=np.float32) / 8
+    store.insert_or_assign(held, lines)
+    return store
+
+
+def _held_sets(keys, launch):
+    """Stores for one batch: empty; holding every other distinct key of the batch and 50 keys
+    it lacks; and full-ish: an index loaded to its 0.7 limit (long probe chains), half of them
+    the batch's keys."""
+    rng = np.random.default_rng(int(keys.size) + 36)
+    distinct = np.unique(keys)
+    foreign = rng.integers(0, 2**64, size=4 * distinct.size + 200, dtype=np.uint64, endpoint=False)
+    foreign = foreign[~np.isin(foreign, keys)]
+    yield "empty", _store_holding(np.empty(0, np.uint64), launch)
+    yield "some", _store_holding(np.concatenate([distinct[::2], foreign[:50]]), launch)
+    from one_embedding.cache.device import DeviceFullStore, MAX_LOAD
+
+    capacity = max(16, distinct.size)
+    index_capacity = DeviceFullStore(1, capacity=capacity, launch=launch)._index.capacity
+    limit = int(index_capacity * MAX_LOAD)
+    held = np.concatenate([distinct[: limit // 2], foreign])[:limit]
+    store = _store_holding(held, launch, capacity=limit)   # the same index capacity
+    assert store._index.capacity == index_capacity and len(store) == limit   # no growth
+    yield "full", store
+
+
+def _check_fused_against_dedup_then_find(keys, launch):
+    """``unique_ids_fixed_find`` (one kernel) against ``unique_ids_fixed`` then the store's
+    ``find_live``: the same unique keys, inverse, first positions and count, the same slots
+    (-2 past the count), the same lines copied and the same rows left untouched; and the store's
+    ``dedup_find_found`` against its ``find_found``."""
+    n = keys.size
+    for name, store in _held_sets(keys, launch):
+        want = device_unique.unique_ids_fixed(keys, launch=launch)
+        want_out = np.full((n, store.line_size), -1.0, np.float32)
+        want_slots = store._index.find_live(want.keys, want.count, store._rows, want_out)
+        got_out = np.full((n, store.line_size), -1.0, np.float32)
+        passes = device_unique.dedup_passes_fixed(keys, launch)
+        got, got_slots = store._index.dedup_find_live(passes, store._rows, got_out)
+        for a, b in zip((*got, got_slots, got_out), (*want, want_slots, want_out), strict=True):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8), err_msg=name)
+        passes = device_unique.dedup_passes_fixed(keys, launch)
+        slots_only, bare = store._index.dedup_find_live(passes)
+        np.testing.assert_array_equal(bare, want_slots, err_msg=name)
+        np.testing.assert_array_equal(slots_only.keys, want.keys, err_msg=name)
+        found_out = np.full((n, store.line_size), -1.0, np.float32)
+        passes = device_unique.dedup_passes_fixed(keys, launch)
+        fixed, found = store.dedup_find_found(passes, found_out)
+        want_found_out = np.full((n, store.line_size), -1.0, np.float32)
+        want_found = store.find_found(want.keys, want_found_out, want.count)
+        np.testing.assert_array_equal(found, want_found, err_msg=name)
+        np.testing.assert_array_equal(found_out.view(np.uint32), want_found_out.view(np.uint32))
+        np.testing.assert_array_equal(fixed.inverse, want.inverse, err_msg=name)
+        if name == "some" and np.unique(keys).size > 1:   # some found, some not
+            assert (want_slots[: int(want.count[0])] >= 0).any() and (want_slots == -1).any()
+
+
+@pytest.mark.parametrize("case", sorted(KEY_SETS))
+def test_dedup_output_fused_with_the_find_equals_the_two_passes(launch, emulation_seed, case):
+    # under a stress seed (slower) the sets of thousands of ids keep their first 600
+    keys = KEY_SETS[case] if emulation_seed is None else KEY_SETS[case][:600]
+    _check_fused_against_dedup_then_find(keys, launch)
+    assert "hashindex_dedup_output_find" in launch.launched or case == "empty"
+
+
+def test_dedup_output_fused_with_the_find_of_many_random_batches(launch):
+    """Batch sizes on both sides of a warp's 32 ids (the fused pass probes a warp's first
+    occurrences one after another), with the marker and key 0 among them."""
+    rng = np.random.default_rng(37)
+    for n in (1, 2, 31, 32, 33, 63, 64, 65, 257):
+        keys = rng.integers(0, max(1, int(rng.integers(1, 2 * n))), size=n).astype(np.uint64)
+        keys[rng.random(n) < 0.1] = EMPTY
+        keys[rng.random(n) < 0.1] = 0
+        _check_fused_against_dedup_then_find(keys, launch)
+
+
+def test_dedup_output_fused_with_the_find_reads_nothing(launch):
+    store = _store_holding(KEY_SETS["zipf"][:100], launch)
+    with host_sync.counting() as reads:
+        passes = device_unique.dedup_passes_fixed(KEY_SETS["zipf"], launch)
+        store._index.dedup_find_live(passes, store._rows,
+                                     np.empty((KEY_SETS["zipf"].size, 5), np.float32))
+    assert reads.total == 0, dict(reads.by_reason)

@@ -27,7 +27,7 @@ import numpy as np
 from .. import host_sync
 from ..errors import CapacityError, ConfigError, InputError, SnapshotError
 from ..hashing import mix64
-from ..kernels import device_ops
+from ..kernels import device_ops, device_unique
 from ..tiers import StoreTier, Tier
 from .set_associative import POLICIES
 
@@ -213,6 +213,13 @@ class DeviceHashIndex:
                                  rows, np.int32(line_size), out, slots))
         return slots
 
+    def dedup_find_live(self, passes, rows=None, out=None):
+        """The output pass of a fixed-capacity dedup (``device_unique.dedup_passes_fixed``'s
+        ``passes``) with ``find_live`` of its unique keys fused in, one kernel ->
+        (``device_unique.FixedUnique``, slots (n,) int64 as ``find_live``'s). rows / out: as
+        ``find_live``'s. The index must not change while it runs (the chain's lock)."""
+        return device_unique.unique_ids_fixed_find(passes, self._table, rows, out, self._launch)
+
     def find_or_insert(self, keys, distinct: bool = False):
         """keys: (n,) uint64 -> (slots (n,) int64, is_new (n,) bool); new keys take the next slots
         in batch order. A key given twice gets one slot, new at its first place only (as on the
@@ -382,6 +389,14 @@ class DeviceFullStore(_OnDevice, StoreTier):
             return self._index.find_live(keys, live, self._rows, out) != -1
         rows = self._xp.arange(keys.shape[0], dtype=self._xp.int64)
         return self._index.find_rows(keys, self._rows, out, rows) >= 0
+
+    def dedup_find_found(self, passes, out):
+        """``find_found`` of a fixed-capacity batch fused into its dedup's output pass:
+        passes: ``device_unique.dedup_passes_fixed``'s (n ids); out: (n, line_size) float32 ->
+        (``device_unique.FixedUnique`` of the batch, found (n,) bool as ``find_found(fixed.keys,
+        out, fixed.count)`` gives), no read."""
+        fixed, slots = self._index.dedup_find_live(passes, self._rows, out)
+        return fixed, slots != -1
 
     def insert_or_assign(self, keys, lines, live=None):
         """keys: (n,) uint64 unique, lines: (n, line_size) float32 -> nothing evicted (empty).

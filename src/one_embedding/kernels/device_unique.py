@@ -14,7 +14,14 @@ import numpy as np
 
 from .. import host_sync
 from ..errors import InputError
-from .device_ops import Launcher, _float_dtype, device_array, launch_threads, resolve
+from .device_ops import (Launcher, _float_dtype, device_array, launch_threads, launch_warps,
+                         resolve)
+
+
+#: The one-rank device_mem path dedups and probes the store's index in one output pass
+#: (``unique_ids_fixed_find``, under the tier chain's lock); False: the dedup's own output pass
+#: in the ID shuffle, then the store's separate find (the tests compare the two, bit for bit).
+FIND_IN_DEDUP = True
 
 
 def dedup_capacity(n: int) -> int:
@@ -92,6 +99,31 @@ def _dedup_passes(launch, keys):
     return first_of, xp.cumsum(is_first, dtype=xp.int64)           # (n,) ids + 1 at first positions
 
 
+class DedupPasses(NamedTuple):
+    """The fixed-capacity dedup up to its output pass (``dedup_passes_fixed``): keys (n,) uint64
+    (the batch's ids, device array), first_of (n,) int64 (each id's first position), rank (n,)
+    int64 (the inclusive prefix sum of the first occurrences: rank[n - 1] is the unique count).
+    first_of and rank are None when n == 0."""
+    keys: object
+    first_of: object
+    rank: object
+
+
+def dedup_passes_fixed(keys, launch: Launcher | None = None) -> DedupPasses:
+    """keys: (n,) uint64 -> ``DedupPasses``: the fixed-capacity dedup's passes that read no
+    store (the table, the first positions, their numbering); an output pass finishes it,
+    ``unique_ids_fixed``'s or, fused with a store index's probe, ``unique_ids_fixed_find``."""
+    launch = resolve(launch)
+    keys = device_array(launch, "keys", keys, np.uint64, ndim=1)
+    if keys.shape[0] == 0:
+        return DedupPasses(keys, None, None)
+    return DedupPasses(keys, *_dedup_passes(launch, keys))
+
+
+def _fixed_outputs(xp, n: int):
+    return xp.empty(n, dtype=xp.uint64), xp.empty(n, dtype=xp.int64), xp.empty(n, dtype=xp.int64)
+
+
 def unique_ids_fixed(keys, launch: Launcher | None = None) -> FixedUnique:
     """keys: (n,) uint64 -> ``FixedUnique``: ``unique_ids(keys, return_first=True)`` written
     into arrays of capacity n (an upper bound of the unique count), the count kept on the
@@ -104,17 +136,48 @@ def unique_ids_fixed(keys, launch: Launcher | None = None) -> FixedUnique:
     """
     launch = resolve(launch)
     xp = launch.xp
-    keys = device_array(launch, "keys", keys, np.uint64, ndim=1)
+    passes = dedup_passes_fixed(keys, launch)
+    keys = passes.keys
     n = keys.shape[0]
     if n == 0:
         return FixedUnique(*_empty_unique(xp, True), xp.zeros(1, dtype=xp.int64))
-    first_of, rank = _dedup_passes(launch, keys)
-    uniq = xp.empty(n, dtype=xp.uint64)
-    first = xp.empty(n, dtype=xp.int64)
-    inverse = xp.empty(n, dtype=xp.int64)
+    uniq, first, inverse = _fixed_outputs(xp, n)
     launch_threads(launch, "embedding", "dedup_output_fixed", np.float32, n,
-                   (keys, first_of, rank, np.int64(n), inverse, uniq, first))
-    return FixedUnique(uniq, inverse, first, rank[n - 1:])
+                   (keys, passes.first_of, passes.rank, np.int64(n), inverse, uniq, first))
+    return FixedUnique(uniq, inverse, first, passes.rank[n - 1:])
+
+
+def unique_ids_fixed_find(passes: DedupPasses, table, rows=None, out=None,
+                          launch: Launcher | None = None):
+    """The output pass of ``dedup_passes_fixed`` with a hash index's find fused into it ->
+    (``FixedUnique``, slots (n,) int64): ``unique_ids_fixed``'s arrays and, for each unique key,
+    what ``DeviceHashIndex.find_live(fixed.keys, fixed.count, rows, out)`` returns (the slot,
+    -1 where absent, ``NOT_LOOKED_UP`` (-2) from the count on), with the line of found key i
+    copied into row i of ``out``, in one kernel (``hashindex_dedup_output_find``): each unique
+    key is probed as it is written, never read back by a separate find.
+
+    table: (capacity, 2) uint64, the index's buckets (``cache/device.py``'s layout, capacity a
+    power of two); rows: (R, L) float32 behind the slots and out (n, L) float32, or both None
+    (slots only). The caller holds the index still while the kernel runs (the tier chain's lock).
+    """
+    launch = resolve(launch)
+    xp = launch.xp
+    keys = passes.keys
+    n = keys.shape[0]
+    if n == 0:
+        return FixedUnique(*_empty_unique(xp, True), xp.zeros(1, dtype=xp.int64)), \
+            xp.empty(0, dtype=xp.int64)
+    if rows is None:   # not read when line_size == 0; any float32 array stands in
+        rows = out = xp.empty((1, 1), dtype=xp.float32)
+        line_size = 0
+    else:
+        line_size = rows.shape[1]
+    uniq, first, inverse = _fixed_outputs(xp, n)
+    slots = xp.empty(n, dtype=xp.int64)
+    launch_warps(launch, "hashindex", "dedup_output_find", np.float32, -(-n // 32),
+                 (keys, passes.first_of, passes.rank, np.int64(n), inverse, uniq, first, table,
+                  np.int64(table.shape[0] - 1), rows, np.int32(line_size), out, slots))
+    return FixedUnique(uniq, inverse, first, passes.rank[n - 1:]), slots
 
 
 def unique_ids_by_sorting(keys, launch: Launcher | None = None, return_first: bool = False):

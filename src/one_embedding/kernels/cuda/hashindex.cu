@@ -35,17 +35,13 @@ namespace hashindex {
 // The slot hashindex_find_live writes for a position at or past the live count: not looked up.
 constexpr i64 NOT_LOOKED_UP = -2;
 
-// One warp finds keys[i]: the 32 lanes read 32 consecutive buckets at once and one ballot finds
-// the first bucket that ends the probe, so a chain of up to 32 buckets costs one round of loads.
-// Lane 0 writes out_slots[i] (slot or -1) and, when out_buckets is given, out_buckets[i] (bucket
-// or -1); when line_size > 0 the lanes copy the found line rows[slot] into out[out_rows[i]]
-// (into out[i] when out_rows is null).
-template <typename T>
-__device__ __forceinline__ void find_one(const u64* table, i64 mask, const u64* keys, i64 i,
-                                         const T* rows, int line_size, const i64* out_rows, T* out,
-                                         i64* out_slots, i64* out_buckets) {
+// One warp probes for `key`: the 32 lanes read 32 consecutive buckets at once and one ballot
+// finds the first bucket that ends the probe, so a chain of up to 32 buckets costs one round of
+// loads. Every lane gets the key's slot (EMPTY when absent) and bucket (-1 when absent). The
+// whole warp must call it with the same key.
+__device__ __forceinline__ void probe(const u64* table, i64 mask, u64 key, u64* slot_out,
+                                      i64* bucket_out) {
   const int lane = threadIdx.x & 31;
-  const u64 key = keys[i];
   const i64 start = home(key, mask);
   i64 bucket = -1;
   u64 slot = EMPTY;
@@ -64,6 +60,21 @@ __device__ __forceinline__ void find_one(const u64* table, i64 mask, const u64* 
       break;
     }
   }
+  *slot_out = slot;
+  *bucket_out = bucket;
+}
+
+// One warp finds keys[i] (probe). Lane 0 writes out_slots[i] (slot or -1) and, when out_buckets
+// is given, out_buckets[i] (bucket or -1); when line_size > 0 the lanes copy the found line
+// rows[slot] into out[out_rows[i]] (into out[i] when out_rows is null).
+template <typename T>
+__device__ __forceinline__ void find_one(const u64* table, i64 mask, const u64* keys, i64 i,
+                                         const T* rows, int line_size, const i64* out_rows, T* out,
+                                         i64* out_slots, i64* out_buckets) {
+  const int lane = threadIdx.x & 31;
+  u64 slot;
+  i64 bucket;
+  probe(table, mask, keys[i], &slot, &bucket);
   const bool found = bucket >= 0;
   if (lane == 0) {
     out_slots[i] = found ? (i64)slot : -1;
@@ -112,6 +123,64 @@ __global__ void hashindex_find_live(const oe::u64* table, oe::i64 mask, const oe
   }
 }
 
+// The fixed-capacity dedup's output pass (embedding_dedup_output_fixed, kernels/cuda/embedding.cu)
+// with hashindex_find_live fused into it: each unique key is probed in the index as it is
+// written, so the unique keys are not read back by a second kernel. A warp owns 32 consecutive
+// ids per loop step: each lane writes its id's inverse and, at a first occurrence, the unique key
+// and first position (at positions from the count on: key 0, position 0, slot NOT_LOOKED_UP);
+// then the warp probes the first occurrences' keys one after another (ballot), lane 0 writing the
+// slot (or -1) and the lanes copying a found key's line into its row of out.
+// keys, first_of, rank (inclusive prefix sum of the first occurrences), inverse, unique_out,
+// first_out, out_slots: (n,); table: (capacity, 2) u64 of the index, mask = capacity - 1;
+// rows: (R, line_size) T; out: (n, line_size) T, rows from the count on untouched.
+template <typename T>
+__global__ void hashindex_dedup_output_find(const oe::u64* keys, const oe::i64* first_of,
+                                            const oe::i64* rank, oe::i64 n, oe::i64* inverse,
+                                            oe::u64* unique_out, oe::i64* first_out,
+                                            const oe::u64* table, oe::i64 mask, const T* rows,
+                                            int line_size, T* out, oe::i64* out_slots) {
+  const oe::i64 count = rank[n - 1];
+  const int lane = threadIdx.x & 31;
+  // every lane of a warp runs the same steps (the ballots need the whole warp)
+  for (oe::i64 base = oe::grid_warp() * 32; base < n; base += oe::grid_warps() * 32) {
+    const oe::i64 i = base + lane;
+    bool first = false;
+    oe::u64 key = 0;
+    oe::i64 id = 0;
+    if (i < n) {
+      const oe::i64 f = first_of[i];
+      id = rank[f] - 1;
+      inverse[i] = id;
+      if (f == i) {
+        key = keys[i];
+        unique_out[id] = key;
+        first_out[id] = i;
+        first = true;
+      }
+      if (i >= count) {
+        unique_out[i] = 0;
+        first_out[i] = 0;
+        out_slots[i] = oe::hashindex::NOT_LOOKED_UP;
+      }
+    }
+    for (unsigned todo = __ballot_sync(oe::FULL_WARP, first); todo != 0; todo &= todo - 1) {
+      const int src = __ffs((int)todo) - 1;
+      const oe::u64 k = __shfl_sync(oe::FULL_WARP, key, src);
+      const oe::i64 row = __shfl_sync(oe::FULL_WARP, id, src);
+      oe::u64 slot;
+      oe::i64 bucket;
+      oe::hashindex::probe(table, mask, k, &slot, &bucket);
+      const bool found = bucket >= 0;
+      if (lane == 0) out_slots[row] = found ? (oe::i64)slot : -1;
+      if (found && line_size > 0) {
+        const T* src_line = rows + (oe::i64)slot * line_size;
+        T* dst = out + row * line_size;
+        for (int c = lane; c < line_size; c += 32) dst[c] = src_line[c];
+      }
+    }
+  }
+}
+
 // rows[slots[i]] = lines[i] for the first live[0] of n lines (a put of a fixed-capacity batch;
 // the other positions are not read). rows: (R, line_size) T; slots: (n,) i64 in [0, R);
 // lines: (n, line_size) T; live: (1,) i64. One thread per element.
@@ -150,6 +219,7 @@ __global__ void hashindex_insert_where(oe::u64* table, oe::i64 mask, const oe::u
 #ifdef ONE_EMBEDDING_INSTANTIATE
 ONE_EMBEDDING_KERNEL(hashindex_find)
 ONE_EMBEDDING_KERNEL(hashindex_find_live)
+ONE_EMBEDDING_KERNEL(hashindex_dedup_output_find)
 ONE_EMBEDDING_KERNEL(hashindex_put_rows)
 ONE_EMBEDDING_KERNEL(hashindex_insert)
 ONE_EMBEDDING_KERNEL(hashindex_insert_where)
