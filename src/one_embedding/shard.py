@@ -39,7 +39,8 @@ from .parallel.unique import first_occurrence, segment_sum, unique_ids
 from .step import LineLayout, OwnerRows
 from .store.lock import PathLock
 from .store.snapshots import SnapshotDirectory, read_manifest
-from .tiers import HashIndex
+from .write_log import patch_rows as _patch
+from .write_log import patch_rows_on_device as _patch_on_device
 
 #: Lines kept in the write log before the oldest entries are dropped; a lookup older than the
 #: log is read again in full by ``refresh`` (slower, never stale).
@@ -602,65 +603,6 @@ class EmbeddingShard:
             self._lock = None
 
 
-def _patch(rows: OwnerRows, newer: list):
-    """The write-log patch of ``refresh``: each put's lines (oldest first) into the rows of the
-    same keys; an erase (lines None) marks its keys not found. Returns (v,) bool: the rows
-    erased and not put again since (to initialise), or None."""
-    index = HashIndex(rows.keys.shape[0])
-    index.assign(rows.keys, np.arange(rows.keys.shape[0], dtype=np.int64))
-    erased = None
-    for put_keys, put_lines in newer:
-        slots = index.find(put_keys)
-        hit = slots >= 0
-        erased = _apply_put(np, rows, slots[hit], put_lines, hit, erased)
-    return erased
-
-
-def _patch_on_device(xp, rows: OwnerRows, newer: list, launch=None):
-    """``_patch`` on device arrays, without reading anything back: each row looks its key up
-    by binary search in the put's (or erase's) sorted keys and takes the put's line by a select,
-    so no compaction sizes a result (keys are unique within each). Returns the rows erased and
-    not put again since (to initialise), or None.
-
-    newer: (keys, lines or None, live or None) per put. A fixed-capacity put's keys from its
-    ``live`` count on are placeholders (key 0, maybe repeated, maybe a real key too): the
-    stable sort keeps a real key ahead of them and a match counts only below ``live``; the
-    rows' own placeholders (from ``rows.live`` on) are never patched, nor read: a put's lines
-    go in by ``live_rows.patch_rows`` (needs ``launch``)."""
-    v = rows.keys.shape[0]
-    if v == 0:
-        return None
-    erased = None
-    valid_rows = None if rows.live is None else xp.arange(v, dtype=xp.int64) < rows.live
-    for put_keys, put_lines, put_live in newer:
-        put_keys = xp.asarray(put_keys)
-        m = put_keys.shape[0]
-        if m == 0:
-            continue
-        order = xp.argsort(put_keys, kind="stable")
-        sorted_keys = put_keys[order]
-        pos = xp.minimum(xp.searchsorted(sorted_keys, rows.keys), m - 1)
-        hit = sorted_keys[pos] == rows.keys                        # (v,) row's key was put
-        if put_live is not None:
-            hit &= order[pos] < put_live
-        if valid_rows is not None:
-            hit &= valid_rows
-        if put_lines is None:                                      # an erase
-            erased = hit.copy() if erased is None else erased | hit
-            rows.found[...] = rows.found & ~hit
-            continue
-        if valid_rows is None:
-            rows.lines[...] = xp.where(hit[:, None], xp.asarray(put_lines)[order[pos]],
-                                       rows.lines)
-        else:
-            live_rows.patch_rows(rows.lines, xp.where(hit, order[pos], -1), put_lines, rows.live,
-                                 launch)
-        rows.found[...] = rows.found | hit
-        if erased is not None:
-            erased = erased & ~hit
-    return erased
-
-
 def _live_part(rows: OwnerRows, grads):
     """(rows, grads) of one backward for ``merge``: a fixed-capacity batch cut to its live
     count (one counted read: merging several backwards is off the steady-state path)."""
@@ -670,21 +612,6 @@ def _live_part(rows: OwnerRows, grads):
     cut = OwnerRows(rows.keys[:count], rows.table_ids[:count], rows.lines[:count],
                     rows.found[:count], rows.version, rows.generation)
     return cut, grads[:count]
-
-
-def _apply_put(xp, rows: OwnerRows, slots, put_lines, hit, erased):
-    """One logged put (or erase, ``put_lines`` None) into ``rows`` at ``slots`` (its keys
-    ``hit`` among the put's); returns the rows erased so far and not put again (or None)."""
-    if put_lines is None:
-        erased = xp.zeros(rows.keys.shape[0], dtype=xp.bool_) if erased is None else erased
-        erased[slots] = True
-        rows.found[slots] = False
-        return erased
-    rows.lines[slots] = put_lines[hit]
-    rows.found[slots] = True
-    if erased is not None:
-        erased[slots] = False
-    return erased
 
 
 def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int, live=None,

@@ -61,6 +61,7 @@ def touches(imports: set[str], package: str) -> bool:
     ("parallel", ["store", "cache", "tiers", "chain", "shard", "embedding"]),
     ("chain.py", ["shard", "embedding", "parallel"]),
     ("shard.py", ["embedding"]),
+    ("write_log.py", ["store", "cache", "chain", "shard", "embedding", "parallel"]),
     ("step.py", ["store", "cache", "chain", "shard", "embedding"]),
     ("lifecycle.py", ["cache", "tiers", "chain", "shard", "embedding", "parallel"]),
 ])
