@@ -280,3 +280,59 @@ def test_an_event_loops_requests_are_answered_in_one_hand_over_per_batch(run):
         assert snapshot == p.snapshot
     np.testing.assert_allclose(later[0]["probability"], want[1], rtol=0, atol=1e-6)
     assert hand_overs == [5, 1], hand_overs  # the merged five in one, then the later one
+
+
+def test_an_event_loops_requests_of_one_iteration_wake_the_batcher_once(run):
+    """The requests an event loop submits in one iteration join the batcher's queue together
+    when the iteration ends: one wake-up of its thread for them all (a wake-up per request
+    made it take the GIL from the loop once per request), none visible to it before; and a
+    request submitted after ``close`` is refused with a 503."""
+    import asyncio
+
+    from one_embedding.serving.protocol import ProtocolError
+    from one_embedding.serving.service import Service
+
+    rows = [raw_rows(k + 1, 40 + k) for k in range(4)]
+    with Predictor(run) as p:
+        service = Service(p, max_batch_size=4096, max_queue_delay=0.2)
+        batcher = service.batcher
+        wakes = []
+        notify = batcher._ready.notify
+
+        def counting_notify(n=1):
+            wakes.append(len(batcher._queue))
+            notify(n)
+
+        batcher._ready.notify = counting_notify
+
+        async def main():
+            first = [service.submit_async("dlrm", {"dense": d, "categorical": c})
+                     for d, c in rows]
+            queued_before = len(batcher._queue)
+            await asyncio.sleep(0)                      # the iteration ends
+            second = service.submit_async("dlrm", {"dense": rows[0][0],
+                                                   "categorical": rows[0][1]})
+            answers = await asyncio.gather(*first, second)
+            return queued_before, answers
+
+        loop = asyncio.new_event_loop()
+        try:
+            queued_before, answers = loop.run_until_complete(main())
+            woken = list(wakes)
+            service.close()
+            with pytest.raises(ProtocolError, match="shutting down") as e:
+                loop.run_until_complete(_submit_after_close(service, rows[0]))
+            assert e.value.status == 503
+        finally:
+            loop.close()
+        want = [p.predict(d, c) for d, c in rows] + [p.predict(*rows[0])]
+    assert queued_before == 0
+    # two wake-ups (the queue's length after each): the first iteration's four joined it at
+    # once, the later one alone (the batcher waits up to 0.2 s for more before it takes them)
+    assert woken == [4, 5], woken
+    for (outputs, _), w in zip(answers, want):
+        np.testing.assert_allclose(outputs["probability"], w, rtol=0, atol=1e-6)
+
+
+async def _submit_after_close(service, row):
+    return await service.submit_async("dlrm", {"dense": row[0], "categorical": row[1]})

@@ -196,15 +196,18 @@ class Batcher:
     its own rows' scores. A request larger than ``max_batch_size`` runs alone.
 
     A request's answer goes to a ``concurrent.futures.Future`` (``submit``) or to an
-    ``asyncio.Future`` of an event loop (``submit_async``); the answers of one merged call that go
-    to one loop are handed over in one ``call_soon_threadsafe`` (one wake-up of the loop per
-    batch, not per request)."""
+    ``asyncio.Future`` of an event loop (``submit_async``). The requests an event loop submits
+    in one of its iterations join the queue together when the iteration ends (one wake-up of
+    the batcher's thread per iteration, not per request; their queue delay counts from their
+    submission), and the answers of one merged call that go to one loop are handed over in one
+    ``call_soon_threadsafe`` (one wake-up of the loop per batch)."""
 
     def __init__(self, predictor: Predictor, max_batch_size: int, max_queue_delay: float,
                  metrics: Metrics | None = None):
         self.predictor, self.metrics = predictor, metrics
         self.max_batch_size, self.max_queue_delay = int(max_batch_size), float(max_queue_delay)
         self._queue: collections.deque = collections.deque()
+        self._pending: dict = {}  # event loop -> its requests of this iteration, not queued yet
         self._ready = threading.Condition()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="one_embedding-batcher",
@@ -221,9 +224,28 @@ class Batcher:
         """``submit`` from a running event loop -> an ``asyncio.Future`` of that loop (cancel
         it to drop the request while it waits)."""
         loop = asyncio.get_running_loop()
+        if self._stopped:
+            raise ProtocolError("the server is shutting down", 503)
         future = loop.create_future()
-        self._enqueue(dense, categorical, future, loop)
+        pending = self._pending.get(loop)
+        if pending is None:  # the first of this loop iteration's requests: queued after it
+            pending = self._pending[loop] = []
+            loop.call_soon(self._flush, loop)
+        pending.append((time.perf_counter(), dense.shape[0], dense, categorical, future, loop))
         return future
+
+    def _flush(self, loop) -> None:
+        """On ``loop``: the requests it submitted in its last iteration join the queue
+        together, with one wake-up of the batcher's thread (a wake-up per request made the
+        thread take the GIL from the loop once per request: ~0.03 ms of the loop's time each)."""
+        items = self._pending.pop(loop)
+        with self._ready:
+            if self._stopped:  # closed meanwhile: nobody will take them
+                _settle([(item[4], ProtocolError("the server is shutting down", 503))
+                         for item in items])
+                return
+            self._queue.extend(items)
+            self._ready.notify()
 
     def _enqueue(self, dense, categorical, future, loop) -> None:
         with self._ready:
