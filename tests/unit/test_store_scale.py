@@ -85,6 +85,7 @@ def run_worker(script, *args, timeout=300):
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow  # 40 s: tables of 200 k to 800 k keys in fresh processes (CI's slow stage)
 @pytest.mark.parametrize("engine,budget", [("slots", 8.0), ("rocksdb", 4.0)])
 def test_ram_per_stored_key_stays_within_budget(tmp_path, engine, budget):
     got = run_worker(RAM_WORKER, engine, tmp_path / "t", 200_000, 800_000, DIM * SIZE_FACTOR)
@@ -258,6 +259,7 @@ READER = textwrap.dedent(
 )
 
 
+@pytest.mark.slow  # 51 s: a second process reads every row of the table (CI's slow stage)
 @pytest.mark.parametrize("engine", ["slots", "rocksdb"])
 def test_a_reader_in_another_process_keeps_a_deleted_snapshot_until_it_lets_go(tmp_path, engine):
     import hashlib
