@@ -99,24 +99,32 @@ def test_unique_ids_equal_the_cpu_unique(n, kind):
     _exact(got_inverse, want_inverse)
 
 
+def _dedup_case(kind: str, n: int, seed_offset: int):
+    """(keys (n,) uint64 of ``kind`` drawn with seed n + ``seed_offset``, and the CPU's unique
+    keys, inverse and first positions): n capped at 20,000 on the dry run (the emulator runs one
+    thread at a time)."""
+    from one_embedding.parallel.unique import first_occurrence, unique_ids
+
+    if os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1":
+        n = min(n, 20_000)
+    rng = np.random.default_rng(n + seed_offset)
+    if kind == "marker_and_zero":
+        keys = rng.choice(np.array([0, 2**64 - 1, 1, 2**63], np.uint64), n)
+    else:
+        keys = _ids(kind, n, rng)
+    want_unique, want_inverse = unique_ids(keys)
+    return keys, want_unique, want_inverse, first_occurrence(want_inverse, want_unique.size)
+
+
 @pytest.mark.parametrize("kind", ["zipf", "distinct", "all_same", "marker_and_zero"])
 @pytest.mark.parametrize("n", [1, 2, 1000, 100_000, 1_700_000])
 def test_hash_dedup_equals_the_sort_and_the_cpu(n, kind):
     """The hash-table dedup (unique_ids) against the sort-based one it replaced and the CPU's,
     with first positions, under real concurrency: blocks race for buckets and hot keys' atomics."""
     from one_embedding.kernels import device_unique
-    from one_embedding.parallel.unique import first_occurrence, unique_ids
 
     cp = _cp()
-    if os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1":
-        n = min(n, 20_000)   # the emulator runs one thread at a time
-    rng = np.random.default_rng(n + 1)
-    if kind == "marker_and_zero":
-        keys = rng.choice(np.array([0, 2**64 - 1, 1, 2**63], np.uint64), n)
-    else:
-        keys = _ids(kind, n, rng)
-    want_unique, want_inverse = unique_ids(keys)
-    want_first = first_occurrence(want_inverse, want_unique.size)
+    keys, want_unique, want_inverse, want_first = _dedup_case(kind, n, 1)
     device_keys = cp.asarray(keys)
     for _ in range(2):   # the buckets may differ between runs, the results may not
         got = device_unique.unique_ids(device_keys, return_first=True)
@@ -135,18 +143,10 @@ def test_fixed_capacity_dedup_keeps_its_count_on_the_device(n, kind):
     behind them), the CPU's inverse, the count a (1,) int64 device array, and no counted read."""
     from one_embedding import host_sync
     from one_embedding.kernels import device_unique
-    from one_embedding.parallel.unique import first_occurrence, unique_ids
 
     cp = _cp()
-    if os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1":
-        n = min(n, 20_000)   # the emulator runs one thread at a time
-    rng = np.random.default_rng(n + 2)
-    if kind == "marker_and_zero":
-        keys = rng.choice(np.array([0, 2**64 - 1, 1, 2**63], np.uint64), n)
-    else:
-        keys = _ids(kind, n, rng)
-    want_unique, want_inverse = unique_ids(keys)
-    want_first = first_occurrence(want_inverse, want_unique.size)
+    keys, want_unique, want_inverse, want_first = _dedup_case(kind, n, 2)
+    n = keys.size
     u = want_unique.size
     device_keys = cp.asarray(keys)
     with host_sync.counting() as reads:
