@@ -59,6 +59,7 @@ import argparse
 import math
 import os
 import time
+import traceback
 
 import numpy as np
 
@@ -663,7 +664,22 @@ def main(argv=None):
     print(f"device: {dev.name}")
     payload = {"machine": machine, "device": dev.name, "config": vars(args)}
     summary = []
-    if "lookup" not in args.skip:
+    failed = {}
+
+    def part(name, fn):
+        """Runs one part; a part that raises is reported (summary, payload) and the next runs."""
+        if name in args.skip:
+            return
+        start = time.perf_counter()
+        try:
+            fn()
+        except Exception as e:                          # noqa: BLE001 - reported; the next part runs
+            traceback.print_exc()
+            failed[name] = f"{type(e).__name__}: {e}"
+            summary.append(f"{name} FAILED ({failed[name][:200]})")
+        print(f"[part {name}: {time.perf_counter() - start:.1f} s]", flush=True)
+
+    def lookup_part():
         lookup = bench_lookup(dev, args)
         payload["lookup"] = lookup
         print(f"\n## lookup: {lookup['ids']:,} ids ({lookup['unique']:,} unique), dim {lookup['dim']}")
@@ -693,7 +709,8 @@ def main(argv=None):
         print(f"\n## rows into the dot interaction's input, batch {args.batch_size}, dim "
               f"{args.lookup_dim}: the path before and the fused gather")
         print(markdown_table(layout["rows"], ["what", "ms", "MB written", "x before"]))
-    if "dlrm" not in args.skip:
+
+    def dlrm_part():
         dlrm = bench_dlrm(dev, args)
         payload["dlrm"] = dlrm
         print(f"\n## DLRM training, Criteo-1TB shapes (tables capped at {args.max_rows:,} rows, "
@@ -706,7 +723,8 @@ def main(argv=None):
         summary.append(f"DLRM {ours / 1e6:.2f} M samples/s = {dlrm['speedup_vs_torch']:.2f}x "
                        f"PyTorch (goal >1x: {verdict}), {ours / HUGECTR_H100_SAMPLES_PER_S:.2f}x "
                        f"HugeCTR's 7.4 M/s per H100")
-    if "cli" not in args.skip:
+
+    def cli_part():
         cli = bench_cli(dev, args)
         # the same run with every kernel launched each step: the CUDA graph's baseline
         plain = bench_cli(dev, args, cuda_graph=False)
@@ -735,7 +753,8 @@ def main(argv=None):
                        f"reads/step (goal >=0.9x, wait <5%: {verdict}); CUDA graph "
                        f"{cli['cuda_graph']}: {cli['samples_per_s'] / plain['samples_per_s']:.2f}x "
                        "--no-cuda-graph")
-    if "amp" not in args.skip:
+
+    def amp_part():
         amp = bench_amp(dev, args, payload.get("dlrm", {}).get("batches"))
         payload["amp"] = amp
         print(f"\n## tensor cores: the CLI's path under --amp, {args.amp_steps} timed steps each, "
@@ -747,7 +766,8 @@ def main(argv=None):
         summary.append(f"AMP fastest --amp {amp['fastest']} {amp['fastest_samples_per_s'] / 1e6:.2f} M "
                        f"samples/s = {ratio:.2f}x PyTorch bf16 autocast (goal >=1x: {verdict}), "
                        f"{amp['fastest_samples_per_s'] / HUGECTR_H100_SAMPLES_PER_S:.2f}x HugeCTR")
-    if "fused" not in args.skip:
+
+    def fused_part():
         fused = bench_fused_loss(dev, args)
         payload["fused_loss"] = fused
         print(f"\n## the loss fused with the last layer: the dense step alone (DLRM, batch "
@@ -757,6 +777,11 @@ def main(argv=None):
         if fused["fused_step_speedup"]:
             summary.append("fused loss: dense step " + ", ".join(
                 f"{x:.2f}x unfused (--amp {m})" for m, x in fused["fused_step_speedup"].items()))
+
+    for name, fn in (("lookup", lookup_part), ("dlrm", dlrm_part), ("cli", cli_part),
+                     ("amp", amp_part), ("fused", fused_part)):
+        part(name, fn)
+    payload["failed"] = failed
     payload.get("dlrm", {}).pop("batches", None)
     payload["summary"] = "; ".join(summary)
     print(f"\nwrote {save_result('bench_gpu', payload)}")
@@ -766,4 +791,4 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(1 if main()["failed"] else 0)
