@@ -156,9 +156,7 @@ __global__ void embedding_segment_sum(const T* values, int dim, const oe::i64* r
   for (oe::i64 i = oe::grid_thread(); i < total; i += oe::grid_threads()) {
     const oe::i64 s = i / dim;
     const int c = (int)(i - s * dim);
-    T acc = T(0);
-    for (oe::i64 k = offsets[s]; k < offsets[s + 1]; ++k) acc += values[rows_by_segment[k] * dim + c];
-    out[i] = acc;
+    out[i] = oe::ordered_row_sum(values, dim, rows_by_segment, offsets[s], offsets[s + 1], c);
   }
 }
 

@@ -89,9 +89,7 @@ struct RowGrads {
 template <typename T>
 __device__ __forceinline__ T segment_total(const T* values, int dim, const i64* rows_by_segment,
                                            const i64* offsets, i64 s, int c) {
-  T acc = T(0);
-  for (i64 k = offsets[s]; k < offsets[s + 1]; ++k) acc += values[rows_by_segment[k] * dim + c];
-  return acc;
+  return ordered_row_sum(values, dim, rows_by_segment, offsets[s], offsets[s + 1], c);
 }
 
 template <typename T>
