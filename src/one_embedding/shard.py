@@ -40,6 +40,7 @@ from .step import LineLayout, OwnerRows
 from .store.lock import PathLock
 from .store.snapshots import SnapshotDirectory, read_manifest
 from .write_log import patch_rows as _patch
+from .write_log import RetiredEntries
 from .write_log import patch_rows_on_device as _patch_on_device
 
 #: Lines kept in the write log before the oldest entries are dropped; a lookup older than the
@@ -108,6 +109,8 @@ class EmbeddingShard:
         # (version, keys, lines or None: erased, live count of a fixed-capacity put or None)
         self._log: list[tuple] = []
         self._log_floor = 0  # puts at or below this version may be missing from the log
+        # entries dropped from the log while the device may still read them (GPU streams)
+        self._retired = RetiredEntries(self.launch)
         self._outstanding: Counter = Counter()  # version -> lookups not yet refreshed
         self._optimizer: dict | None = None  # the row optimizer whose state the lines hold
         self._loaded_optimizer: dict | None = None  # ... as the last loaded snapshot records it
@@ -190,6 +193,7 @@ class EmbeddingShard:
                          if version > rows.version]
                 if newer and self.launch is not None:
                     missing = _patch_on_device(self.xp, rows, newer, self.launch)
+                    self._retired.read()    # the patch's reads of the entries are queued
                 elif newer:
                     missing = _patch(rows, [(k, v) for k, v, _ in newer])
             rows.version, rows.generation = self._version, self._generation
@@ -207,6 +211,7 @@ class EmbeddingShard:
     def _trim_log(self) -> None:
         """Drop log entries every outstanding lookup has seen (caller holds ``_state``)."""
         oldest = min(self._outstanding, default=self._version)
+        self._retired.retire([e for e in self._log if e[0] <= oldest])
         self._log = [e for e in self._log if e[0] > oldest]
 
     def _initialize(self, lines, missing, keys, table_ids) -> None:
@@ -380,6 +385,7 @@ class EmbeddingShard:
                 logged = sum(e[1].shape[0] for e in self._log)
                 while logged > MAX_LOGGED_LINES and len(self._log) > 1:
                     dropped = self._log.pop(0)
+                    self._retired.retire([dropped])
                     logged -= dropped[1].shape[0]
                     self._log_floor = dropped[0]  # lookups older than this read everything again
             if live is None:
@@ -490,6 +496,7 @@ class EmbeddingShard:
             self._check_lifecycle_columns(manifest, name)
             with self._state:
                 self._generation += 1
+                self._retired.retire(self._log)
                 self._log.clear()
                 self._chain.load_snapshot(folder)
                 self._load_lifecycle([(folder, manifest)], resharded=False)
@@ -506,6 +513,7 @@ class EmbeddingShard:
             self._check_lifecycle_columns(manifest, name)
         with self._state:
             self._generation += 1
+            self._retired.retire(self._log)
             self._log.clear()
             self._chain.clear()
             for folder, manifest in opened:

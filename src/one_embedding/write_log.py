@@ -4,6 +4,8 @@ lookup made right before its rows are used would (``shard``'s docstring has the 
 """
 from __future__ import annotations
 
+import collections
+
 import numpy as np
 
 from .kernels import live_rows
@@ -83,3 +85,41 @@ def _apply_put(xp, rows: OwnerRows, slots, put_lines, hit, erased):
     if erased is not None:
         erased[slots] = False
     return erased
+
+
+class RetiredEntries:
+    """Log entries the shard has let go of, kept referenced until the device has run every read
+    of them that was queued (on a GPU; nothing to keep on the CPU).
+
+    A logged put's arrays may have been allocated on another CUDA stream (a fixed-capacity put
+    logs the prefetch thread's unique keys and count as they are): dropped while the consumer's
+    stream still has a ``refresh`` patch queued that reads them, CuPy's pool would hand their
+    memory back to that other stream, whose next batch could overwrite it before the patch ran.
+    ``read`` records an event after each batch of queued reads (on the reading stream); ``retire``
+    holds what is dropped until the last such event has passed; ``collect`` lets go of what has.
+    """
+
+    def __init__(self, launch):
+        self._launch = launch
+        self._last_read = None
+        self._held: collections.deque = collections.deque()  # (event, entries)
+
+    def read(self) -> None:
+        """After queueing reads of log entries on the current stream."""
+        if self._launch is not None:
+            self._last_read = self._launch.record()
+
+    def retire(self, entries) -> None:
+        """``entries`` (a list) are dropped from the log: keep them until the last read ran."""
+        if self._launch is None or not entries:
+            return
+        if self._last_read is not None and not self._launch.done(self._last_read):
+            self._held.append((self._last_read, list(entries)))
+        self.collect()
+
+    def collect(self) -> None:
+        while self._held and self._launch.done(self._held[0][0]):
+            self._held.popleft()
+
+    def __len__(self) -> int:
+        return len(self._held)

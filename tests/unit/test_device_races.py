@@ -7,7 +7,10 @@ pinned here on the host emulator of the CUDA kernels:
   max of a NaN depended on the lane order, and the float -> int8 cast of NaN is undefined);
 - the tier chain's first call waits for an event recorded when its tiers were built, so a
   prefetch stream (which does not wait for the null stream) reads the tiers' buffers filled;
-- the write log is written and read on the consumer's thread only (disproved as a race).
+- the write log is written and read on the consumer's thread only; but on the fixed-capacity
+  path (one rank over device_mem) its entries hold the prefetch thread's arrays, so an entry
+  dropped from the log stays referenced until the reads queued on it have run (a race seen on
+  an H200, 2026-11-27: prefetch depth 2 trained otherwise than depth 0).
 
 The two kernel tests also run in the emulator's stress mode (seeds 1, 2, 3: threads racing
 between barriers and blocks interleaved, so repeated keys really race for buckets).
@@ -124,9 +127,9 @@ def test_device_write_log_is_written_and_read_by_the_consumer_thread_only(launch
     """The write log's arrays are allocated by the puts of the optimizer step and read by the
     patch of ``refresh``, both on the consumer's thread (and so its stream), never on the
     prefetch thread's: CuPy's pool gives a freed block back only to the stream that allocated it,
-    so dropping an entry cannot hand memory to the other stream while a read is queued (issue 24
-    suspected the opposite; this pins why it cannot happen). Prefetch depth 2 keeps lookups
-    outstanding across puts, so the log is used."""
+    so dropping an entry of this (cached_host_mem) path cannot hand memory to the other stream
+    while a read is queued. The fixed-capacity path logs the prefetch's own arrays: the next
+    test. Prefetch depth 2 keeps lookups outstanding across puts, so the log is used."""
     import one_embedding.shard as shard_mod
     from one_embedding.pipeline import Prefetcher
 
@@ -174,3 +177,76 @@ def test_device_write_log_is_written_and_read_by_the_consumer_thread_only(launch
     main = threading.current_thread().name
     assert seen["put"] == {main} and seen["patch"] == {main}, seen
     assert seen["patched_lines"] > 0, "the log was never used: the test would prove nothing"
+
+
+class _PendingEvents(_EventLauncher):
+    """``_EventLauncher`` whose events complete only when the test says (``complete``): the
+    device still has every queued read ahead of it."""
+
+    def __init__(self, base):
+        super().__init__(base)
+        self.completed = 0
+
+    def done(self, event) -> bool:
+        return event is None or event <= self.completed
+
+    def complete(self) -> None:
+        self.completed = self.events
+
+
+def test_device_write_log_keeps_dropped_entries_until_their_queued_reads_ran(launch, tmp_path,
+                                                                              monkeypatch):
+    """One rank over device_mem takes the fixed-capacity path: its puts log the prefetch
+    thread's own unique keys and count (allocated on the prefetch stream), not copies made on
+    the consumer's. An entry dropped from the log while a ``refresh`` patch that reads it is
+    still queued would give that memory back to the prefetch stream's pool, whose next batch
+    could overwrite it before the patch ran (seen on an H200: depth 2 trained otherwise than
+    depth 0). So a dropped entry stays referenced until the event recorded after the last
+    queued patch has passed, and is let go of then."""
+    import gc
+    import weakref
+
+    import one_embedding as oe
+    import one_embedding.shard as shard_mod
+
+    device = _PendingEvents(launch)
+    logged = []
+    real_put = shard_mod.EmbeddingShard._put
+
+    def put(self, keys, lines, live=None):
+        logged.append((weakref.ref(keys), live is not None))
+        return real_put(self, keys, lines, live)
+
+    monkeypatch.setattr(shard_mod.EmbeddingShard, "_put", put)
+    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None,
+                                 opt_mod.make_device_mem_store_options(str(tmp_path), 1000),
+                                 device=device)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    rng = np.random.default_rng(1)
+    batches = [rng.integers(0, 40, (16, 3)).astype(np.int64) for _ in range(8)]
+    states = {0: emb.prepare(batches[0], background=True)}
+    for i in range(len(batches)):
+        if i + 1 < len(batches):   # the next batch looked up before this step's put
+            ahead = threading.Thread(target=lambda j=i + 1: states.__setitem__(
+                j, emb.prepare(batches[j], background=True)), name="lookahead")
+            ahead.start()
+            ahead.join()
+        out = emb.embed(states.pop(i))
+        emb.backward(np.ones(out.shape, np.float32))
+        opt.step()
+        opt.zero_grad()
+    shard = emb._owner()
+    gc.collect()
+    assert logged and all(fixed for _, fixed in logged), "the fixed-capacity path was not taken"
+    in_log = {id(e[1]) for e in shard._log}
+    dropped = [ref for ref, _ in logged[:-2] if ref() is not None and id(ref()) not in in_log]
+    # every entry trimmed from the log is still referenced: its patch's event has not passed
+    assert len(dropped) == len(logged) - 2 and len(shard._retired) > 0, \
+        (len(dropped), len(logged), len(shard._retired))
+    device.complete()
+    shard._retired.collect()
+    dropped = None
+    gc.collect()
+    gone = [ref() is None for ref, _ in logged[:-3]]
+    assert all(gone), f"{gone.count(False)} dropped entries still held after their events ran"
+    emb.close()
