@@ -27,7 +27,10 @@ STEPS = 8
 
 def _run(tmp_path, monkeypatch, model: str, amp: str, fused: bool, store: str = "device_mem",
          prefetch_depth: int = 2):
-    """-> (the step losses, the fused kernel's calls, the main thread's reads by reason)."""
+    """-> (the step losses, the fused kernel's calls, the main thread's reads by reason). Every
+    step runs uncaptured (``cuda_graph=False``): a replayed CUDA graph relaunches the kernel
+    without calling Python, so the calls would not count the steps (an H200 run: 3 of 8); the
+    graph's replays are checked against uncaptured steps in test_cuda_graph_gpu.py."""
     from one_embedding.config import TrainConfig
     from one_embedding.kernels import dense_ops
     from one_embedding.models.base import CTRModel
@@ -51,7 +54,7 @@ def _run(tmp_path, monkeypatch, model: str, amp: str, fused: bool, store: str = 
                       synthetic_rows=20_000, embedding_dim=8, bottom_mlp=(16, 8),
                       top_mlp=(16, 1), dnn=(32, 16), store=store, cache_mb=0.05,
                       optimizer="adagrad", eval_batches=1, device="cuda",
-                      prefetch_depth=prefetch_depth, log_interval=4,
+                      prefetch_depth=prefetch_depth, log_interval=4, cuda_graph=False,
                       persistent_path=str(tmp_path / "-".join(
                           map(str, (model, amp, fused, store, prefetch_depth)))))
     trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
