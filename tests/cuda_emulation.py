@@ -293,7 +293,9 @@ class EmulatedLauncher(Launcher):
         self._thread_launches = threading.local()
 
     def host_empty(self, shape, dtype) -> np.ndarray:
-        return self.xp.empty(shape, dtype)
+        # host memory (page-locked on a GPU): a plain ndarray, even where the dry run's xp hands
+        # out device stand-ins, so that the host's reads of it are not taken for device reads
+        return self.xp.empty(shape, dtype).view(np.ndarray)
 
     def _check(self, kernel: str, dtype, args) -> None:
         params = self.signatures.get(kernel)

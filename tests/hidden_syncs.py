@@ -192,7 +192,8 @@ def strict():
     launcher = device_ops.cupy_launcher()
     saved_getattr = cupy.__dict__["__getattr__"]
     saved_xp, saved_run = launcher.xp, launcher.run
-    saved_sync = {name: getattr(host_sync, name) for name in ("to_host", "scalar", "flag", "wait")}
+    saved_sync = {name: getattr(host_sync, name)
+                  for name in ("to_host", "scalar", "flag", "wait", "copy_async")}
     strict_np = StrictNamespace(np)
 
     def exempt(fn):

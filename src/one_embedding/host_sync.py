@@ -102,6 +102,28 @@ def wait(event_or_stream, reason: str) -> None:
     event_or_stream.synchronize()
 
 
+def copy_async(a, out: np.ndarray) -> None:
+    """Start a copy of device array ``a`` into page-locked host array ``out`` (same shape and
+    dtype) on the current stream, without waiting: not a read, nothing stalls and nothing is
+    counted. ``out`` holds the values once an event recorded after this call has completed
+    (``Launcher.done``); read it only then. On numpy the copy is made at once."""
+    what = getattr(_capture, "what", None)
+    if what is not None:
+        raise HostReadInCapture(f"a copy to the host while capturing the CUDA graph of {what}: "
+                                "leave this code out of the graph")
+    if out.shape != a.shape or out.dtype != a.dtype:
+        raise InputError(f"copy_async: out {out.shape} {out.dtype} must match {a.shape} {a.dtype}")
+    if type(a).__module__.startswith("cupy"):
+        import cupy
+
+        a = cupy.ascontiguousarray(a)
+        cupy.cuda.runtime.memcpyAsync(out.ctypes.data, a.data.ptr, a.nbytes,
+                                      cupy.cuda.runtime.memcpyDeviceToHost,
+                                      cupy.cuda.get_current_stream().ptr)
+        return
+    out[...] = a
+
+
 def totals(main_thread_only: bool = False) -> Counter:
     """A copy of the reads counted so far in this process, by reason (those of the main thread
     alone with ``main_thread_only``: a prefetch thread's reads do not stall the step)."""

@@ -106,12 +106,24 @@ def test_device_hash_index_assigns_the_cpu_slots(launch, launch32, block):
     assert dict(zip(keys.tolist(), slots.tolist())) == dict(zip(want_keys.tolist(), want_slots.tolist()))
 
 
-def test_distinct_inserts_keep_their_counts_on_the_device(launch):
+def _hold_copies_back(launch, monkeypatch):
+    """Events that never complete: every asynchronous copy back is still in flight."""
+    monkeypatch.setattr(launch, "record", lambda: object())
+    monkeypatch.setattr(launch, "done", lambda event: event is None)
+
+
+@pytest.mark.parametrize("copies", ["landed", "in flight"])
+def test_distinct_inserts_keep_their_counts_on_the_device(launch, copies, monkeypatch):
     """find_or_insert(distinct=True) (the device store's put) hands out the CPU's slots without
     reading the new keys' count back: the counts stay on the device and are read only when a
-    host upper bound of them could pass the table's load limit (or when asked: len, slot_limit)."""
+    host upper bound of them could pass the table's load limit (or when asked: len, slot_limit).
+    The bound counts every key offered as new, and comes down to the true count, without a wait,
+    once the asynchronous copy of the counts queued after an insert has landed: with copies
+    that land at once no read is needed; with copies still in flight the bound only grows."""
     from one_embedding import host_sync
 
+    if copies == "in flight":
+        _hold_copies_back(launch, monkeypatch)
     rng = np.random.default_rng(11)
     dev, cpu = DeviceHashIndex(2000, launch=launch), HashIndex(0)
     limit = dev.capacity * 0.7                     # 4096 buckets: 2867 keys
@@ -119,7 +131,8 @@ def test_distinct_inserts_keep_their_counts_on_the_device(launch):
     reads_per_call, expected, bound = [], [], 0
     for size in [300, 300, 200, 900, 900, 900, 900]:
         keys = rng.permutation(np.unique(rng.choice(universe, size)))
-        # the host's bound counts every key as new until a read brings the true count back
+        if copies == "landed":
+            bound = len(cpu)
         if bound + keys.size > limit:
             expected.append(1)
             bound = len(cpu) + keys.size
@@ -132,7 +145,12 @@ def test_distinct_inserts_keep_their_counts_on_the_device(launch):
         want_slots, want_new = cpu.find_or_insert(keys)
         np.testing.assert_array_equal(slots, want_slots)
         np.testing.assert_array_equal(is_new, want_new)
-    assert reads_per_call == expected and 0 < sum(expected) < len(expected), reads_per_call
+        assert dev.slot_bound >= len(cpu)
+    assert reads_per_call == expected, reads_per_call
+    if copies == "landed":
+        assert sum(expected) == 0
+    else:
+        assert 0 < sum(expected) < len(expected)
     assert dev.capacity == 4096  # the true count never needed a larger table
     assert len(dev) == len(cpu) and dev.slot_limit == cpu.slot_limit
     np.testing.assert_array_equal(dev.find(universe), cpu.find(universe))
@@ -740,3 +758,45 @@ def test_emulator_reports_divergent_barriers_instead_of_hanging(tmp_path):
                           ("probe_skip_sync", "not every thread reached __syncthreads")]:
         status, error = run(name)
         assert status == 1 and message in error, (name, error)
+
+
+def test_fixed_capacity_batches_near_the_capacity_read_nothing_in_a_steady_state(launch,
+                                                                                 monkeypatch):
+    """A training run's steady state on device_mem: batches of n ids (their unique keys in a
+    fixed-capacity array of n) over a key space already stored, near the store's capacity hint
+    (n is a third of it). The host bound grows by n per batch; the asynchronous copy of the
+    counts, landing one batch late here, brings it back down, and the read that first finds the
+    rows short makes room for HEADROOM_BATCHES more batches. So one read in all, and none in
+    the second half (before: one read per batch once the bound passed the rows), and every
+    line is the one last put."""
+    from one_embedding import host_sync
+    from one_embedding.cache.device import HEADROOM_BATCHES
+    from one_embedding.kernels import device_unique
+
+    recorded, landed = [], set()
+    monkeypatch.setattr(launch, "record", lambda: recorded.append(object()) or recorded[-1])
+    monkeypatch.setattr(launch, "done", lambda event: event is None or id(event) in landed)
+    rng = np.random.default_rng(3)
+    line, keys_held, n = 4, 900, 300
+    dev, cpu = DeviceFullStore(line, capacity=keys_held, launch=launch), MemoryStore(line)
+    universe = rng.integers(0, 2**64, keys_held, dtype=np.uint64, endpoint=False)
+    reads = []
+    for step in range(12):
+        ids = universe[rng.integers(0, keys_held, n)] if step else universe[:n]
+        fixed = device_unique.unique_ids_fixed(ids, launch=launch)
+        u = int(fixed.count[0])
+        lines = rng.standard_normal((n, line)).astype(np.float32)
+        landed.update(id(e) for e in recorded)       # the copies of the batch before have landed
+        with host_sync.counting() as counted:
+            dev.insert_or_assign(fixed.keys, lines, fixed.count)
+        reads.append(counted.total)
+        cpu.insert_or_assign(fixed.keys[:u], lines[:u])
+        assert dev._index.slot_bound >= len(cpu)
+    assert sum(reads) <= 1 and sum(reads[6:]) == 0, reads   # the one read that made the room
+    assert dev._rows.shape[0] <= len(cpu) + (HEADROOM_BATCHES + 1) * n
+    out = np.zeros((universe.size, line), np.float32)
+    want = np.zeros_like(out)
+    found = dev.find_found(universe, out)
+    missing = cpu.find(universe, want, np.arange(universe.size))
+    assert not found[missing].any() and found.sum() == universe.size - missing.size == len(cpu)
+    np.testing.assert_array_equal(out[found], want[found])

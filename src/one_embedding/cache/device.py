@@ -40,6 +40,11 @@ NOT_LOOKED_UP = -2
 MAX_WAYS = 32
 #: Rows a DeviceFullStore reserves before its first growth (capacity permitting).
 INITIAL_ROWS = 1 << 20
+#: when a fixed-capacity insert (n keys, its new ones counted on the device) must read the
+#: counts back to know the index and the rows still fit, it makes room for this many more
+#: batches of n beyond the keys held, so that the next inserts' host bounds (the asynchronous
+#: copy of the counts lags a step or two behind) fit without another read
+HEADROOM_BATCHES = 2
 
 
 def _host(a) -> np.ndarray:
@@ -101,9 +106,14 @@ class DeviceHashIndex:
         self._next_slot = 0
         # inserts without a read (``find_or_insert(distinct=True)``) count on the device:
         # (2,) int64 [size, next slot], read when the host needs them (``_settle``); until then
-        # ``_bound`` is a host upper bound of the next slot (>= size)
+        # ``_bound`` is a host upper bound of the next slot (>= size), grown by each insert's
+        # key count (a fixed-capacity batch's n, far above its new keys) and brought down
+        # without a wait by an asynchronous copy of the counts (``_mirror``: event, page-locked
+        # (2,) int64, ``_offered`` when it was queued)
         self._counts = None
         self._bound = 0
+        self._offered = 0       # keys offered to device-counted inserts so far
+        self._mirror = None
 
     def _settle(self) -> None:
         """Bring the device's counts back (one read, counted) when inserts ran since the last."""
@@ -111,11 +121,26 @@ class DeviceHashIndex:
             size, next_slot = host_sync.to_host(self._counts, "device index: size").tolist()
             self._size, self._next_slot, self._counts = int(size), int(next_slot), None
         self._bound = self._next_slot
+        self._mirror = None
 
     @property
     def slot_bound(self) -> int:
-        """An upper bound of ``slot_limit`` known without a read."""
+        """An upper bound of ``slot_limit`` known without a read: the next slot of the last
+        counts copied back asynchronously (if that copy has landed), plus every key offered to
+        an insert since it was queued."""
+        mirror = self._mirror
+        if mirror is not None and self._launch.done(mirror[0]):
+            self._mirror = None
+            _, counts, offered = mirror
+            self._bound = min(self._bound, int(counts[1]) + (self._offered - offered))
         return max(self._bound, self._next_slot)
+
+    def _copy_counts_back(self) -> None:
+        """Queue the asynchronous copy of the device counts (one at a time; no wait)."""
+        if self._mirror is None and self._counts is not None:
+            counts = self._launch.host_empty((2,), np.int64)
+            self._launch.to_host_async(self._counts, counts)
+            self._mirror = (self._launch.record(), counts, self._offered)
 
     def _allocate(self, cap: int) -> None:
         self._table = self._xp.full((cap, 2), EMPTY, dtype=self._xp.uint64)
@@ -138,11 +163,13 @@ class DeviceHashIndex:
     def nbytes(self) -> int:
         return int(self._table.nbytes)
 
-    def _reserve(self, extra: int) -> None:
+    def _reserve(self, extra: int, headroom: int = 0) -> None:
+        """Room for ``extra`` more keys; when that takes a read of the counts, room for
+        ``headroom`` more too, so that the next inserts' bounds fit without one."""
         if self.slot_bound + extra <= self.capacity * MAX_LOAD:  # size <= bound: no read
             return
         self._settle()
-        need = self._size + extra
+        need = self._size + extra + headroom
         if need <= self.capacity * MAX_LOAD:
             return
         keys, slots = self.items()
@@ -269,7 +296,7 @@ class DeviceHashIndex:
         ``NOT_LOOKED_UP`` and are neither new nor inserted. No read: the host's slot bound grows
         by n, an upper bound of the keys inserted."""
         keys = self._keys(keys)
-        self._reserve(keys.shape[0])
+        self._reserve(keys.shape[0], headroom=HEADROOM_BATCHES * keys.shape[0])
         return self._insert_new_on_device(keys, live)
 
     def _insert_new_on_device(self, keys, live=None):
@@ -296,6 +323,8 @@ class DeviceHashIndex:
                                    is_new.view(xp.uint8), np.int64(n)))
         self._counts = counts + rank[-1]
         self._bound = self.slot_bound + n
+        self._offered += n
+        self._copy_counts_back()
         return slots, is_new
 
     def assign(self, keys, slots) -> None:
@@ -325,7 +354,7 @@ class DeviceHashIndex:
         self._table.fill(EMPTY)
         self._size = 0
         self._next_slot = 0
-        self._counts, self._bound = None, 0
+        self._counts, self._bound, self._mirror = None, 0, None
 
 
 # ---------------------------------------------------------------- the "full" store
@@ -358,17 +387,21 @@ class DeviceFullStore(_OnDevice, StoreTier):
     def memory_bytes(self) -> int:
         return int(self._rows.nbytes) + self._index.nbytes
 
-    def _ensure_rows(self, n_rows: int) -> None:
-        if n_rows <= self._rows.shape[0]:
+    def _ensure_rows(self, n_rows: int, headroom: int = 0) -> None:
+        """Rows for slots below ``n_rows`` (and ``headroom`` more: room that the next inserts'
+        host bounds need, so they fit without a read; past ``capacity`` too, without a
+        warning: the warning is for keys)."""
+        want = n_rows + headroom
+        if want <= self._rows.shape[0]:
             return
         if self.capacity and n_rows > self.capacity and not self._warned:
             warnings.warn(f"{self.name}: {n_rows} keys exceed capacity={self.capacity}; growing the "
                           "table (set capacity to the expected number of keys to avoid regrowth)",
                           RuntimeWarning, stacklevel=4)
             self._warned = True
-        rows = max(n_rows, 2 * self._rows.shape[0])
+        rows = max(want, 2 * self._rows.shape[0])
         if self.capacity and n_rows <= self.capacity:
-            rows = min(rows, self.capacity)
+            rows = min(rows, max(want, self.capacity))
         grown = self._xp.zeros((rows, self.line_size), dtype=self._xp.float32)
         grown[: self._rows.shape[0]] = self._rows
         self._rows = grown
@@ -411,7 +444,9 @@ class DeviceFullStore(_OnDevice, StoreTier):
         if lines.shape != (slots.shape[0], self.line_size):
             raise InputError(f"lines {tuple(lines.shape)} must be ({slots.shape[0]}, {self.line_size})")
         if self._index.slot_bound > self._rows.shape[0]:  # else the rows hold every slot: no read
-            self._ensure_rows(self._index.slot_limit)
+            # one read; a fixed-capacity batch leaves room for the next ones' bounds
+            self._ensure_rows(self._index.slot_limit,
+                              0 if live is None else HEADROOM_BATCHES * slots.shape[0])
         if live is None:
             self._rows[slots] = lines
         else:

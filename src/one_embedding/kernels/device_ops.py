@@ -80,6 +80,12 @@ class Launcher:
         """An uninitialised host array for staging copies (page-locked on a GPU)."""
         return np.empty(shape, dtype)
 
+    def to_host_async(self, a, out: np.ndarray) -> None:
+        """Start copying device array ``a`` into ``out`` (page-locked: ``host_empty``) on the
+        current stream, without waiting; ``out`` holds the values once an event recorded after
+        this call is ``done`` (``host_sync.copy_async``)."""
+        host_sync.copy_async(a, out)
+
     # --- stream order
     def stream(self):
         """A context manager that makes a new stream current for the calling thread while it is
@@ -131,6 +137,10 @@ class CupyLauncher(Launcher):
     def to_host(self, a, out=None, reason: str = "launcher.to_host"):
         with self.xp.cuda.Device(self.device):
             return host_sync.to_host(a, reason, out)   # blocking: complete when it returns
+
+    def to_host_async(self, a, out: np.ndarray) -> None:
+        with self.xp.cuda.Device(self.device):
+            host_sync.copy_async(a, out)
 
     def host_empty(self, shape, dtype):
         import cupyx
