@@ -75,39 +75,47 @@ SUM_CHUNK = device_unique.SUM_CHUNK
 
 
 @njit(cache=True, nogil=True)
-def _segment_sum(values, inverse, out, chunk):
-    """out (zeros) += the tree-order sums of values' rows by segment (``segment_sum``).
-
-    One pass over the rows in row order: a row of a segment of at most ``chunk`` rows adds into
-    the segment's out row; a row of a longer one into its chunk's partial (row p of the segment
-    into partial p // chunk, from +0). Then each long segment's partials are summed by the same
-    rule in place (chunk q of a level into partial q, which its own chunk has been read from),
-    until at most ``chunk`` remain, which add into its out row from +0.
-    """
-    n, dim = values.shape
-    n_segments = out.shape[0]
+def _tree_layout(inverse, n_segments):
+    """-> (counts (S,) int64: rows per segment, first_partial (S,) int64: the row of ``_segment_sum``'s
+    sums array where segment s's chunk partials start (n_segments + their running count), -1 for
+    a segment of at most SUM_CHUNK rows, n_partials: their total)."""
+    chunk = SUM_CHUNK                                   # a compile-time constant to numba
     counts = np.zeros(n_segments, np.int64)
-    for i in range(n):
+    for i in range(inverse.shape[0]):
         counts[inverse[i]] += 1
-    first_partial = np.full(n_segments, -1, np.int64)   # -1: a short segment
+    first_partial = np.full(n_segments, -1, np.int64)
     n_partials = 0
     for s in range(n_segments):
         if counts[s] > chunk:
-            first_partial[s] = n_partials
+            first_partial[s] = n_segments + n_partials
             n_partials += (counts[s] + chunk - 1) // chunk
-    partials = np.zeros((n_partials, dim), values.dtype)
+    return counts, first_partial, n_partials
+
+
+@njit(cache=True, nogil=True)
+def _segment_sum(values, inverse, counts, first_partial, sums):
+    """sums[:S] (zeros) += the tree-order sums of values' rows by segment (``segment_sum``);
+    sums[S:] (zeros): the long segments' chunk partials (``_tree_layout``), scratch.
+
+    One pass over the rows in row order: a row of a segment of at most SUM_CHUNK rows adds into
+    the segment's row; a row of a longer one into its chunk's partial (row p of the segment into
+    partial p // SUM_CHUNK, from +0). One array for both keeps that loop a single vectorised
+    add. Then each long segment's partials are summed by the same rule in place (chunk q of a
+    level into partial q, which its own chunk has been read from), until at most SUM_CHUNK
+    remain, which add into its row from +0.
+    """
+    chunk = SUM_CHUNK                                   # a compile-time constant to numba
+    n, dim = values.shape
+    n_segments = counts.shape[0]
     seen = np.zeros(n_segments, np.int64)
     for i in range(n):
         o = inverse[i]
-        base = first_partial[o]
-        if base < 0:
-            for j in range(dim):
-                out[o, j] += values[i, j]
-        else:
-            p = base + seen[o] // chunk
+        target = o
+        if first_partial[o] >= 0:
+            target = first_partial[o] + seen[o] // chunk
             seen[o] += 1
-            for j in range(dim):
-                partials[p, j] += values[i, j]
+        for j in range(dim):
+            sums[target, j] += values[i, j]
     acc = np.zeros(dim, values.dtype)
     for s in range(n_segments):
         base = first_partial[s]
@@ -120,13 +128,13 @@ def _segment_sum(values, inverse, out, chunk):
                 acc[:] = 0
                 for k in range(q * chunk, min(q * chunk + chunk, m)):
                     for j in range(dim):
-                        acc[j] += partials[base + k, j]
+                        acc[j] += sums[base + k, j]
                 for j in range(dim):
-                    partials[base + q, j] = acc[j]
+                    sums[base + q, j] = acc[j]
             m = above
         for k in range(m):
             for j in range(dim):
-                out[s, j] += partials[base + k, j]
+                sums[s, j] += sums[base + k, j]
 
 
 def segment_sum(values: np.ndarray, inverse: np.ndarray, n_segments: int,
@@ -145,7 +153,8 @@ def segment_sum(values: np.ndarray, inverse: np.ndarray, n_segments: int,
     if launch is not None:
         # the inverse comes from unique_ids, as on the CPU (whose kernel checks nothing)
         return device_unique.segment_sum(values, inverse, n_segments, launch, check_inverse=False)
-    out = np.zeros((n_segments, values.shape[1]), values.dtype)
-    _segment_sum(np.ascontiguousarray(values), np.ascontiguousarray(inverse, np.int64), out,
-                 SUM_CHUNK)
-    return out
+    inverse = np.ascontiguousarray(inverse, np.int64)
+    counts, first_partial, n_partials = _tree_layout(inverse, int(n_segments))
+    sums = np.zeros((n_segments + n_partials, values.shape[1]), values.dtype)
+    _segment_sum(np.ascontiguousarray(values), inverse, counts, first_partial, sums)
+    return sums[:n_segments]
