@@ -174,3 +174,20 @@ def test_fused_update_is_the_two_kernel_update_with_long_keys(launch):
                                                                     launch=launch), 1,
                             launch=launch)
     _same_bits(lines, two)
+
+
+@pytest.mark.parametrize("lengths", [(33,) * 40, (1025,) * 4 + (33,) * 9, (33,) * 3 + (32,) * 5],
+                         ids=["all-33", "1025-and-33", "33-and-32"])
+def test_scratch_bounds_hold_at_their_worst_case(launch, lengths):
+    """Every segment of 33 rows: level 1 holds exactly 2n / 33 partials, the scratch array's
+    bound (a smaller one would leave partials unsummed); segments of 1025 rows put 33 partials
+    each through a second chunked level."""
+    values, inverse, n_segments = _batch(9, 2, lengths)
+    values[~np.isfinite(values)] = 1.0
+    n = inverse.size
+    if lengths[0] == 33 and len(set(lengths)) == 1:
+        assert 2 * n // 33 == 2 * len(lengths)              # the bound, met exactly
+    want = np.stack([_tree_reference(values[inverse == s].astype(np.float32))
+                     for s in range(n_segments)])
+    _same_bits(segment_sum(values, inverse, n_segments), want)
+    _same_bits(device_unique.segment_sum(values, inverse, n_segments, launch=launch), want)
