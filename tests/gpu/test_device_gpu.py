@@ -204,6 +204,32 @@ def test_dedup_output_fused_with_the_store_find(n, kind):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_segment_sum_tree_order_of_long_segments_is_the_cpu_sum(dtype):
+    """Segments of 1, 31, 32, 33, 1024, 1025, 40000 (and 10^5, a Zipf batch's hottest key) rows,
+    interleaved: the level kernels of the tree order (embedding_tree_level) against the CPU's
+    tree order (numba), bit for bit, with -0.0 rows, and no counted host read."""
+    from one_embedding import host_sync
+    from one_embedding.kernels import device_unique
+    from one_embedding.parallel.unique import segment_sum
+
+    cp = _cp()
+    dry = os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1"
+    rng = np.random.default_rng(41)
+    lengths = [1, 31, 32, 33, 1024, 1025, 40_000] + ([] if dry else [100_000])
+    inverse = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    rng.shuffle(inverse)
+    dim = 8 if dry else 64
+    values = _normal_floats(rng, (inverse.size, dim), dtype)
+    values[rng.integers(0, inverse.size, 50)] = -0.0
+    values[inverse == 3] = -0.0
+    values_d, inverse_d = cp.asarray(values), cp.asarray(inverse)
+    with host_sync.counting() as reads:
+        got = device_unique.segment_sum(values_d, inverse_d, len(lengths), check_inverse=False)
+    assert reads.total == 0, dict(reads.by_reason)
+    _exact(got, segment_sum(values, inverse, len(lengths)))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("n,dim,n_keys", [(1, 1, 1), (1000, 16, 30), (4097, 64, 4097), (200_000, 128, 5000)])
 def test_segment_sum_is_the_cpu_sum_bit_for_bit(n, dim, n_keys, dtype):
     from one_embedding.kernels import device_unique

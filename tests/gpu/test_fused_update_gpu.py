@@ -163,3 +163,41 @@ def test_fused_smart_decay_adam_and_the_summed_row_on_the_gpu():
         for at in (0, keys.size - 1):
             np.testing.assert_array_equal(_bits(summed.row(cp.asarray(at))), _bits(sums[at]))
     np.testing.assert_array_equal(_bits(fused_table), _bits(two_table))
+
+
+def test_fused_update_of_long_keys_with_placeholders_on_the_gpu():
+    """A fixed-capacity batch (unique_ids_fixed, the count on the device) whose keys have 1 to
+    10^5 rows: the fused update (short keys summed inline, long keys' totals from the tree's
+    level kernels) equals the CPU's tree-order sums then update_lines on the live lines, bit for
+    bit; the placeholder lines past the count are left as they were; no counted host read."""
+    from one_embedding import host_sync
+    from one_embedding.kernels import device_ops, device_unique, fused_update
+    from one_embedding.optim import Adam
+    from one_embedding.parallel.unique import segment_sum
+
+    cp = _cp()
+    launch = device_ops.cupy_launcher()
+    rng = np.random.default_rng(43)
+    lengths = [1, 31, 32, 33, 1024, 1025, 40_000] + ([] if DRY else [100_000])
+    inverse = np.repeat(np.arange(len(lengths), dtype=np.int64), lengths)
+    rng.shuffle(inverse)
+    keys = (np.arange(len(lengths), dtype=np.uint64) * np.uint64(7919) + np.uint64(3))[inverse]
+    dim = 8 if DRY else 64
+    values = rng.uniform(-1, 1, (keys.size, dim)).astype(np.float32)
+    fused_opt, two_opt = Adam(lr=0.01), Adam(lr=0.01)
+    n, u = keys.size, len(lengths)
+    start = rng.uniform(-1, 1, (n, fused_opt.required_storage_dim(dim))).astype(np.float32)
+    start[:, dim:] = np.abs(start[:, dim:]) + 0.01
+    lines = cp.array(start)
+    with host_sync.counting() as reads:
+        fixed = device_unique.unique_ids_fixed(cp.asarray(keys), launch)
+        summed = fused_update.SummedGradients(cp.asarray(values), fixed.inverse, n, launch,
+                                              live=fixed.count)
+        fused_update.update_lines_summed(fused_opt, lines, summed, 1)
+    assert reads.total == 0, dict(reads.by_reason)
+    got = cp.asnumpy(lines)
+    cpu_inverse = cp.asnumpy(fixed.inverse)
+    want = cp.array(start[:u])
+    device_ops.update_lines(two_opt, want, cp.asarray(segment_sum(values, cpu_inverse, u)), 1)
+    np.testing.assert_array_equal(got[:u].view(np.int32), _bits(want))
+    np.testing.assert_array_equal(got[u:].view(np.int32), start[u:].view(np.int32))

@@ -253,14 +253,83 @@ def segment_order(xp, inverse, n_segments: int):
     return rows_by_segment, segment_offsets(xp, inverse[rows_by_segment], n_segments)
 
 
+#: The chunk of the segment sums' tree order (``oe::SUM_CHUNK`` of ``cuda/common.cuh``,
+#: ``parallel.unique.SUM_CHUNK``): a segment of at most this many rows sums in row order.
+SUM_CHUNK = 32
+
+
+def tree_levels(n: int) -> int:
+    """The levels of the tree order for a batch of ``n`` rows: 0 when no segment can exceed
+    ``SUM_CHUNK`` rows, else how often ceil(m / SUM_CHUNK) must be applied to m = n to reach 1
+    (the longest possible segment's levels; a shorter one's total is copied up the rest)."""
+    n = int(n)
+    if n <= SUM_CHUNK:
+        return 0
+    levels = 0
+    while n > 1:
+        n = -(-n // SUM_CHUNK)
+        levels += 1
+    return levels
+
+
+def long_segment_totals(launch: Launcher, values, rows_by_segment, offsets, n_segments: int,
+                        out, live=None) -> None:
+    """The totals of the segments of more than ``SUM_CHUNK`` rows in the tree order, into
+    their rows of out; nothing else of out is written, and nothing is read back to the host.
+
+    values: (n, E) float32 / float64; rows_by_segment (n,) int64 and offsets (n_segments + 1,)
+    int64 from ``segment_order``; out: (n_segments, E), values' dtype; live: None, or the (1,)
+    int64 device count of a fixed-capacity batch (the segments from it on are neither read nor
+    written). ``tree_levels(n)`` levels, each a counting kernel, a prefix sum and a level
+    kernel with a thread per (value, column) (``cuda/embedding.cu``). The values of a level
+    live in one of two scratch arrays sized by host-known bounds: level 1 has at most 2n // 33
+    values (a segment of m > 32 rows has ceil(m / 32) <= 2m / 33); a later one at most level
+    1's / 32 + n // 33 + 1 (one value more per long segment, at most n // 33 of them).
+    """
+    xp = launch.xp
+    n, dim = values.shape
+    n_segments = int(n_segments)
+    levels = tree_levels(n)
+    if levels == 0 or n_segments == 0 or dim == 0:
+        return
+    dtype = values.dtype
+    if live is None:
+        live = xp.full(1, n_segments, dtype=xp.int64)
+    first_bound = 2 * n // 33
+    later_bound = min(first_bound, first_bound // SUM_CHUNK + n // 33 + 1)
+    scratch = [xp.empty((first_bound, dim), dtype=dtype), None]
+    below_ends, below_values = offsets, values           # unread at level 1
+    for level in range(1, levels + 1):
+        counts = xp.empty(n_segments, dtype=xp.int64)
+        launch_threads(launch, "embedding", "tree_counts", dtype, n_segments,
+                       (offsets, live, np.int64(n_segments), np.int32(level), counts))
+        ends = xp.cumsum(counts, dtype=xp.int64)
+        last = level == levels
+        if last:
+            capacity, level_out = min(n_segments, n // 33), out
+        else:
+            slot = (level - 1) % 2
+            if scratch[slot] is None:
+                scratch[slot] = xp.empty((later_bound, dim), dtype=dtype)
+            level_out = scratch[slot]
+            capacity = level_out.shape[0]
+        launch_threads(launch, "embedding", "tree_level", dtype, capacity * dim,
+                       (values, np.int32(dim), rows_by_segment, offsets, np.int64(n_segments),
+                        np.int32(level), below_ends, below_values, ends, np.int64(capacity),
+                        np.int32(last), level_out))
+        below_ends, below_values = ends, level_out
+
+
 def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None,
                 check_inverse: bool = True):
     """values: (n, E) float32, inverse: (n,) int64 in [0, n_segments) -> (n_segments, E).
 
-    Each segment's rows are added in row order from +0, one thread per (segment, column), so the
-    sums equal ``parallel.unique.segment_sum`` bit for bit (float32 subnormal sums flush to zero
-    on the GPU). ``check_inverse=False`` skips the inverse's range check (a host read) for an
-    inverse that ``unique_ids`` made.
+    Each segment's rows are added in the tree order (``parallel.unique.segment_sum``): a segment of
+    at most ``SUM_CHUNK`` rows in row order from +0, one thread per (segment, column); a longer one
+    by ``long_segment_totals``' level kernels, a thread per (chunk, column). So the sums equal
+    ``parallel.unique.segment_sum`` bit for bit (float32 subnormal sums flush to zero on the GPU).
+    ``check_inverse=False`` skips the inverse's range check (a host read) for an inverse that
+    ``unique_ids`` made.
     """
     launch = resolve(launch)
     xp = launch.xp
@@ -271,14 +340,15 @@ def segment_sum(values, inverse, n_segments: int, launch: Launcher | None = None
     n_segments = int(n_segments)
     if inverse.shape[0] != n:
         raise InputError(f"inverse has {inverse.shape[0]} entries but values has {n} rows")
-    out = xp.zeros((n_segments, dim), dtype=dtype)
     if n == 0 or n_segments == 0 or dim == 0:
-        return out
+        return xp.zeros((n_segments, dim), dtype=dtype)
     if check_inverse and host_sync.flag((inverse.min() < 0) | (inverse.max() >= n_segments),
                       "segment_sum: inverse range check"):
         raise InputError(f"inverse holds values outside [0, {n_segments}): pass the inverse of "
                          "unique_ids and its number of unique keys")
     rows_by_segment, offsets = segment_order(xp, inverse, n_segments)
+    out = xp.empty((n_segments, dim), dtype=dtype)       # every row written by one of the two
     launch_threads(launch, "embedding", "segment_sum", dtype, n_segments * dim,
                    (values, np.int32(dim), rows_by_segment, offsets, np.int64(n_segments), out))
+    long_segment_totals(launch, values, rows_by_segment, offsets, n_segments, out)
     return out

@@ -4,10 +4,13 @@ Unfused, a step's embedding gradient takes two kernels: ``embedding_segment_sum`
 per-key sum (u, E) float32 of the backward's rows, and ``optim_<rule>`` reads it back to update
 the lines. Where nothing needs that sum in between, the backward keeps its rows instead, as a
 ``SummedGradients`` (rows, inverse, key count: the sum not computed yet), and the update runs
-``optim_summed_<rule>`` (``cuda/optim.cu``): each thread sums its (key, column)'s rows in row order
-from +0, in float32, exactly as ``embedding_segment_sum`` does, and applies the same rule to that
-float. Results are bit-identical to ``segment_sum`` then ``update_lines``; the (u, E) array is
-never written or read.
+``optim_summed_<rule>`` (``cuda/optim.cu``): each thread sums its (key, column)'s rows in the tree
+order of ``device_unique.segment_sum``, in float32, and applies the same rule to that float. A key
+of at most ``SUM_CHUNK`` (32) rows is summed by the thread itself, in row order from +0 as
+``embedding_segment_sum`` does; a longer key's total is summed beforehand by the tree's level
+kernels (``device_unique.long_segment_totals``, a thread per (chunk, column)) into a (u, E) array
+written at those keys only, which the thread reads. Results are bit-identical to ``segment_sum``
+then ``update_lines``; the short keys' sums are never written.
 
 Valid where the sum goes straight to the update: one rank (the gradient shuffle is the identity)
 exchanging fp32 (fp16 and int8 round the sum even on one rank), one backward per lookup (a second
@@ -45,6 +48,7 @@ class SummedGradients:
         self.launch = launch
         self.live = live
         self._order = None
+        self._long_totals = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -56,6 +60,20 @@ class SummedGradients:
         if self._order is None:
             self._order = device_unique.segment_order(self.launch.xp, self.inverse, self.n_keys)
         return self._order
+
+    def long_totals(self):
+        """(u, E) float32: the sums of the keys of more than ``SUM_CHUNK`` rows (below ``live``),
+        by the tree's level kernels, computed once; its other rows are never written
+        (``xp.empty``) nor read (the fused kernels sum those keys themselves)."""
+        if self._long_totals is None:
+            rows_by_segment, offsets = self.order()
+            xp = self.launch.xp
+            # one row stands in when no key can be long (nothing reads it)
+            shape = self.shape if device_unique.tree_levels(self.values.shape[0]) else (1, 1)
+            self._long_totals = xp.empty(shape, dtype=xp.float32)
+            device_unique.long_segment_totals(self.launch, self.values, rows_by_segment, offsets,
+                                              self.n_keys, self._long_totals, self.live)
+        return self._long_totals
 
     def materialize(self):
         """The sums: (u, E) float32, ``device_unique.segment_sum`` of the rows."""
@@ -71,8 +89,8 @@ class SummedGradients:
         out = xp.empty(dim, dtype=xp.float32)
         segment = xp.asarray(at, dtype=xp.int64).reshape(1)
         device_ops.launch_threads(launch, "optim", "summed_row", np.float32, dim,
-                                  (self.values, np.int32(dim), rows_by_segment, offsets, segment,
-                                   out))
+                                  (self.values, np.int32(dim), rows_by_segment, offsets,
+                                   self.long_totals(), segment, out))
         return out
 
 
@@ -93,4 +111,5 @@ def update_lines_summed(optimizer, lines, grads: SummedGradients, step: int,
     count = launch.xp.full(1, grads.n_keys, dtype=launch.xp.int64) if live is None else live
     rows_by_segment, offsets = grads.order()
     device_ops.run_update(optimizer, lines, grads.shape, step, launch, "summed_",
-                          (grads.values, rows_by_segment, offsets, count), live)
+                          (grads.values, rows_by_segment, offsets, grads.long_totals(), count),
+                          live)

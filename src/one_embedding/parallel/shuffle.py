@@ -9,8 +9,10 @@ The owner of a key is rank ``XXH64(8 little-endian bytes of the key, seed 1) % P
 de-duplication finds nothing to merge, so the owner inverse is the identity and is skipped: one
 rank computes exactly what it did before ranks existed, bit for bit.
 
-Gradient summation order: a rank first sums the gradients of its own duplicate ids in batch
-order (``segment_sum``); the owner then adds the partial sums it receives in source-rank order.
+Gradient summation order: a rank first sums the gradients of its own duplicate ids in
+``segment_sum``'s tree order (batch order within chunks of 32 rows, the chunks' partials by the
+same rule); the owner then adds the partial sums it receives in source-rank order (the same
+rule, so past 32 ranks in the same tree order).
 
 Rows and gradients cross the all-to-all in the exchange dtype (``codec``: fp32, fp16, int8 per
 row); ``Traffic`` counts the bytes a rank sends to the other ranks.

@@ -119,10 +119,10 @@ __device__ __forceinline__ unsigned mask_bit(const unsigned* mask, i64 i) {
 }
 
 // The sum of rows rows_by_segment[begin:end] of values (rows of stride dim) at column c, added in
-// row order from +0 in T (so the same float bit for bit as a plain loop and numpy's row-order
-// sum). The adds are a chain, but the loads are not: eight rows' indices and values are loaded
-// before the first of their adds, so a long segment (a hot key of a Zipf batch: 10^5 rows) waits
-// on memory once per eight rows, not once per row.
+// row order from +0 in T (so the same float bit for bit as a plain loop). The adds are a chain, but
+// the loads are not: eight rows' indices and values are loaded before the first of their adds, so
+// a run of rows waits on memory once per eight rows, not once per row. The segment sums call it
+// on runs of at most SUM_CHUNK rows (the tree order below).
 template <typename T>
 __device__ __forceinline__ T ordered_row_sum(const T* values, int dim, const i64* rows_by_segment,
                                              i64 begin, i64 end, int c) {
@@ -142,6 +142,33 @@ __device__ __forceinline__ T ordered_row_sum(const T* values, int dim, const i64
   }
   for (; k < end; ++k) acc += values[rows_by_segment[k] * dim + c];
   return acc;
+}
+
+// ---- The tree order of a segment sum (parallel/unique.py segment_sum, its CPU twin).
+// A segment's rows r_0..r_{L-1} (in row order) sum as: L <= SUM_CHUNK: in row order from +0 in T;
+// else the rows split into consecutive chunks of SUM_CHUNK (the last may be shorter), each chunk
+// summed in row order from +0, and the list of the chunk partials summed by the same rule,
+// recursively (10^5 rows -> 3125 partials -> 98 -> 4 -> one). A segment of at most SUM_CHUNK
+// rows is one thread's loop (ordered_row_sum); a longer one is summed level by level, a thread
+// per (chunk, column) (embedding_tree_level), so no thread adds more than SUM_CHUNK values.
+constexpr int SUM_CHUNK = 32;
+
+// How many values a segment of `length` rows (length > SUM_CHUNK) has after `level` levels of
+// the tree: ceil(length / SUM_CHUNK) applied `level` times (level 0: its rows; 1 at the top).
+__device__ __forceinline__ i64 tree_items(i64 length, int level) {
+  for (int k = 0; k < level; ++k) length = (length + SUM_CHUNK - 1) / SUM_CHUNK;
+  return length;
+}
+
+// The first s in [0, n) with ends[s] > j (n if none): the segment owning item j of a level whose
+// segments' items end at ends (n,) i64, ascending (an inclusive prefix sum of their counts).
+__device__ __forceinline__ i64 owner_of(const i64* ends, i64 n, i64 j) {
+  i64 lo = 0, hi = n;
+  while (lo < hi) {
+    const i64 mid = lo + (hi - lo) / 2;
+    if (ends[mid] > j) hi = mid; else lo = mid + 1;
+  }
+  return lo;
 }
 
 }  // namespace oe

@@ -1,11 +1,12 @@
 // The embedding side's data movement: unique + inverse (a hash-table dedup, and the atomic step
-// of the sort-based unique it replaced, kept as the benchmark's baseline),
-// segment sums in row order, row gathers (also straight into the dot interaction's input), and
-// initial values on a miss.
+// of the sort-based unique it replaced, kept as the benchmark's baseline), segment sums in a
+// fixed tree order, row gathers (also straight into the dot interaction's input), and initial
+// values on a miss.
 //
 // The sorts and prefix sums around these kernels run in CuPy (kernels/device_ops.py); each op's
 // result is independent of thread timing (the dedup's buckets are not, its outputs are), so the
-// whole op is deterministic and equals its numpy twin bit for bit (segment sums: adds in row order from +0, as parallel/unique.py; gathers: copies;
+// whole op is deterministic and equals its numpy twin bit for bit (segment sums: adds in the tree
+// order of common.cuh, from +0, as parallel/unique.py; gathers: copies;
 // initial values: the integer hash is exact, the float64 transforms may differ from numpy's libm
 // in the last ulp, which survives the rounding to float32 only rarely).
 #include "common.cuh"
@@ -144,7 +145,9 @@ __global__ void embedding_dedup_output_fixed(const oe::u64* keys, const oe::i64*
   }
 }
 
-// out[s, c] = sum of values[r, c] over the rows r of segment s, added in ascending r from +0.
+// out[s, c] = sum of values[r, c] over the rows r of segment s, for each segment of at most
+// oe::SUM_CHUNK rows: added in ascending r from +0 (the tree order's base case, common.cuh); the
+// rows of the longer segments are left to embedding_tree_level, and their out rows untouched.
 // values: (n, dim); rows_by_segment: (n,) i64, the rows sorted by (segment, row); offsets:
 // (n_segments + 1,) i64, segment s owns rows_by_segment[offsets[s]:offsets[s + 1]]; out:
 // (n_segments, dim). One thread per (segment, column): a column's additions happen in one thread,
@@ -156,7 +159,79 @@ __global__ void embedding_segment_sum(const T* values, int dim, const oe::i64* r
   for (oe::i64 i = oe::grid_thread(); i < total; i += oe::grid_threads()) {
     const oe::i64 s = i / dim;
     const int c = (int)(i - s * dim);
-    out[i] = oe::ordered_row_sum(values, dim, rows_by_segment, offsets[s], offsets[s + 1], c);
+    const oe::i64 begin = offsets[s], end = offsets[s + 1];
+    if (end - begin <= oe::SUM_CHUNK) {
+      out[i] = oe::ordered_row_sum(values, dim, rows_by_segment, begin, end, c);
+    }
+  }
+}
+
+// ---- The tree order of the long segments' sums (more than oe::SUM_CHUNK rows; common.cuh):
+// device_unique.long_segment_totals launches, for level = 1, 2, .., levels (levels from the row
+// count, on the host), embedding_tree_counts, a prefix sum of its counts (CuPy), then
+// embedding_tree_level. Level k holds tree_items(L, k) values of each long segment of L rows,
+// stored consecutively per segment, segments in order, ending at ends_k[s] (the prefix sum);
+// at the last level every long segment has one value, its total, written into out[s].
+
+// counts[s] = tree_items(L, level) for each segment s < live[0] of L > SUM_CHUNK rows, else 0.
+// offsets: (n_segments + 1,) i64 as for embedding_segment_sum; live: (1,) i64 on the device, the
+// segments to sum (n_segments, or a fixed-capacity batch's unique count: the segments from it on
+// are placeholders, not read); counts: (n_segments,) i64. T: unused.
+template <typename T>
+__global__ void embedding_tree_counts(const oe::i64* offsets, const oe::i64* live,
+                                      oe::i64 n_segments, int level, oe::i64* counts) {
+  const oe::i64 limit = live[0] < n_segments ? live[0] : n_segments;
+  for (oe::i64 s = oe::grid_thread(); s < n_segments; s += oe::grid_threads()) {
+    oe::i64 count = 0;
+    if (s < limit) {
+      const oe::i64 length = offsets[s + 1] - offsets[s];
+      if (length > oe::SUM_CHUNK) count = oe::tree_items(length, level);
+    }
+    counts[s] = count;
+  }
+}
+
+// One level of the tree: value j of level `level` (j < ends[n_segments - 1]) is the sum, from +0
+// in T, of the chunk of SUM_CHUNK consecutive values of the level below that it covers (the
+// segment's rows at level 1, read through rows_by_segment; below_values at the higher levels),
+// or a copy of that level's value where the segment already has only one (its total: a copy,
+// not +0 + x, so a total is never added twice). values, rows_by_segment, offsets: as for
+// embedding_segment_sum; below_ends: (n_segments,) i64, the ends of the level below (unused at
+// level 1); below_values: (>= below_ends[n_segments - 1], dim) T (unused at level 1); ends:
+// (n_segments,) i64, this level's; capacity: the host's upper bound of this level's value count
+// (the threads past the real count return); last == 0: value j goes to out[j] (out: (capacity,
+// dim), the level's values), else to out[s] (out: (n_segments, dim), the long segments' totals,
+// written there only). One thread per (value, column).
+template <typename T>
+__global__ void embedding_tree_level(const T* values, int dim, const oe::i64* rows_by_segment,
+                                     const oe::i64* offsets, oe::i64 n_segments, int level,
+                                     const oe::i64* below_ends, const T* below_values,
+                                     const oe::i64* ends, oe::i64 capacity, int last, T* out) {
+  const oe::i64 count = ends[n_segments - 1];
+  const oe::i64 total = (count < capacity ? count : capacity) * dim;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    const oe::i64 j = t / dim;
+    const int c = (int)(t - j * dim);
+    const oe::i64 s = oe::owner_of(ends, n_segments, j);
+    const oe::i64 length = offsets[s + 1] - offsets[s];
+    const oe::i64 chunk = j - (ends[s] - oe::tree_items(length, level));
+    const oe::i64 below = oe::tree_items(length, level - 1);
+    const oe::i64 first = chunk * oe::SUM_CHUNK;
+    const oe::i64 stop = first + oe::SUM_CHUNK < below ? first + oe::SUM_CHUNK : below;
+    T acc;
+    if (level == 1) {
+      acc = oe::ordered_row_sum(values, dim, rows_by_segment, offsets[s] + first,
+                                offsets[s] + stop, c);
+    } else {
+      const oe::i64 base = below_ends[s] - below;
+      if (below == 1) {
+        acc = below_values[base * dim + c];
+      } else {
+        acc = T(0);
+        for (oe::i64 k = first; k < stop; ++k) acc += below_values[(base + k) * dim + c];
+      }
+    }
+    out[(last ? s : j) * dim + c] = acc;
   }
 }
 
@@ -387,6 +462,8 @@ ONE_EMBEDDING_KERNEL(embedding_dedup_first)
 ONE_EMBEDDING_KERNEL(embedding_dedup_output)
 ONE_EMBEDDING_KERNEL(embedding_dedup_output_fixed)
 ONE_EMBEDDING_KERNEL(embedding_segment_sum)
+ONE_EMBEDDING_KERNEL(embedding_tree_counts)
+ONE_EMBEDDING_KERNEL(embedding_tree_level)
 ONE_EMBEDDING_KERNEL(embedding_gather)
 ONE_EMBEDDING_KERNEL(embedding_gather_into)
 ONE_EMBEDDING_KERNEL(embedding_init)

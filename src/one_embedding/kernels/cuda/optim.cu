@@ -14,9 +14,10 @@
 //   optim_<rule>:        grads (n, dim) T, one gradient row per line (the summed gradients);
 //   optim_summed_<rule>: the gradient of line s is summed here from the rows of a backward
 //     (values (m, dim) T, rows_by_segment (m,) i64 and offsets (n + 1,) i64 as for
-//     embedding_segment_sum), in the same order (row order from +0, in T), so the update equals
-//     embedding_segment_sum followed by optim_<rule> bit for bit and the summed (n, dim)
-//     gradient is never written.
+//     embedding_segment_sum), in the same order (the tree order of common.cuh, in T: a line of at
+//     most SUM_CHUNK rows summed here, a longer line's total read from long_totals (n, dim) T,
+//     which the tree's level kernels wrote), so the update equals embedding_segment_sum followed
+//     by optim_<rule> bit for bit and the short lines' summed gradient is never written.
 #include "common.cuh"
 
 namespace oe {
@@ -84,12 +85,18 @@ struct RowGrads {
   __device__ __forceinline__ double operator()(i64 t) const { return (double)grads[t]; }
 };
 
-// The sum of segment s's rows of values at column c, added in row order from +0 in T: the loop of
-// embedding_segment_sum, so that the sum is the same float bit for bit.
+// The sum of segment s's rows of values at column c in the tree order of common.cuh, as
+// embedding_segment_sum and embedding_tree_level sum it: a segment of at most SUM_CHUNK rows is
+// summed here (row order from +0 in T, embedding_segment_sum's loop); a longer one's total was
+// summed by the tree's level kernels beforehand into long_totals (n, dim) T (rows of the long
+// segments only), and is read from there. Either way the same float bit for bit.
 template <typename T>
 __device__ __forceinline__ T segment_total(const T* values, int dim, const i64* rows_by_segment,
-                                           const i64* offsets, i64 s, int c) {
-  return ordered_row_sum(values, dim, rows_by_segment, offsets[s], offsets[s + 1], c);
+                                           const i64* offsets, const T* long_totals, i64 s,
+                                           int c) {
+  const i64 begin = offsets[s], end = offsets[s + 1];
+  if (end - begin > SUM_CHUNK) return long_totals[s * dim + c];
+  return ordered_row_sum(values, dim, rows_by_segment, begin, end, c);
 }
 
 template <typename T>
@@ -97,10 +104,12 @@ struct SummedGrads {
   const T* values;
   const i64* rows_by_segment;
   const i64* offsets;
+  const T* long_totals;
   int dim;
   __device__ __forceinline__ double operator()(i64 t) const {
     const i64 s = t / dim;
-    return (double)segment_total(values, dim, rows_by_segment, offsets, s, (int)(t - s * dim));
+    return (double)segment_total(values, dim, rows_by_segment, offsets, long_totals, s,
+                                 (int)(t - s * dim));
   }
 };
 
@@ -277,16 +286,19 @@ __global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, 
 
 // The gradient summed per line from a backward's rows: values (m, dim) T; rows_by_segment (m,)
 // i64, the rows sorted by (line, row); offsets (n + 1,) i64, line s owns
-// rows_by_segment[offsets[s]:offsets[s + 1]] (device_unique.segment_order). live: (1,) i64 on
+// rows_by_segment[offsets[s]:offsets[s + 1]] (device_unique.segment_order); long_totals (n, dim)
+// T, the totals of the lines of more than SUM_CHUNK rows (device_unique.long_segment_totals;
+// the other rows of it are not read). live: (1,) i64 on
 // the device, the lines to update: n, or the count of a fixed-capacity batch
 // (device_unique.unique_ids_fixed), whose lines from it on are placeholders left untouched
 // (their threads find nothing to do).
 template <typename T>
 __global__ void optim_summed_sgd(T* lines, int line_size, const T* values,
                                  const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                 const oe::i64* live, oe::i64 n, int dim, double factor, double lr,
+                                 const T* long_totals, const oe::i64* live,
+                                 oe::i64 n, int dim, double factor, double lr,
                                  double wd) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   oe::optim::sgd(lines, line_size, grad, rows, dim, factor, lr, wd);
 }
@@ -294,10 +306,11 @@ __global__ void optim_summed_sgd(T* lines, int line_size, const T* values,
 template <typename T>
 __global__ void optim_summed_momentum(T* lines, int line_size, const T* values,
                                       const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                      const oe::i64* live, oe::i64 n, int dim, double factor,
+                                      const T* long_totals, const oe::i64* live,
+                                      oe::i64 n, int dim, double factor,
                                       double l2, double lr, double beta, double keep, int nesterov,
                                       double lr_wd) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   oe::optim::momentum(lines, line_size, grad, rows, dim, factor, l2, lr, beta, keep, nesterov,
                       lr_wd);
@@ -306,9 +319,10 @@ __global__ void optim_summed_momentum(T* lines, int line_size, const T* values,
 template <typename T>
 __global__ void optim_summed_adagrad(T* lines, int line_size, const T* values,
                                      const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                     const oe::i64* live, oe::i64 n, int dim, double factor,
+                                     const T* long_totals, const oe::i64* live,
+                                     oe::i64 n, int dim, double factor,
                                      double l2, double clr, double eps, double clr_wd) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   oe::optim::adagrad(lines, line_size, grad, rows, dim, factor, l2, clr, eps, clr_wd);
 }
@@ -316,11 +330,12 @@ __global__ void optim_summed_adagrad(T* lines, int line_size, const T* values,
 template <typename T>
 __global__ void optim_summed_adam(T* lines, int line_size, const T* values,
                                   const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                  const oe::i64* live, oe::i64 n, int dim, double factor,
+                                  const T* long_totals, const oe::i64* live,
+                                  oe::i64 n, int dim, double factor,
                                   double l2, double b1, double b2,
                                   double step_size, double inv_sqrt_bc2, double eps, double lr_wd,
                                   int amsgrad) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   oe::optim::adam(lines, line_size, grad, rows, dim, factor, l2, b1, b2, step_size, inv_sqrt_bc2,
                   eps, lr_wd, amsgrad);
@@ -329,11 +344,12 @@ __global__ void optim_summed_adam(T* lines, int line_size, const T* values,
 template <typename T>
 __global__ void optim_summed_ftrl(T* lines, int line_size, const T* values,
                                   const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                  const oe::i64* live, oe::i64 n, int dim, double factor,
+                                  const T* long_totals, const oe::i64* live,
+                                  oe::i64 n, int dim, double factor,
                                   double l2, double inv_lr, double power,
                                   double l1, double quad_l2, double beta, int closed,
                                   double lr_wd) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   oe::optim::ftrl(lines, line_size, grad, rows, dim, factor, l2, inv_lr, power, l1, quad_l2, beta,
                   closed, lr_wd);
@@ -342,11 +358,12 @@ __global__ void optim_summed_ftrl(T* lines, int line_size, const T* values,
 template <typename T>
 __global__ void optim_summed_smart_decay_adam(T* lines, int line_size, const T* values,
                                               const oe::i64* rows_by_segment,
-                                              const oe::i64* offsets, const oe::i64* live,
+                                              const oe::i64* offsets, const T* long_totals,
+                                              const oe::i64* live,
                                               oe::i64 n, int dim,
                                               double factor, double l2, double b1, double b2,
                                               double lr, double eps, oe::i64 t, int step_col) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   oe::optim::smart_decay_adam(lines, line_size, grad, rows, dim, factor, l2, b1, b2, lr, eps, t,
                               step_col);
@@ -356,9 +373,11 @@ __global__ void optim_summed_smart_decay_adam(T* lines, int line_size, const T* 
 // (what a failed check reports about that line). segment: (1,) i64 in [0, n).
 template <typename T>
 __global__ void optim_summed_row(const T* values, int dim, const oe::i64* rows_by_segment,
-                                 const oe::i64* offsets, const oe::i64* segment, T* out) {
+                                 const oe::i64* offsets, const T* long_totals,
+                                 const oe::i64* segment, T* out) {
   for (oe::i64 c = oe::grid_thread(); c < dim; c += oe::grid_threads()) {
-    out[c] = oe::optim::segment_total(values, dim, rows_by_segment, offsets, segment[0], (int)c);
+    out[c] = oe::optim::segment_total(values, dim, rows_by_segment, offsets, long_totals,
+                                      segment[0], (int)c);
   }
 }
 
