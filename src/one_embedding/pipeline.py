@@ -42,9 +42,12 @@ CUDA stream of its own, so the next batches' kernels and copies overlap the curr
 the device as well. Two events keep the order: the thread records one after preparing each
 batch, and the consuming thread's stream waits on it before the batch is yielded (so ``embed``
 and everything after it see the prepared rows); the tier chain orders its own calls across the
-two streams the same way (``chain.TierChain``). A yielded state stays referenced here until the
-consumer's stream has run past it (an event recorded when the next batch is asked for), so its
-device memory cannot be handed to the prefetch stream while the main stream still reads it.
+two streams the same way (``chain.TierChain``). A yielded batch and its state stay referenced
+here until the consumer's stream has run past them (an event recorded when the next batch is
+asked for), so their device memory cannot be handed to the prefetch stream while the main
+stream still reads it: CuPy's pool gives a freed block back to the stream that allocated it,
+and a device data source (``data.device.DeviceSyntheticLoader``) makes each batch's arrays on
+the prefetch thread, which iterates the batches.
 """
 from __future__ import annotations
 
@@ -130,16 +133,17 @@ class Prefetcher:
                     self._launch.wait(ready)        # the consumer's stream: after the prepare
                 self._consumed += 1
                 yield batch, state
-                self._retire(state)
+                # the batch too: a device data source made its arrays on this thread's stream
+                self._retire((batch, state))
         finally:
             self.close()
 
-    def _retire(self, state) -> None:
-        """Keep ``state`` until the work the consumer issued for it has run on its stream; let
-        go of the earlier ones that have."""
+    def _retire(self, item) -> None:
+        """Keep ``item`` (a yielded batch and its state) until the work the consumer issued for
+        it has run on its stream; let go of the earlier ones that have."""
         if self._launch is None:
             return
-        self._in_use.append((state, self._launch.record()))
+        self._in_use.append((item, self._launch.record()))
         while self._in_use and self._launch.done(self._in_use[0][1]):
             self._in_use.popleft()
 

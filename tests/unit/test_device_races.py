@@ -250,3 +250,46 @@ def test_device_write_log_keeps_dropped_entries_until_their_queued_reads_ran(lau
     gone = [ref() is None for ref, _ in logged[:-3]]
     assert all(gone), f"{gone.count(False)} dropped entries still held after their events ran"
     emb.close()
+
+
+def test_a_prefetched_batch_stays_referenced_until_the_step_that_reads_it_ran(launch, tmp_path):
+    """The prefetch thread iterates the batches, so a device data source generates each batch's
+    arrays on the prefetch stream. Dropped by the consumer while its step's kernels were still
+    queued, a batch's memory went back to that stream's pool and the next batch's dedup could
+    overwrite its labels before the loss read them (an H200 run of the CLI: "step 22: labels[0]
+    is 5.96e+35"). The Prefetcher keeps each yielded batch, with its state, until the event
+    recorded after its step has passed."""
+    import gc
+    import weakref
+
+    import one_embedding as oe
+    from one_embedding.pipeline import Prefetcher
+
+    device = _PendingEvents(launch)
+    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None,
+                                 opt_mod.make_device_mem_store_options(str(tmp_path), 1000),
+                                 device=device)
+    rng = np.random.default_rng(2)
+    labels = []
+
+    def batches():
+        for _ in range(6):
+            batch = {"ids": rng.integers(0, 40, (16, 3)).astype(np.int64),
+                     "labels": rng.integers(0, 2, 16).astype(np.float32)}
+            labels.append(weakref.ref(batch["labels"]))
+            yield batch
+
+    alive = []
+    with Prefetcher(batches(), emb, depth=2, ids=lambda b: b["ids"]) as prefetcher:
+        for i, (batch, state) in enumerate(prefetcher):
+            emb.embed(state)
+            batch = state = None
+            gc.collect()
+            alive.append(sum(ref() is not None for ref in labels[:i]))
+            if i == 3:
+                device.complete()           # every step so far has run on the device
+    # steps not yet run keep their batches: all earlier ones until step 3, then only the
+    # ones yielded after the events completed
+    assert alive[:4] == [0, 1, 2, 3], alive
+    assert alive[4] <= 1 and alive[5] <= 2, alive
+    emb.close()
