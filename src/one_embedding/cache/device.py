@@ -337,7 +337,7 @@ class DeviceHashIndex:
         _, buckets = self._find(keys)
         held = buckets >= 0
         self._table[buckets[held], 1] = slots[held].view(xp.uint64)
-        new = xp.flatnonzero(~held)
+        new = device_ops.flatnonzero(xp, ~held, "device index assign: new keys")
         if new.shape[0]:
             self._insert(keys[new], slots[new])
             self._size += int(new.shape[0])
@@ -347,7 +347,7 @@ class DeviceHashIndex:
     def items(self):
         """All (keys (n,) uint64, slots (n,) int64), in bucket order."""
         xp = self._xp
-        used = xp.flatnonzero(self._table[:, 1] != EMPTY)
+        used = device_ops.flatnonzero(xp, self._table[:, 1] != EMPTY, "device index: items")
         return self._table[used, 0], self._table[used, 1].view(xp.int64)
 
     def clear(self) -> None:
@@ -480,7 +480,7 @@ class DeviceFullStore(_OnDevice, StoreTier):
         gone = xp.isin(held_keys, keys)
         n = device_ops.count_true(xp, gone, "device store erase: erased count")
         if n:
-            keep = xp.flatnonzero(~gone)
+            keep = device_ops.positions_of(xp, ~gone, held_keys.shape[0] - n)
             rows = self._rows[slots[keep]]
             self._index.clear()
             self._index.assign(held_keys[keep], xp.arange(keep.shape[0], dtype=xp.int64))
@@ -524,7 +524,7 @@ def group_by_set(xp, keys, n_sets: int):
     sorted_sets = packed // n64
     head = xp.ones(n, dtype=xp.bool_)
     head[1:] = sorted_sets[1:] != sorted_sets[:-1]
-    first = xp.flatnonzero(head)
+    first = device_ops.flatnonzero(xp, head, "device cache: sets in a batch")
     starts = xp.empty(first.shape[0] + 1, dtype=xp.int64)
     starts[:-1] = first
     starts[-1] = n
@@ -651,7 +651,8 @@ class DeviceCache(_OnDevice, Tier):
     def _held(self):
         """(keys (k,) uint64 sorted, rows (k,) int64): every held key and the row of its line."""
         xp = self._xp
-        used = xp.flatnonzero(self._way_stamp.reshape(-1) >= 0)
+        used = device_ops.flatnonzero(xp, self._way_stamp.reshape(-1) >= 0,
+                                      "device cache: held lines")
         keys = self._way_keys.reshape(-1)[used]
         order = xp.argsort(keys)  # held keys are distinct: one order
         return keys[order], used[order]
@@ -674,7 +675,8 @@ class DeviceCache(_OnDevice, Tier):
             return 0
         sets = (mix64(xp, keys) % xp.uint64(self.n_sets)).astype(xp.int64)
         match = (self._way_keys[sets] == keys[:, None]) & (self._way_stamp[sets] >= 0)
-        rows, ways = xp.nonzero(match)
+        hits = device_ops.flatnonzero(xp, match.reshape(-1), "device cache erase: erased lines")
+        rows, ways = hits // match.shape[1], hits % match.shape[1]
         self._way_stamp[sets[rows], ways] = -1
         n = int(rows.shape[0])
         self._size -= n
