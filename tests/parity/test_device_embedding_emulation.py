@@ -566,8 +566,9 @@ def test_a_put_that_grows_the_index_around_the_fused_find_leaves_no_stale_row(la
     bit for bit: the probe runs after the lookup's write version is recorded, under the
     chain's lock, so a put either precedes it or is logged and patched in by the refresh."""
     batches = _batches(3)
-    # A: 240 new keys, more than the index (grown to 256 buckets by W's put) takes at 0.7
-    batches[1] = np.arange(240, dtype=np.int64).reshape(80, 3) * 13 + 100_003
+    # A: 900 new keys, more than the index W's put grew takes at 0.7 (1,024 buckets: W's keys
+    # and room for two more batches of its size, cache/device.py's HEADROOM_BATCHES)
+    batches[1] = np.arange(900, dtype=np.int64).reshape(300, 3) * 13 + 100_003
     batches[2] = np.concatenate([batches[0][:20], batches[1][:20]])   # B: W's and A's keys
     runs = {}
     for device in ("cpu", launch):
