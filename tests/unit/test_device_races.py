@@ -122,6 +122,22 @@ def test_device_chain_orders_its_first_call_after_its_construction(launch, tmp_p
     chain.close()
 
 
+def _train_looking_ahead(emb, opt, batches, **prepare):
+    """SGD steps over ``batches``, each next batch prepared on another thread ("lookahead")
+    before this step's put, whatever the timing of a busy machine."""
+    states = {0: emb.prepare(batches[0], **prepare)}
+    for i in range(len(batches)):
+        if i + 1 < len(batches):
+            ahead = threading.Thread(target=lambda j=i + 1: states.__setitem__(
+                j, emb.prepare(batches[j], **prepare)), name="lookahead")
+            ahead.start()
+            ahead.join()
+        out = emb.embed(states.pop(i))
+        emb.backward(np.ones(out.shape, np.float32))
+        opt.step()
+        opt.zero_grad()
+
+
 def test_device_write_log_is_written_and_read_by_the_consumer_thread_only(launch, tmp_path,
                                                                            monkeypatch):
     """The write log's arrays are allocated by the puts of the optimizer step and read by the
@@ -162,17 +178,7 @@ def test_device_write_log_is_written_and_read_by_the_consumer_thread_only(launch
         opt.zero_grad()
     # and, whatever the prefetch thread's timing on a busy machine, lookups that surely precede
     # a put: each next batch prepared on another thread before this step's put
-    states = {0: emb.prepare(batches[0])}
-    for i in range(len(batches)):
-        if i + 1 < len(batches):
-            ahead = threading.Thread(target=lambda j=i + 1: states.__setitem__(
-                j, emb.prepare(batches[j])), name="lookahead")
-            ahead.start()
-            ahead.join()
-        out = emb.embed(states.pop(i))
-        emb.backward(np.ones(out.shape, np.float32))
-        opt.step()
-        opt.zero_grad()
+    _train_looking_ahead(emb, opt, batches)
     emb.close()
     main = threading.current_thread().name
     assert seen["put"] == {main} and seen["patch"] == {main}, seen
@@ -224,17 +230,7 @@ def test_device_write_log_keeps_dropped_entries_until_their_queued_reads_ran(lau
     opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
     rng = np.random.default_rng(1)
     batches = [rng.integers(0, 40, (16, 3)).astype(np.int64) for _ in range(8)]
-    states = {0: emb.prepare(batches[0], background=True)}
-    for i in range(len(batches)):
-        if i + 1 < len(batches):   # the next batch looked up before this step's put
-            ahead = threading.Thread(target=lambda j=i + 1: states.__setitem__(
-                j, emb.prepare(batches[j], background=True)), name="lookahead")
-            ahead.start()
-            ahead.join()
-        out = emb.embed(states.pop(i))
-        emb.backward(np.ones(out.shape, np.float32))
-        opt.step()
-        opt.zero_grad()
+    _train_looking_ahead(emb, opt, batches, background=True)
     shard = emb._owner()
     gc.collect()
     assert logged and all(fixed for _, fixed in logged), "the fixed-capacity path was not taken"
