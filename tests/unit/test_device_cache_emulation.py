@@ -672,7 +672,8 @@ def _glue_launches():
     package = helpers.PACKAGE
     for path in [package / "kernels" / "device_ops.py", package / "kernels" / "device_unique.py",
                  package / "kernels" / "fused_update.py", package / "kernels" / "live_rows.py",
-                 package / "cache" / "device.py", package / "kernels" / "layout_ops.py"]:
+                 package / "cache" / "device.py", package / "cache" / "device_index.py",
+                 package / "kernels" / "layout_ops.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
                     "launch_threads", "launch_warps"):
