@@ -50,6 +50,10 @@
    needs the CuPy launcher: a ``--dry-run`` times the unfused one only (the dry run of the GPU
    tests, ``tests/gpu_dry_run.install``, runs both on the emulator).
 
+6. Where the dense step's time goes (``bench_gpu_dense``): each stage (bottom MLP,
+   interaction, top MLP) forward and backward, the MLPs' products alone with their FLOP rate,
+   and the whole step, under ``--amp off / tf32 / bf16``.
+
 The header names the GPU, CUDA, CuPy and torch; results go to ``benchmarks/results/bench_gpu.json``
 (or ``$ONE_EMBEDDING_BENCH_RESULTS``); the last line printed is a one-line summary.
 """
@@ -63,6 +67,7 @@ import traceback
 
 import numpy as np
 
+from .bench_gpu_dense import bench_dense_parts, print_dense_parts
 from .common import markdown_table, print_header, save_result, zipf_ids
 
 #: HugeCTR's published DLRM training throughput on one H100, the anchor of issue 13
@@ -651,7 +656,7 @@ def main(argv=None):
     ap.add_argument("--amp-steps", type=int, default=5,
                     help="part 4: timed steps per --amp mode (after --warmup)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["lookup", "dlrm", "cli", "amp",
-                                                              "fused"])
+                                                              "fused", "dense"])
     args = ap.parse_args(argv)
     if args.dry_run:
         args.batch_size, args.steps, args.warmup, args.batches = 256, 2, 1, 2
@@ -778,8 +783,13 @@ def main(argv=None):
             summary.append("fused loss: dense step " + ", ".join(
                 f"{x:.2f}x unfused (--amp {m})" for m, x in fused["fused_step_speedup"].items()))
 
+    def dense_part():
+        dense = bench_dense_parts(dev, args)
+        payload["dense_parts"] = dense
+        summary.extend(print_dense_parts(dense, args))
+
     for name, fn in (("lookup", lookup_part), ("dlrm", dlrm_part), ("cli", cli_part),
-                     ("amp", amp_part), ("fused", fused_part)):
+                     ("amp", amp_part), ("fused", fused_part), ("dense", dense_part)):
         part(name, fn)
     payload["failed"] = failed
     payload.get("dlrm", {}).pop("batches", None)

@@ -59,3 +59,13 @@ def test_bench_gpu_small_run_on_the_gpu(tmp_path):
     assert set(data["fused_loss"]["fused_step_speedup"]) == {"off", "bf16"}
     assert out.strip().splitlines()[-1].startswith("summary (")
     assert "fused loss: dense step" in out.strip().splitlines()[-1]
+    # part 6: the dense step's stages and the MLPs' products (off and bf16 on a dry run)
+    parts = data["dense_parts"]["modes"]
+    assert list(parts) == ["off", "bf16"] and "dense step off" in last
+    for mode in parts.values():
+        stages = {r["stage"]: r for r in mode["rows"]}
+        assert {"bottom MLP", "interaction", "top MLP"} <= set(stages)
+        assert all(stages[s]["forward ms"] > 0 for s in ("bottom MLP", "interaction", "top MLP"))
+        assert mode["step_ms"] > 0 and 0 < mode["products_ms"] and mode["products_tflops"] > 0
+    # every part ran: a part that raises is reported and the benchmark exits 1
+    assert data["failed"] == {}

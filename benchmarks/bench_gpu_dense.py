@@ -1,0 +1,129 @@
+"""bench_gpu's part 6: where the DLRM dense step's time goes, per stage and per precision.
+
+On an H200 (2026-11-27) the dense step alone (DLRM 512-256-128 / 1024-1024-512-256-1, batch
+65,536, inputs on the device) took 25.9 ms with ``--amp off`` and 15.1 ms with ``bf16``, where
+its products are some 0.96 TFLOP (fp32 without tensor cores about 14 ms at 67 TFLOP/s, bf16
+about 1.4 ms at 700): so the bf16 step is not in its products. This part times, for ``--amp
+off``, ``tf32`` and ``bf16``:
+
+- each stage alone: the bottom MLP's forward, the interaction's, the top MLP's; and each stage's
+  forward + backward (the backward is the difference: a backward needs its own forward);
+- every matrix product of the two MLPs alone (forward ``x Wᵀ``, backward ``dh W`` and
+  ``dhᵀ x``, at the layer shapes, through ``nn.amp.matmul`` as the layers call it), with their
+  FLOP rate: the products' share of the step against the passes around them (casts, bias +
+  ReLU, masks, the interaction);
+- the whole step (forward + loss + backward) as the baseline the stages add up to.
+
+Prints one table per precision; ``bench_gpu --skip dense`` leaves it out.
+"""
+from __future__ import annotations
+
+import numpy as np
+
+from .common import markdown_table
+
+
+def _linear_shapes(mlp, batch: int):
+    """(batch, in, out) of each Linear layer of ``mlp``."""
+    return [(batch, layer.in_features, layer.out_features) for layer in mlp.layers]
+
+
+def bench_dense_parts(dev, args) -> dict:
+    """-> {"modes": {amp: {"rows": [...], "step_ms", "products_ms", "products_tflops"}}}."""
+    import one_embedding as oe
+    from one_embedding.models import DLRM
+    from one_embedding.nn import amp
+
+    xp = dev.xp
+    b = args.batch_size
+    tables = [oe.make_table_options(oe.make_uniform_initializer(-0.01, 0.01))] * 26
+    emb = oe.MultiTableEmbedding("dense_parts", args.dim, np.float32, np.int64, tables,
+                                 oe.make_device_mem_store_options(None, capacity=1024),
+                                 device="cpu")                 # never looked up: a dense step
+    model = DLRM(num_tables=26, embedding_dim=args.dim, dense_features=13,
+                 bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp, embedding=emb).to(xp)
+    rng = np.random.default_rng(6)
+    dense = xp.asarray(np.log1p(rng.exponential(20.0, (b, 13))).astype(np.float32))
+    embedded = xp.asarray((rng.standard_normal((b, 26, args.dim)) * 0.05).astype(np.float32))
+    labels = xp.asarray((rng.random(b) < 0.25).astype(np.float32))
+    shapes = _linear_shapes(model.bottom_mlp, b) + _linear_shapes(model.top_mlp, b)
+    operands = [(xp.asarray(rng.standard_normal((m, k)).astype(np.float32)),
+                 xp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.05),
+                 xp.asarray(rng.standard_normal((m, n)).astype(np.float32)))
+                for m, k, n in shapes]
+    product_flop = sum(3 * 2 * m * k * n for m, k, n in shapes)   # forward, dx, dW
+    modes = {}
+    for mode in ("off", "tf32", "bf16") if not dev.dry_run else ("off", "bf16"):
+        def seconds(fn):
+            def run():
+                with amp.autocast(mode):
+                    fn()
+                model.zero_grad()
+            return dev.seconds(run, args.repeats) * 1e3
+
+        with amp.autocast(mode):
+            z = model.bottom_mlp.forward(dense)
+            inter = model.interaction.forward([z, embedded], z)
+            logits = model.top_mlp.forward(inter)
+        dz = xp.ones_like(z) * 1e-3
+        dinter = xp.ones_like(inter) * 1e-3
+        dlogits = xp.ones_like(logits) * 1e-3
+        model.zero_grad()
+
+        def bottom_both():
+            model.bottom_mlp.forward(dense)
+            model.bottom_mlp.backward(dz)
+
+        def interaction_both():
+            model.interaction.forward([z, embedded], z)
+            model.interaction.backward(dinter)
+
+        def top_both():
+            model.top_mlp.forward(inter)
+            model.top_mlp.backward(dlogits)
+
+        def step():
+            out = model.forward_from_embeddings(dense, embedded)
+            model.loss_and_backward_to_embeddings(out, labels)
+
+        def products():
+            for x, w, dy in operands:
+                amp.matmul(x, w.T, fp32_result=True)
+                amp.matmul(dy.T, x, fp32_result=True)
+                amp.matmul(dy, w)
+
+        stages = [("bottom MLP", lambda: model.bottom_mlp.forward(dense), bottom_both),
+                  ("interaction", lambda: model.interaction.forward([z, embedded], z),
+                   interaction_both),
+                  ("top MLP", lambda: model.top_mlp.forward(inter), top_both)]
+        rows = []
+        total = 0.0
+        for name, forward, both in stages:
+            fwd_ms, both_ms = seconds(forward), seconds(both)
+            total += both_ms
+            rows.append({"stage": name, "forward ms": fwd_ms, "backward ms": both_ms - fwd_ms,
+                         "forward + backward ms": both_ms})
+        step_ms, products_ms = seconds(step), seconds(products)
+        tflops = product_flop / (products_ms / 1e3) / 1e12
+        rows.append({"stage": "sum of the stages", "forward + backward ms": total})
+        rows.append({"stage": "whole step (+ loss), the baseline", "forward + backward ms": step_ms})
+        rows.append({"stage": f"the MLPs' {3 * len(shapes)} products alone ({tflops:.3g} TFLOP/s)",
+                     "forward + backward ms": products_ms})
+        modes[mode] = {"rows": rows, "step_ms": step_ms, "products_ms": products_ms,
+                       "products_tflops": tflops, "products_share": products_ms / step_ms}
+    emb.close()
+    return {"modes": modes, "product_tflop": product_flop / 1e12}
+
+
+def print_dense_parts(result: dict, args) -> list[str]:
+    """Prints the tables; -> the summary's phrases."""
+    print(f"\n## where the dense step's time goes (DLRM, batch {args.batch_size}, {args.repeats} "
+          f"timed calls each; the MLPs' products {result['product_tflop']:.2f} TFLOP a step)")
+    summary = []
+    for mode, r in result["modes"].items():
+        print(f"\n--amp {mode}")
+        print(markdown_table(r["rows"], ["stage", "forward ms", "backward ms",
+                                         "forward + backward ms"]))
+        summary.append(f"{mode} {r['step_ms']:.1f} ms ({r['products_share']:.0%} products at "
+                       f"{r['products_tflops']:.3g} TFLOP/s)")
+    return ["dense step " + ", ".join(summary)]
