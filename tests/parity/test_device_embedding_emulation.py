@@ -138,16 +138,17 @@ def test_device_embedding_trains_as_the_cpu_embedding(launch, tmp_path, preset, 
             {k: w[k] for k in ("tier", "hits", "misses", "writes", "evictions", "rows")}
     assert got[2][0]["tier"].startswith("device.") and "d2h_bytes" in got[2][0]
     # one rank, fp32: the per-key gradient sum happens inside the update kernel; over one
-    # device store (device_mem) the batch has fixed capacity, its unique count on the device,
-    # and the dedup's output pass probes the store's index (no separate output pass)
+    # device store (device_mem) the batch has fixed capacity, its unique count on the device:
+    # the dedup's fixed-capacity output pass, then the store's find of the live keys
+    # (device_unique.FIND_IN_DEDUP off by default: the fused probe is tested on its own)
     kernels = {"embedding_dedup_insert", "embedding_init_missing", "embedding_gather",
                f"optim_summed_{optim}"}
     kernels |= {"cache_find", "embedding_dedup_output"} if "cached" in preset else \
-        {"hashindex_dedup_output_find", "hashindex_put_rows"}
+        {"embedding_dedup_output_fixed", "hashindex_find_live", "hashindex_put_rows"}
     assert kernels <= launch.launched
     assert not {"embedding_segment_sum", f"optim_{optim}"} & launch.launched
     if "cached" not in preset:
-        assert "embedding_dedup_output_fixed" not in launch.launched
+        assert "hashindex_dedup_output_find" not in launch.launched
 
 
 @pytest.mark.stress_seeds
@@ -242,7 +243,9 @@ def test_device_mem_fixed_capacity_batches_give_the_cpu_bits(launch, tmp_path, c
         counters = ("admitted_rows", "evicted_rows")
         assert {k: got[2][-1][k] for k in counters} == {k: want[2][-1][k] for k in counters}
         assert want[2][-1]["evicted_rows"] > 0
-    assert "hashindex_dedup_output_find" in launch.launched
+    # the default path: the dedup's fixed-capacity output, then the find of the live keys (the
+    # fused probe, FIND_IN_DEDUP, against it: test_dlrm_dedup_fused_with_the_find_...)
+    assert {"embedding_dedup_output_fixed", "hashindex_find_live"} <= launch.launched
     if case.startswith("key_zero"):
         assert 0 in want[1][0]
 
@@ -565,6 +568,8 @@ def test_a_put_that_grows_the_index_around_the_fused_find_leaves_no_stale_row(la
     batch waits for its step, the batch's rows are those of the serial order (the put first),
     bit for bit: the probe runs after the lookup's write version is recorded, under the
     chain's lock, so a put either precedes it or is logged and patched in by the refresh."""
+    from one_embedding.kernels import device_unique
+
     batches = _batches(3)
     # A: 900 new keys, more than the index W's put grew takes at 0.7 (1,024 buckets: W's keys
     # and room for two more batches of its size, cache/device.py's HEADROOM_BATCHES)
@@ -577,6 +582,7 @@ def test_a_put_that_grows_the_index_around_the_fused_find_leaves_no_stale_row(la
         emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(), store, seed=5,
                                      device=device)
         opt = oe.Optimizer(_optimizer("adagrad"), embeddings=[emb])
+        monkeypatch.setattr(device_unique, "FIND_IN_DEDUP", True)   # off by default
         runs[device == "cpu"] = _grow_between("cpu" if device == "cpu" else where, emb, opt,
                                               device, batches, monkeypatch)
         emb.close()

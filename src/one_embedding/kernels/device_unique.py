@@ -18,10 +18,14 @@ from .device_ops import (Launcher, _float_dtype, device_array, launch_threads, l
                          resolve)
 
 
-#: The one-rank device_mem path dedups and probes the store's index in one output pass
-#: (``unique_ids_fixed_find``, under the tier chain's lock); False: the dedup's own output pass
-#: in the ID shuffle, then the store's separate find (the tests compare the two, bit for bit).
-FIND_IN_DEDUP = True
+#: True: the one-rank device_mem path dedups and probes the store's index in one output pass
+#: (``unique_ids_fixed_find``, under the tier chain's lock); False (the default): the dedup's own
+#: output pass in the ID shuffle, then the store's separate find (the tests compare the two, bit
+#: for bit). Off since two H200 runs (2026-11-27, bench_gpu's lookup of 1.7 M ids): the fused
+#: pass took 0.512 / 0.517 ms against 0.473 / 0.476 for the two kernels, and the whole lookup
+#: 2.06 / 2.05 ms against 1.98 / 2.00 (a warp per 32 ids probing in the output pass keeps fewer
+#: loads in flight than the separate find's warp per key).
+FIND_IN_DEDUP = False
 
 
 def dedup_capacity(n: int) -> int:
