@@ -67,7 +67,7 @@ import traceback
 
 import numpy as np
 
-from .bench_gpu_dense import bench_dense_parts, print_dense_parts
+from .bench_gpu_dense import bench_dense_parts, bench_fused_loss, print_dense_parts
 from .common import markdown_table, print_header, save_result, zipf_ids
 
 #: HugeCTR's published DLRM training throughput on one H100, the anchor of issue 13
@@ -554,66 +554,6 @@ def bench_amp(dev: Device, args, batches=None) -> dict:
 
 
 # ---------------------------------------------------------------- 5. the fused loss
-
-
-def bench_fused_loss(dev: Device, args) -> dict:
-    """Part 5: ms per dense step (and per loss + last-layer backward alone) with the loss fused
-    with the last layer, against the unfused passes, on part 2's DLRM shapes."""
-    import one_embedding as oe
-    from one_embedding.models import DLRM
-    from one_embedding.nn import BCEWithLogits, amp
-
-    xp = dev.xp
-    tables = [oe.make_table_options(oe.make_uniform_initializer(-0.01, 0.01))] * 26
-    emb = oe.MultiTableEmbedding("dense_only", args.dim, np.float32, np.int64, tables,
-                                 oe.make_device_mem_store_options(None, capacity=1024),
-                                 device="cpu")                 # never looked up: a dense step
-    model = DLRM(num_tables=26, embedding_dim=args.dim, dense_features=13,
-                 bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp, embedding=emb).to(xp)
-    rng = np.random.default_rng(5)
-    dense = xp.asarray(np.log1p(rng.exponential(20.0, (args.batch_size, 13))).astype(np.float32))
-    embedded = xp.asarray((rng.standard_normal((args.batch_size, 26, args.dim)) * 0.05)
-                          .astype(np.float32))
-    labels = xp.asarray((rng.random(args.batch_size) < 0.25).astype(np.float32))
-    variants = [("fused", True), ("unfused", False)] if not dev.dry_run else [("unfused", False)]
-    last = model.top_mlp.layers[-1]
-    rows = []
-    for mode in ("off", "bf16"):
-        with amp.autocast(mode):
-            logits = model.forward_from_embeddings(dense, embedded)
-            x_last = last._x                                    # (B, top_mlp[-2]): its input
-            model.loss_and_backward_to_embeddings(logits, labels, fused=False)
-        model.zero_grad()
-        timings = {}
-        for name, fused in variants:
-            def step(fused=fused):
-                with amp.autocast(mode):
-                    out = model.forward_from_embeddings(dense, embedded)
-                    model.loss_and_backward_to_embeddings(out, labels, fused=fused)
-                model.zero_grad()
-
-            def loss_and_last(fused=fused):         # the logit layer's forward, then the rest
-                with amp.autocast(mode):
-                    z = last.forward(x_last).reshape(-1)
-                    if fused:
-                        last.loss_and_backward(z, labels)
-                    else:
-                        loss_fn = BCEWithLogits()
-                        loss_fn(z, labels)
-                        last.backward(loss_fn.backward().reshape(-1, 1))
-                model.zero_grad()
-
-            timings[name] = (dev.seconds(step, args.repeats) * 1e3,
-                             dev.seconds(loss_and_last, args.repeats) * 1e3)
-        base_step, base_part = timings["unfused"]
-        for name, (step_ms, part_ms) in timings.items():
-            rows.append({"what": f"dense step, --amp {mode}, {name}", "amp": mode, "fused": name,
-                         "step ms": step_ms, "x unfused step": base_step / step_ms,
-                         "loss + last layer ms": part_ms, "x unfused part": base_part / part_ms,
-                         "samples_per_s": args.batch_size / (step_ms / 1e3)})
-    emb.close()
-    return {"rows": rows, "fused_step_speedup": {r["amp"]: r["x unfused step"] for r in rows
-                                                 if r["fused"] == "fused"}}
 
 
 def bench_dlrm(dev: Device, args) -> dict:

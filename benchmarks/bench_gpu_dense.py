@@ -1,4 +1,5 @@
-"""bench_gpu's part 6: where the DLRM dense step's time goes, per stage and per precision.
+"""bench_gpu's dense-step parts: 5, the loss fused with the last layer (``bench_fused_loss``),
+and 6, where the DLRM dense step's time goes, per stage and per precision.
 
 On an H200 (2026-11-27) the dense step alone (DLRM 512-256-128 / 1024-1024-512-256-1, batch
 65,536, inputs on the device) took 25.9 ms with ``--amp off`` and 15.1 ms with ``bf16``, where
@@ -23,6 +24,25 @@ import numpy as np
 from .common import markdown_table
 
 
+def _dense_setup(dev, args, rng):
+    """Part 2's DLRM on the device and one batch of its dense inputs -> (embedding (closed by
+    the caller; never looked up), model, dense (B, 13), embedded (B, 26, E), labels (B,))."""
+    import one_embedding as oe
+    from one_embedding.models import DLRM
+
+    xp, b = dev.xp, args.batch_size
+    tables = [oe.make_table_options(oe.make_uniform_initializer(-0.01, 0.01))] * 26
+    emb = oe.MultiTableEmbedding("dense_only", args.dim, np.float32, np.int64, tables,
+                                 oe.make_device_mem_store_options(None, capacity=1024),
+                                 device="cpu")
+    model = DLRM(num_tables=26, embedding_dim=args.dim, dense_features=13,
+                 bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp, embedding=emb).to(xp)
+    dense = xp.asarray(np.log1p(rng.exponential(20.0, (b, 13))).astype(np.float32))
+    embedded = xp.asarray((rng.standard_normal((b, 26, args.dim)) * 0.05).astype(np.float32))
+    labels = xp.asarray((rng.random(b) < 0.25).astype(np.float32))
+    return emb, model, dense, embedded, labels
+
+
 def _linear_shapes(mlp, batch: int):
     """(batch, in, out) of each Linear layer of ``mlp``."""
     return [(batch, layer.in_features, layer.out_features) for layer in mlp.layers]
@@ -30,22 +50,12 @@ def _linear_shapes(mlp, batch: int):
 
 def bench_dense_parts(dev, args) -> dict:
     """-> {"modes": {amp: {"rows": [...], "step_ms", "products_ms", "products_tflops"}}}."""
-    import one_embedding as oe
-    from one_embedding.models import DLRM
     from one_embedding.nn import amp
 
     xp = dev.xp
     b = args.batch_size
-    tables = [oe.make_table_options(oe.make_uniform_initializer(-0.01, 0.01))] * 26
-    emb = oe.MultiTableEmbedding("dense_parts", args.dim, np.float32, np.int64, tables,
-                                 oe.make_device_mem_store_options(None, capacity=1024),
-                                 device="cpu")                 # never looked up: a dense step
-    model = DLRM(num_tables=26, embedding_dim=args.dim, dense_features=13,
-                 bottom_mlp=args.bottom_mlp, top_mlp=args.top_mlp, embedding=emb).to(xp)
     rng = np.random.default_rng(6)
-    dense = xp.asarray(np.log1p(rng.exponential(20.0, (b, 13))).astype(np.float32))
-    embedded = xp.asarray((rng.standard_normal((b, 26, args.dim)) * 0.05).astype(np.float32))
-    labels = xp.asarray((rng.random(b) < 0.25).astype(np.float32))
+    emb, model, dense, embedded, labels = _dense_setup(dev, args, rng)
     shapes = _linear_shapes(model.bottom_mlp, b) + _linear_shapes(model.top_mlp, b)
     operands = [(xp.asarray(rng.standard_normal((m, k)).astype(np.float32)),
                  xp.asarray(rng.standard_normal((n, k)).astype(np.float32) * 0.05),
@@ -127,3 +137,50 @@ def print_dense_parts(result: dict, args) -> list[str]:
         summary.append(f"{mode} {r['step_ms']:.1f} ms ({r['products_share']:.0%} products at "
                        f"{r['products_tflops']:.3g} TFLOP/s)")
     return ["dense step " + ", ".join(summary)]
+
+
+def bench_fused_loss(dev, args) -> dict:
+    """Part 5: ms per dense step (and per loss + last-layer backward alone) with the loss fused
+    with the last layer, against the unfused passes, on part 2's DLRM shapes."""
+    from one_embedding.nn import BCEWithLogits, amp
+
+    emb, model, dense, embedded, labels = _dense_setup(dev, args, np.random.default_rng(5))
+    variants = [("fused", True), ("unfused", False)] if not dev.dry_run else [("unfused", False)]
+    last = model.top_mlp.layers[-1]
+    rows = []
+    for mode in ("off", "bf16"):
+        with amp.autocast(mode):
+            logits = model.forward_from_embeddings(dense, embedded)
+            x_last = last._x                                    # (B, top_mlp[-2]): its input
+            model.loss_and_backward_to_embeddings(logits, labels, fused=False)
+        model.zero_grad()
+        timings = {}
+        for name, fused in variants:
+            def step(fused=fused):
+                with amp.autocast(mode):
+                    out = model.forward_from_embeddings(dense, embedded)
+                    model.loss_and_backward_to_embeddings(out, labels, fused=fused)
+                model.zero_grad()
+
+            def loss_and_last(fused=fused):         # the logit layer's forward, then the rest
+                with amp.autocast(mode):
+                    z = last.forward(x_last).reshape(-1)
+                    if fused:
+                        last.loss_and_backward(z, labels)
+                    else:
+                        loss_fn = BCEWithLogits()
+                        loss_fn(z, labels)
+                        last.backward(loss_fn.backward().reshape(-1, 1))
+                model.zero_grad()
+
+            timings[name] = (dev.seconds(step, args.repeats) * 1e3,
+                             dev.seconds(loss_and_last, args.repeats) * 1e3)
+        base_step, base_part = timings["unfused"]
+        for name, (step_ms, part_ms) in timings.items():
+            rows.append({"what": f"dense step, --amp {mode}, {name}", "amp": mode, "fused": name,
+                         "step ms": step_ms, "x unfused step": base_step / step_ms,
+                         "loss + last layer ms": part_ms, "x unfused part": base_part / part_ms,
+                         "samples_per_s": args.batch_size / (step_ms / 1e3)})
+    emb.close()
+    return {"rows": rows, "fused_step_speedup": {r["amp"]: r["x unfused step"] for r in rows
+                                                 if r["fused"] == "fused"}}
