@@ -801,3 +801,31 @@ def test_fixed_capacity_batches_near_the_capacity_read_nothing_in_a_steady_state
     missing = cpu.find(universe, want, np.arange(universe.size))
     assert not found[missing].any() and found.sum() == universe.size - missing.size == len(cpu)
     np.testing.assert_array_equal(out[found], want[found])
+
+
+def test_a_read_while_the_counts_copy_is_in_flight_keeps_its_buffer_and_ignores_it(launch,
+                                                                                  monkeypatch):
+    """The asynchronous copy of the counts lands in a page-locked buffer from CuPy's pinned
+    pool, which tracks no copy: dropped while the copy was in flight (a read of the counts, a
+    clear), the pool could hand the buffer to a staging copy that the landing 16 bytes would
+    then overwrite. So a read or a clear keeps the copy (and its buffer) until its event has
+    passed, and the stale counts it brings are not used: the bound after a clear is 0 and
+    stays the true count after later inserts."""
+    recorded, landed = [], set()
+    monkeypatch.setattr(launch, "record", lambda: recorded.append(object()) or recorded[-1])
+    monkeypatch.setattr(launch, "done", lambda event: event is None or id(event) in landed)
+    rng = np.random.default_rng(8)
+    dev = DeviceHashIndex(1000, launch=launch)
+    keys = np.unique(rng.integers(0, 2**64, 300, dtype=np.uint64, endpoint=False))
+    dev.find_or_insert(keys, distinct=True)
+    in_flight = dev._mirror
+    assert in_flight is not None                         # queued after the insert
+    dev.clear()
+    assert dev._mirror is in_flight                      # still referenced: not landed yet
+    assert dev.slot_bound == 0
+    landed.update(id(e) for e in recorded)               # the stale copy lands (300 keys)
+    assert dev.slot_bound == 0 and dev._mirror is None   # ... and is not used
+    more = keys[:10]
+    dev.find_or_insert(more, distinct=True)
+    landed.update(id(e) for e in recorded)
+    assert dev.slot_bound == 10 == len(dev)

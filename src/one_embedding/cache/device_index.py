@@ -58,11 +58,15 @@ class DeviceHashIndex:
         # ``_bound`` is a host upper bound of the next slot (>= size), grown by each insert's
         # key count (a fixed-capacity batch's n, far above its new keys) and brought down
         # without a wait by an asynchronous copy of the counts (``_mirror``: event, page-locked
-        # (2,) int64, ``_offered`` when it was queued)
+        # (2,) int64, ``_offered`` when it was queued, the ``_epoch`` it belongs to). A read
+        # or a clear starts a new epoch: a copy of an older one still lands in its buffer (kept
+        # referenced until then, so the pinned pool cannot hand the buffer out meanwhile) but
+        # is not used
         self._counts = None
         self._bound = 0
         self._offered = 0       # keys offered to device-counted inserts so far
         self._mirror = None
+        self._epoch = 0
 
     def _settle(self) -> None:
         """Bring the device's counts back (one read, counted) when inserts ran since the last."""
@@ -70,7 +74,7 @@ class DeviceHashIndex:
             size, next_slot = host_sync.to_host(self._counts, "device index: size").tolist()
             self._size, self._next_slot, self._counts = int(size), int(next_slot), None
         self._bound = self._next_slot
-        self._mirror = None
+        self._epoch += 1
 
     @property
     def slot_bound(self) -> int:
@@ -80,16 +84,18 @@ class DeviceHashIndex:
         mirror = self._mirror
         if mirror is not None and self._launch.done(mirror[0]):
             self._mirror = None
-            _, counts, offered = mirror
-            self._bound = min(self._bound, int(counts[1]) + (self._offered - offered))
+            _, counts, offered, epoch = mirror
+            if epoch == self._epoch:
+                self._bound = min(self._bound, int(counts[1]) + (self._offered - offered))
         return max(self._bound, self._next_slot)
 
     def _copy_counts_back(self) -> None:
         """Queue the asynchronous copy of the device counts (one at a time; no wait)."""
+        self.slot_bound                  # noqa: B018 - takes a landed copy in first
         if self._mirror is None and self._counts is not None:
             counts = self._launch.host_empty((2,), np.int64)
             self._launch.to_host_async(self._counts, counts)
-            self._mirror = (self._launch.record(), counts, self._offered)
+            self._mirror = (self._launch.record(), counts, self._offered, self._epoch)
 
     def _allocate(self, cap: int) -> None:
         self._table = self._xp.full((cap, 2), EMPTY, dtype=self._xp.uint64)
@@ -303,4 +309,5 @@ class DeviceHashIndex:
         self._table.fill(EMPTY)
         self._size = 0
         self._next_slot = 0
-        self._counts, self._bound, self._mirror = None, 0, None
+        self._counts, self._bound = None, 0
+        self._epoch += 1
