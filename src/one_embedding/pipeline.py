@@ -51,13 +51,13 @@ the prefetch thread, which iterates the batches.
 """
 from __future__ import annotations
 
-import collections
 import contextlib
 import queue
 import threading
 from typing import Callable, Iterable, Iterator
 
 from .errors import ConfigError, OneEmbeddingError
+from .kernels import device_ops
 from .parallel.comm import abort_enabled, end_job
 
 _DONE = object()
@@ -103,7 +103,8 @@ class Prefetcher:
         self._thread: threading.Thread | None = None
         # the embedding's device launcher (None on the CPU): streams and events
         self._launch = getattr(embedding, "launch", None)
-        self._in_use: collections.deque = collections.deque()  # (state, event) yielded, not run
+        # the batches and states yielded whose steps have not run on the device yet
+        self._in_use = None if self._launch is None else device_ops.HeldUntil(self._launch)
         self._consumed = 0          # batches yielded to the consumer
         self._prepared = 0          # batches whose prepare the thread began
         # after close: the thread stops once it has begun this many (see the module docstring)
@@ -143,9 +144,7 @@ class Prefetcher:
         it has run on its stream; let go of the earlier ones that have."""
         if self._launch is None:
             return
-        self._in_use.append((item, self._launch.record()))
-        while self._in_use and self._launch.done(self._in_use[0][1]):
-            self._in_use.popleft()
+        self._in_use.hold(item, self._launch.record())
 
     def _work(self) -> None:
         launch = self._launch
@@ -190,9 +189,9 @@ class Prefetcher:
         if self._queue is not None:
             while not self._queue.empty():
                 self._queue.get_nowait()
-        if self._in_use and self._launch is not None:
-            self._launch.synchronize(self._in_use[-1][1])   # their memory may be reused after
-        self._in_use.clear()
+        if self._in_use is not None and len(self._in_use):
+            self._launch.synchronize(self._in_use.last_event)   # their memory may be reused after
+            self._in_use.clear()
 
     def _timed_out(self) -> None:
         why = (f"the prefetch thread did not stop within {self.close_timeout:g} s (batches "

@@ -4,11 +4,9 @@ lookup made right before its rows are used would (``shard``'s docstring has the 
 """
 from __future__ import annotations
 
-import collections
-
 import numpy as np
 
-from .kernels import live_rows
+from .kernels import device_ops, live_rows
 from .step import OwnerRows
 from .tiers import HashIndex
 
@@ -96,13 +94,13 @@ class RetiredEntries:
     stream still has a ``refresh`` patch queued that reads them, CuPy's pool would hand their
     memory back to that other stream, whose next batch could overwrite it before the patch ran.
     ``read`` records an event after each batch of queued reads (on the reading stream); ``retire``
-    holds what is dropped until the last such event has passed; ``collect`` lets go of what has.
+    holds what is dropped until the last such event has passed (``device_ops.HeldUntil``).
     """
 
     def __init__(self, launch):
         self._launch = launch
         self._last_read = None
-        self._held: collections.deque = collections.deque()  # (event, entries)
+        self._held = None if launch is None else device_ops.HeldUntil(launch)
 
     def read(self) -> None:
         """After queueing reads of log entries on the current stream."""
@@ -114,12 +112,12 @@ class RetiredEntries:
         if self._launch is None or not entries:
             return
         if self._last_read is not None and not self._launch.done(self._last_read):
-            self._held.append((self._last_read, list(entries)))
-        self.collect()
+            self._held.hold(list(entries), self._last_read)
+        self._held.collect()
 
     def collect(self) -> None:
-        while self._held and self._launch.done(self._held[0][0]):
-            self._held.popleft()
+        if self._held is not None:
+            self._held.collect()
 
     def __len__(self) -> int:
-        return len(self._held)
+        return 0 if self._held is None else len(self._held)

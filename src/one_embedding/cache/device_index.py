@@ -81,17 +81,22 @@ class DeviceHashIndex:
         """An upper bound of ``slot_limit`` known without a read: the next slot of the last
         counts copied back asynchronously (if that copy has landed), plus every key offered to
         an insert since it was queued."""
+        self._take_landed_copy()
+        return max(self._bound, self._next_slot)
+
+    def _take_landed_copy(self) -> None:
+        """Lower the bound to the counts of the asynchronous copy, once it has landed (a copy of
+        an older epoch is let go of unused)."""
         mirror = self._mirror
         if mirror is not None and self._launch.done(mirror[0]):
             self._mirror = None
             _, counts, offered, epoch = mirror
             if epoch == self._epoch:
                 self._bound = min(self._bound, int(counts[1]) + (self._offered - offered))
-        return max(self._bound, self._next_slot)
 
     def _copy_counts_back(self) -> None:
         """Queue the asynchronous copy of the device counts (one at a time; no wait)."""
-        self.slot_bound                  # noqa: B018 - takes a landed copy in first
+        self._take_landed_copy()
         if self._mirror is None and self._counts is not None:
             counts = self._launch.host_empty((2,), np.int64)
             self._launch.to_host_async(self._counts, counts)

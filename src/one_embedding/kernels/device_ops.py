@@ -21,6 +21,7 @@ operations) are unaffected.
 """
 from __future__ import annotations
 
+import collections
 import contextlib
 
 from dataclasses import dataclass
@@ -110,6 +111,36 @@ class Launcher:
     def done(self, event) -> bool:
         """True when ``event`` completed (None always has)."""
         return True
+
+
+class HeldUntil:
+    """Objects kept referenced until the device has passed an event given with each: what a
+    host thread lets go of while work queued on a stream may still read its device memory (CuPy's
+    pool gives a freed block back to the stream that allocated it, at once). ``hold(obj, event)``,
+    then ``collect()`` drops those whose events have completed (``launch.done``: no wait)."""
+
+    def __init__(self, launch: Launcher):
+        self._launch = launch
+        self._held: collections.deque = collections.deque()  # (obj, event), events in order
+
+    def hold(self, obj, event) -> None:
+        self._held.append((obj, event))
+        self.collect()
+
+    def collect(self) -> None:
+        while self._held and self._launch.done(self._held[0][1]):
+            self._held.popleft()
+
+    @property
+    def last_event(self):
+        """The event of the newest object held (None when nothing is)."""
+        return self._held[-1][1] if self._held else None
+
+    def clear(self) -> None:
+        self._held.clear()
+
+    def __len__(self) -> int:
+        return len(self._held)
 
 
 class CupyLauncher(Launcher):
