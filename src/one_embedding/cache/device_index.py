@@ -14,10 +14,11 @@ import numpy as np
 from .. import host_sync
 from ..errors import InputError
 from ..kernels import device_ops, device_unique
+# the CPU twin's load limit and sizing, so both grow at the same sizes
+from ..tiers.hash_index import MAX_LOAD, _capacity_for  # noqa: F401 - MAX_LOAD re-exported
 
 #: The slot word of an empty bucket (hashindex.cu's EMPTY; -1 as int64, as tiers.hash_index).
 EMPTY = np.uint64(0xFFFFFFFFFFFFFFFF)
-MAX_LOAD = 0.7
 #: The slot of a key past the count of a fixed-capacity batch (hashindex.cu's NOT_LOOKED_UP).
 NOT_LOOKED_UP = -2
 #: when a fixed-capacity insert (n keys, its new ones counted on the device) must read the
@@ -25,13 +26,6 @@ NOT_LOOKED_UP = -2
 #: batches of n beyond the keys held, so that the next inserts' host bounds (the asynchronous
 #: copy of the counts lags a step or two behind) fit without another read
 HEADROOM_BATCHES = 2
-
-
-def _capacity_for(n_keys: int) -> int:
-    cap = 16
-    while cap * MAX_LOAD < n_keys:
-        cap *= 2
-    return cap
 
 
 # ---------------------------------------------------------------- the "full" index
