@@ -64,34 +64,41 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
-def _emulation_build(request, tmp_path_factory, families):
-    """``families``' CUDA sources compiled for the host with g++ (built once, kept in pytest's
-    cache between runs); the test skips where g++ is missing."""
+@pytest.fixture(scope="session")
+def emulation_folder(request, tmp_path_factory) -> Path:
+    """Where the emulator's libraries are built and kept (pytest's cache between runs, else a
+    session folder); the test skips where g++ is missing."""
     import shutil
-
-    from cuda_emulation import build
 
     if shutil.which("g++") is None:
         pytest.skip("g++ not on PATH")
     cache = getattr(request.config, "cache", None)
-    folder = cache.mkdir("cuda_emulation") if cache is not None else tmp_path_factory.mktemp("emu")
-    return build(families, Path(folder))
+    return Path(cache.mkdir("cuda_emulation") if cache is not None
+                else tmp_path_factory.mktemp("emu"))
+
+
+def _emulation_build(request, families):
+    """``families``' CUDA sources compiled for the host with g++ (built once, in the
+    ``emulation_folder``)."""
+    from cuda_emulation import build
+
+    return build(families, request.getfixturevalue("emulation_folder"))
 
 
 @pytest.fixture(scope="session")
-def emulation_lib(request, tmp_path_factory):
+def emulation_lib(request):
     """The CUDA sources of the embedding path on the host emulator."""
     from one_embedding.kernels import cuda_module as cm
 
-    return _emulation_build(request, tmp_path_factory, cm.EMBEDDING_FAMILIES)
+    return _emulation_build(request, cm.EMBEDDING_FAMILIES)
 
 
 @pytest.fixture(scope="session")
-def amp_lib(request, tmp_path_factory):
+def amp_lib(request):
     """The dense and AMP kernels' CUDA sources (``cuda_module.AMP_FAMILIES``) on the emulator."""
     from one_embedding.kernels import cuda_module as cm
 
-    return _emulation_build(request, tmp_path_factory, cm.AMP_FAMILIES)
+    return _emulation_build(request, cm.AMP_FAMILIES)
 
 
 #: the emulator's stress seeds that tests marked ``stress_seeds`` run under in every run, beside

@@ -326,18 +326,19 @@ class MultiTableMultiColumnEmbedding:
                 keep = ~is_pad
                 keys, tables = keys[keep], tables[keep]
         shard = self._owner()
-        # one rank over one device store: fixed-capacity arrays, the unique count on the device
-        fixed = comm.world == 1 and shard.takes_live_counts
-        if fixed and device_unique.FIND_IN_DEDUP:
+        # a device store: the owner's keys in fixed-capacity arrays, their count on the device
+        # (one rank reads nothing; several read the per-rank counts their messages need)
+        fixed = shard.takes_live_counts
+        if fixed and comm.world == 1 and device_unique.FIND_IN_DEDUP:
             # the dedup's output pass probes the store's index too, under the chain's lock (the
             # ID shuffle of one rank is the identity: nothing crosses, nothing to count)
             unique, unique_tables, owner = shard.lookup_ids(keys, tables)
             n = np.array([unique.keys.shape[0]], np.int64)
             local = LocalIds(unique.keys, unique_tables, unique.inverse, n, unique.count)
-            exchange = IdExchange(local, n, unique.keys, unique_tables, None)
+            exchange = IdExchange(local, n, unique.keys, unique_tables, None, unique.count)
             return StepState(tuple(ids.shape), keep, exchange, owner, on_gpu=True)
         exchange = shuffle_ids(comm, keys, tables, self.traffic, self.launch, fixed_capacity=fixed)
-        live = exchange.local.unique_count
+        live = exchange.owner_count
         owner = shard.lookup(exchange.owner_keys, exchange.owner_table_ids) if live is None \
             else shard.lookup(exchange.owner_keys, exchange.owner_table_ids, live=live)
         return StepState(tuple(ids.shape), keep, exchange, owner, on_gpu=True)

@@ -18,6 +18,7 @@ from abc import ABC, abstractmethod
 
 import numpy as np
 
+from .. import host_sync
 from ..backend import is_cupy_array
 from ..errors import ConfigError
 
@@ -99,13 +100,15 @@ class LocalComm(Communicator):
 
 
 def _on_host(method):
-    """MPI here is not CUDA-aware: a CuPy array goes through host memory and comes back as one."""
+    """MPI here is not CUDA-aware: a CuPy array goes through host memory (a read that waits for
+    the device, counted by ``host_sync``) and comes back as one."""
     def wrapper(self, array, *args):
         if not is_cupy_array(array):
             return method(self, array, *args)
         import cupy
 
-        return cupy.asarray(method(self, array.get(), *args))
+        staged = host_sync.to_host(array, f"MPI {method.__name__}: device array staged on the host")
+        return cupy.asarray(method(self, staged, *args))
 
     wrapper.__doc__ = method.__doc__
     return wrapper
@@ -191,7 +194,9 @@ class NcclComm(Communicator):
     messages: counts, barriers). One GPU per rank: rank r uses device ``r % local_size``.
 
     All-to-all is a group of NCCL sends and receives, one pair per peer, on the current stream.
-    Untested on this project's CPU machines; ``scripts/gpu_check.sh`` exercises it on GPUs.
+    Not run yet: the GPU machines lent to this project have one GPU, and NCCL takes one rank
+    per GPU. The device path it carries runs under ``mpiexec`` with ``MpiComm`` in the default
+    checks (tests/mpi/test_device_ranks.py: the kernels on the host emulator).
     """
 
     _DTYPES = {"float32": "NCCL_FLOAT32", "float16": "NCCL_FLOAT16", "float64": "NCCL_FLOAT64",
