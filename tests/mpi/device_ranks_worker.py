@@ -3,14 +3,16 @@ sequence of global batches, once on the CPU path (numpy) and once on the device 
 kernels on the host emulator, numpy standing in for CuPy's arrays), and compares the two bit for
 bit; the device steps' host reads are counted by reason. Rank 0 writes a JSON report.
 
-    mpiexec -n 2 python tests/mpi/device_ranks_worker.py OUT.json --emulation DIR
+    mpiexec -n 2 python tests/mpi/device_ranks_worker.py OUT.json (--emulation DIR | --cuda)
         [--store device_mem|cached_host_mem] [--exchange-dtype fp32|fp16|int8] [--steps N]
 
-The emulator's library is built (or reused) in DIR (tests/cuda_emulation.py); rank 0 builds it
-before the others load it.
+--emulation: the emulator's library is built (or reused) in DIR (tests/cuda_emulation.py); rank
+0 builds it before the others load it. --cuda: CuPy on the GPU (every rank on device 0 when the
+machine has one: tests/gpu/test_device_ranks_gpu.py), the exchanges staged by MPI.
 """
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -51,21 +53,15 @@ def make_embedding(kind, folder, launch, exchange_dtype):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
-    ap.add_argument("--emulation", required=True)
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--emulation")
+    where.add_argument("--cuda", action="store_true")
     ap.add_argument("--store", default="device_mem")
     ap.add_argument("--exchange-dtype", default="fp32")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args()
     comm = default_comm()
-    from cuda_emulation import EmulatedLauncher, build
-
-    from one_embedding.kernels import cuda_module as cm
-
-    if comm.rank == 0:
-        build(cm.EMBEDDING_FAMILIES, Path(args.emulation))
-    comm.barrier()
-    launch = EmulatedLauncher(build(cm.EMBEDDING_FAMILIES, Path(args.emulation)),
-                              cm.EMBEDDING_FAMILIES)
+    launch = _launcher(comm, args)
     base = Path(args.out).parent / f"rank{comm.rank}"
     cpu = make_embedding(args.store, str(base / "cpu"), None, args.exchange_dtype)
     dev = make_embedding(args.store, str(base / "device"), launch, args.exchange_dtype)
@@ -87,9 +83,11 @@ def main():
             optimizers[1].zero_grad()
         checks.read(dev.xp)
         reads.append(dict(counted.by_reason))
+        got = got.get() if hasattr(got, "get") else got
         same_rows.append(bool(np.array_equal(np.asarray(got).view(np.uint32),
                                              want.view(np.uint32))))
-    (ck, cl), (dk, dl) = cpu.export(), dev.export()
+    (ck, cl), (dk, dl) = cpu.export(), [a.get() if hasattr(a, "get") else a
+                                        for a in dev.export()]
     oc, od = np.argsort(ck), np.argsort(dk)
     same_table = ck.shape == dk.shape and bool(np.array_equal(ck[oc], dk[od])) and \
         bool(np.array_equal(np.asarray(cl)[oc].view(np.uint32), np.asarray(dl)[od].view(np.uint32)))
@@ -102,6 +100,34 @@ def main():
         Path(args.out).write_text(json.dumps(report))
     cpu.close()
     dev.close()
+
+
+def _launcher(comm, args):
+    """The device: CuPy's launcher (--cuda), or the emulator's, built once by rank 0."""
+    from one_embedding.kernels import cuda_module as cm
+    from one_embedding.kernels import device_ops
+
+    if args.cuda:
+        if os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1":   # the GPU test's dry run
+            import gpu_dry_run
+
+            folder = Path(args.out).parent / "emulation"
+            if comm.rank == 0:
+                gpu_dry_run.install(folder)
+            comm.barrier()
+            if comm.rank != 0:
+                gpu_dry_run.install(folder)
+        import cupy
+
+        cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount()).use()
+        return device_ops.cupy_launcher()
+    from cuda_emulation import EmulatedLauncher, build
+
+    if comm.rank == 0:
+        build(cm.EMBEDDING_FAMILIES, Path(args.emulation))
+    comm.barrier()
+    return EmulatedLauncher(build(cm.EMBEDDING_FAMILIES, Path(args.emulation)),
+                            cm.EMBEDDING_FAMILIES)
 
 
 def _gather_strings(comm, text: str) -> list:

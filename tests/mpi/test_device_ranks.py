@@ -25,9 +25,11 @@ COUNTS_READ = "partition: per-rank counts for the exchange"
 
 
 def run(tmp_path, folder, world, *args):
+    """The worker's report; folder: the emulator's build folder, or None for CuPy (--cuda)."""
     out = tmp_path / "report.json"
-    cmd = [mpiexec(), "-n", str(world), sys.executable, str(WORKER), str(out),
-           "--emulation", str(folder), *map(str, args)]
+    where = ["--cuda"] if folder is None else ["--emulation", str(folder)]
+    cmd = [mpiexec(), "-n", str(world), sys.executable, str(WORKER), str(out), *where,
+           *map(str, args)]
     env = {**os.environ, "PYTHONPATH": str(helpers.ROOT) + os.pathsep +
            os.environ.get("PYTHONPATH", "")}
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)

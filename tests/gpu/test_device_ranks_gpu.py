@@ -1,0 +1,26 @@
+"""Two ranks on one GPU (issue 30 item 4): ``mpiexec -n 2`` of tests/mpi/device_ranks_worker.py
+with ``--cuda``: each rank trains the same embedding on the CPU path and on CuPy, bit for bit
+alike, its exchanges staged through host memory by MPI (NCCL takes one rank per GPU, and the
+machines lent to this project have one). A device_mem step's reads: the per-rank counts, and
+MPI's staging of the ids, table ids, rows and gradients (NcclComm keeps those on the device)."""
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi"))
+
+from test_device_ranks import COUNTS_READ, run  # noqa: E402
+
+pytestmark = [pytest.mark.gpu]
+
+STAGED = {"MPI alltoallv: device array staged on the host"}
+
+
+@pytest.mark.parametrize("exchange_dtype", ["fp32", "int8"])
+def test_two_ranks_on_one_gpu_give_the_cpu_bits(tmp_path, exchange_dtype):
+    report = run(tmp_path, None, 2, "--exchange-dtype", exchange_dtype)
+    assert report["rows_identical"] and report["tables_identical"], report
+    for rank_reads in report["reads"]:
+        for step in rank_reads:
+            assert step.get(COUNTS_READ) == 1 and set(step) <= {COUNTS_READ} | STAGED, step
