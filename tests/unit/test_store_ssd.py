@@ -8,7 +8,7 @@ import pytest
 
 import one_embedding as oe
 from one_embedding.errors import SnapshotError, StoreError
-from one_embedding.store import rocksdb_store, segments
+from one_embedding.store import rocksdb_snapshots, segments
 from one_embedding.chain import build_chain
 from one_embedding.store.rocksdb_store import RocksDBStore, tree_disk_bytes
 from one_embedding.store.slot_file import SlotFileStore, block_layout
@@ -238,7 +238,7 @@ def test_disk_full_on_erase_keeps_the_keys_and_their_tombstones(tmp_path, monkey
 
 
 @pytest.mark.parametrize("engine,module,target", [
-    ("slots", segments, "_write_synced"), ("rocksdb", rocksdb_store, "write_bytes_atomic")])
+    ("slots", segments, "_write_synced"), ("rocksdb", rocksdb_snapshots, "write_bytes_atomic")])
 def test_disk_full_during_save_snapshot_keeps_last_snapshot(engine, module, target, tmp_path, monkeypatch):
     opts = oe.make_cached_ssd_store_options(0.01, str(tmp_path), engine=engine, size_factor=2)
     emb = oe.MultiTableEmbedding("t", 8, np.float32, np.int64, None, opts, seed=1)

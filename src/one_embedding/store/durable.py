@@ -13,6 +13,12 @@ def disk_full(e: BaseException) -> bool:
     return getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT)
 
 
+def no_space_left(e: BaseException) -> bool:
+    """True for a full disk as the RocksDB engine tells it: an OSError ENOSPC, or RocksDB's
+    plain Exception (no errno) whose message says "No space left"."""
+    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
+
+
 def write_failed(doing: str, path: str, e: OSError, then: str) -> str:
     """The message of a write that failed with ``e``: ``doing`` what, on which ``path``, whether
     the disk is full (naming its folder), that the published snapshots are intact, and ``then``:

@@ -14,15 +14,9 @@ a disk read, and that never touches a value) for an exact row count; a read asks
 key never stored reads nothing and the rows' family needs no filter. The block cache (key blocks
 of both families) is a fixed BLOCK_CACHE_MB.
 
-Snapshot (incremental): both memtables flushed, then a RocksDB checkpoint in
-``<snapshot>/db/``: the SST and blob files are hard links (RocksDB never writes into one after
-creating it, and deletes it only by name, so the inode stays valid while any snapshot or working
-DB links it); the small metadata files are copies. The CRC32 of each data file is computed once
-(new files only: ``_data_file_crc``) and recorded in the manifest as a shared file. Compaction is
-forced only when garbage has piled up (``_reclaim``: past COMPACT_ABOVE times the live rows). Load
-(reopen in place): the working DB is rebuilt from hard links to the snapshot's data files and
-copies of its metadata (a copy where the file system cannot link). Deleting a snapshot removes
-its links; a file goes when its last link does: disk is reclaimed without a collector of our own.
+Snapshots are incremental (``rocksdb_snapshots.py``): a RocksDB checkpoint whose SST and blob
+files are hard links, reopened in place. Compaction is forced only when garbage has piled up
+(``_reclaim``: past COMPACT_ABOVE times the live rows).
 
 A failure of RocksDB (a full disk above all) in any of these steps is a StoreError that says
 which path's disk is full and that the published snapshots are intact (``_io``); a DB a full
@@ -31,8 +25,6 @@ disk stopped is discarded by the next load of a snapshot.
 from __future__ import annotations
 
 import contextlib
-import errno
-import json
 import logging
 import os
 import shutil
@@ -42,18 +34,15 @@ from typing import Iterator
 
 import numpy as np
 
-from ..errors import SnapshotError, StoreError
+from ..errors import StoreError
 from ..tiers import StoreTier, empty_lines
 from .direct_io import probe_direct_io
-from .durable import copy_file, file_crc32, fsync_dir, fsync_path, write_bytes_atomic
-from .snapshots import read_manifest
-
-log = logging.getLogger(__name__)
+from .durable import no_space_left
+from .rocksdb_snapshots import INFO_FILE, RocksDBSnapshots  # noqa: F401 - INFO_FILE: re-exported
 
 DB_DIR = "rocksdb"
 #: the most ``flush(wait_idle=True)`` waits for RocksDB's flushes and compactions to settle
 IDLE_WAIT_SECONDS = 120.0
-INFO_FILE = "rocksdb.json"
 #: the column family of the stored keys (empty values): the row count's existence checks
 KEYS_CF = "keys"
 _PARALLEL_KEYS = 1 << 13
@@ -71,15 +60,8 @@ BLOB_RECORD_OVERHEAD = 40
 COMPACT_ABOVE = 1.25
 #: ... and the excess is at least this many bytes (a tiny table's SST overheads are no garbage)
 RECLAIM_MIN_BYTES = 8 << 20
-#: the immutable data files of a DB (shared by hard links); the rest are small metadata copies
-_SHARED_SUFFIXES = (".sst", ".blob")
 
 log = logging.getLogger("one_embedding.store")
-
-
-def _disk_full(e: BaseException) -> bool:
-    """True for a full disk: an OSError ENOSPC, or RocksDB's plain Exception saying so."""
-    return getattr(e, "errno", None) == errno.ENOSPC or "No space left" in str(e)
 
 
 def _rocksdict():
@@ -145,7 +127,7 @@ def _db_options(rd, write_buffer_mb: int, cache, direct: bool):
     return opts
 
 
-class RocksDBStore(StoreTier):
+class RocksDBStore(RocksDBSnapshots, StoreTier):
     """Bottom tier on SSD: every key's line in the RocksDB at ``<directory>/rocksdb``."""
 
     def __init__(self, line_size: int, directory: str, threads: int = 2,
@@ -218,7 +200,7 @@ class RocksDBStore(StoreTier):
         except StoreError:
             raise
         except Exception as e:  # rocksdict raises plain Exception for I/O errors
-            what = f"the disk of {os.path.dirname(self.path)!r} is full" if _disk_full(e) else \
+            what = f"the disk of {os.path.dirname(self.path)!r} is full" if no_space_left(e) else \
                 "an I/O error stopped it"
             raise StoreError(
                 f"{self.name}: {doing} in {self.path!r} failed: {what} ({e}). Every snapshot "
@@ -321,13 +303,19 @@ class RocksDBStore(StoreTier):
         stay until it is deleted."""
         self.flush(wait_idle=True)  # the compactions the flush triggers settle first
         garbage, live = self._garbage_bytes(), self._live_bytes()
-        if garbage <= max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * live):
+        if not self._reclaim_due(garbage, live):
             return 0
         share = garbage / max(1, garbage + live)
         # more garbage than rows: relocating every live row costs less than it frees
         self._reclaim(1.0 if share > 0.5 else max(BLOB_GC_AGE_CUTOFF, share),
                       " (a save runs this after it has published its snapshot)")
         return 1
+
+    @staticmethod
+    def _reclaim_due(garbage: int, live: int) -> bool:
+        """Whether ``garbage`` bytes beside ``live`` bytes of rows call for a reclaim: past
+        COMPACT_ABOVE times the live rows and RECLAIM_MIN_BYTES (a save's and a GC's test)."""
+        return garbage > max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * live)
 
     def _live_bytes(self) -> int:
         """What the live rows need in blob files."""
@@ -442,126 +430,6 @@ class RocksDBStore(StoreTier):
         self._rows = 0
         self._open()
 
-    # -- snapshots --------------------------------------------------------------------------
-    @staticmethod
-    def _file_key(path: str) -> tuple:
-        """The identity of a data file: (device, inode, name, size, mtime_ns). RocksDB never
-        writes into a finished file, so this names its content, where the inode alone does not:
-        a deleted file's inode is reused by the next file created, which may have its size.
-        Within one DB session RocksDB never reuses a file name (a new session, ``_open``,
-        forgets every CRC). ctime is left out: every checkpoint's hard link changes it.
-
-        rocksdict (0.3) exposes neither RocksDB's own file checksums (no
-        ``file_checksum_gen_factory``, no checksums in ``live_files``) nor a way to verify
-        them, so the CRC32s are ours, computed once per file identity."""
-        st = os.stat(path)
-        return st.st_dev, st.st_ino, os.path.basename(path), st.st_size, st.st_mtime_ns
-
-    def _data_file_crc(self, path: str, seen: dict | None = None) -> int:
-        """CRC32 of an SST or blob file, computed once per file identity (``_file_key``);
-        ``seen``: collects this save's entries (the cache keeps only those afterwards)."""
-        key = self._file_key(path)
-        crc = self._crcs.get(key)
-        if crc is None:
-            crc = file_crc32(path)
-            self._crcs[key] = crc
-        if seen is not None:
-            seen[key] = crc
-        return crc
-
-    def save_snapshot(self, directory: str) -> dict:
-        """Write ``db/`` (a RocksDB checkpoint: SSTs hard-linked, metadata copied) and
-        ``rocksdb.json`` into ``directory``; returns the SSTs' sizes and CRC32s (shared files)."""
-        target = os.path.join(directory, "db")
-        self._size_blob_files()
-        self.flush()  # the WAL is off: the memtables must reach SSTs first
-        if self._garbage_bytes() > max(RECLAIM_MIN_BYTES, (COMPACT_ABOVE - 1) * self._live_bytes()):
-            self._reclaim()
-        with self._io(f"a RocksDB checkpoint into {target!r}"):
-            self._rd.Checkpoint(self._db).create_checkpoint(target)
-        try:
-            files, shared, seen = {}, {}, {}
-            for entry in sorted(os.listdir(target)):
-                path = os.path.join(target, entry)
-                files[entry] = os.path.getsize(path)
-                if entry.endswith(_SHARED_SUFFIXES):
-                    shared[f"db/{entry}"] = {"bytes": files[entry],
-                                             "crc32": self._data_file_crc(path, seen)}
-                else:
-                    fsync_path(path)
-            self._crcs = seen  # this checkpoint's files only: a file the next save links and
-            # this one did not is new (computed then), so nothing else is needed
-            fsync_dir(target)
-            write_bytes_atomic(os.path.join(directory, INFO_FILE), json.dumps(
-                {"engine": "rocksdb", "line_size": self.line_size, "rows": self._rows,
-                 "db_files": files}).encode())
-        except OSError as e:
-            what = "the disk is full" if _disk_full(e) else "an I/O error stopped it"
-            raise StoreError(
-                f"{self.name}: writing snapshot files into {directory!r} failed: {what} "
-                f"({e.strerror or e}); free disk space and save again. Every snapshot already "
-                "published (the previous one of that name included) is intact"
-            ) from None
-        return shared
-
-    def _read_info(self, directory: str) -> dict:
-        try:
-            with open(os.path.join(directory, INFO_FILE), "rb") as f:
-                info = json.loads(f.read())
-        except (OSError, ValueError) as e:
-            raise SnapshotError(f"{self.name}: snapshot {directory!r} is unreadable: {e}") from None
-        db_files = info.get("db_files") if isinstance(info, dict) else None
-        if not isinstance(db_files, dict) or not db_files or info.get("engine") != "rocksdb" \
-                or info.get("line_size") != self.line_size or not isinstance(info.get("rows"), int):
-            raise SnapshotError(
-                f"{self.name}: snapshot {directory!r} holds {info}; this store needs a 'rocksdb' "
-                f"snapshot of line_size={self.line_size}")
-        for entry, size in db_files.items():
-            fpath = os.path.join(directory, "db", entry)
-            if os.path.basename(entry) != entry or not os.path.isfile(fpath) \
-                    or os.path.getsize(fpath) != size:
-                raise SnapshotError(
-                    f"{self.name}: snapshot {directory!r} is damaged: db/{entry} is missing or not "
-                    f"{size} bytes; load another snapshot")
-        return info
-
-    def load_snapshot(self, directory: str) -> None:
-        """Rebuild the working DB from the snapshot's ``db/`` files (exactly those that
-        ``rocksdb.json`` lists): SSTs hard-linked, the rest copied."""
-        info = self._read_info(directory)
-        source = os.path.join(directory, "db")
-        self._close_db()
-        shutil.rmtree(self.path, ignore_errors=True)
-        try:
-            os.mkdir(self.path)
-            for entry in info["db_files"]:
-                src, dst = os.path.join(source, entry), os.path.join(self.path, entry)
-                if entry.endswith(_SHARED_SUFFIXES):
-                    _link_or_copy(src, dst)
-                else:
-                    copy_file(src, dst)
-        except OSError as e:
-            raise StoreError(f"{self.name}: restoring {source!r} into {self.path!r} failed: {e}") from None
-        self._open()
-        self._rows = int(info["rows"])
-        self._remember_checksums(directory)
-
-    def _remember_checksums(self, directory: str) -> None:
-        """Take the CRC32s the snapshot's manifest records of its SSTs (the working DB links the
-        same inodes), so the next save reads none of them again."""
-        try:
-            files = read_manifest(directory, os.path.basename(directory))["files"]
-        except (SnapshotError, KeyError, TypeError):
-            return  # a bare snapshot folder (no manifest): the next save computes them
-        for rel, entry in files.items():
-            if rel.startswith("db/") and rel.endswith(_SHARED_SUFFIXES):
-                try:
-                    key = self._file_key(os.path.join(directory, rel))
-                except OSError:
-                    continue
-                if key[3] == entry.get("bytes"):
-                    self._crcs[key] = int(entry["crc32"])
-
     def close(self) -> None:
         """Close the DB and delete its folder: it is scratch (discarded by the next open
         anyway); SSTs a snapshot links stay there."""
@@ -579,15 +447,6 @@ class RocksDBStore(StoreTier):
         except Exception as e:  # garbage collection cannot raise: the reason is logged
             log.warning("%s was not closed, and closing it at garbage collection failed: %r",
                         self.name, e)
-
-
-def _link_or_copy(src: str, dst: str) -> None:
-    try:
-        os.link(src, dst)
-    except OSError as e:
-        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
-            raise
-        copy_file(src, dst)
 
 
 def tree_disk_bytes(path: str) -> int:

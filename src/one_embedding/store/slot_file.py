@@ -10,7 +10,7 @@ the page cache to confirm tag matches. A lookup of a key that was never stored m
 
 - A read resolves the keys to locations, reads each distinct block once (runs of adjacent
   blocks in one call, ``io_threads`` requests in flight, across segment files) and a numba
-  kernel copies the rows out.
+  kernel copies the rows out (the block reads and writes: ``slot_block_io.py``).
 - A write appends, then points the directory at the new rows; the old rows become garbage.
 - Compaction: when garbage passes ``garbage_ratio`` of the live segments' slots, the sealed
   segments with the least live rows have those rows appended again and leave the live table.
@@ -40,13 +40,10 @@ from __future__ import annotations
 
 import logging
 import os
-import time
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import Iterator
 
 import numpy as np
-from numba import njit
 
 from ..errors import StoreError
 from ..tiers import StoreTier, empty_lines
@@ -54,7 +51,8 @@ from ..tiers.compact_index import MAX_LOCATION, CompactIndex
 from . import segments as seg_files
 from .direct_io import AlignedBuffer, IOPool
 from .durable import write_failed
-from .segments import SegmentPool, block_checksums, block_layout, default_segment_rows
+from .segments import SegmentPool, block_layout, default_segment_rows
+from .slot_block_io import IO_CHUNK_BYTES, SlotBlockIO
 from .slot_snapshots import SlotSnapshots
 from .snapshots import SnapshotDirectory
 
@@ -62,9 +60,8 @@ log = logging.getLogger(__name__)
 
 __all__ = ["SlotFileStore", "block_layout"]
 
-_PARALLEL_ROWS = 1 << 14  # below this a second copy thread costs more than it saves
-#: the staging buffers: blocks of one read or write pass (explicit RAM, not page cache)
-IO_CHUNK_BYTES = 32 << 20
+# IO_CHUNK_BYTES (the staging buffers) lives in slot_block_io; plan.py reads it from here
+
 #: compaction starts when garbage passes this share of the live segments' slots ...
 GARBAGE_RATIO = 0.3
 #: ... and stops below this share
@@ -74,29 +71,8 @@ SMALL_SEGMENTS = 32
 _MAX_INITIAL_KEYS = 1 << 20
 
 
-@njit(cache=True, nogil=True)
-def _gather(view, pos, within, out, out_rows, start, stop):
-    """out[out_rows[i]] = view[pos[i], within[i]] for i in start..stop-1.
 
-    view: (blocks, rows_per_block, line_size) float32, the staging buffer; pos, within: (n,)
-    int64 block in the buffer and row in the block."""
-    # explicit column loops: numba's slice copy on a strided view is 3x slower
-    for i in range(start, stop):
-        o, b, r = out_rows[i], pos[i], within[i]
-        for c in range(out.shape[1]):
-            out[o, c] = view[b, r, c]
-
-
-@njit(cache=True, nogil=True)
-def _scatter(view, pos, within, lines, line_rows, start, stop):
-    """view[pos[i], within[i]] = lines[line_rows[i]] for i in start..stop-1."""
-    for i in range(start, stop):
-        o, b, r = line_rows[i], pos[i], within[i]
-        for c in range(lines.shape[1]):
-            view[b, r, c] = lines[o, c]
-
-
-class SlotFileStore(SlotSnapshots, StoreTier):
+class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
     """Bottom tier on SSD: every key's line in the segments under ``<directory>/slots/``.
 
     threads: CPU threads of the row copies between the staging buffers and the caller's lines;
@@ -213,129 +189,7 @@ class SlotFileStore(SlotSnapshots, StoreTier):
                              "fill the 32-bit location space of the directory")
         return index
 
-    # -- batched row I/O ----------------------------------------------------------------------
-    def _staging(self, buffer: AlignedBuffer, n_blocks: int):
-        """``buffer`` sized for ``n_blocks`` blocks, with its (n_blocks, rows_per_block,
-        line_size) float32 view and its (n_blocks, block_bytes) uint8 view."""
-        bb, rpb = self.pool.block_bytes, self.pool.rows_per_block
-        buf = buffer.get(n_blocks * bb)
-        rows = np.ndarray((n_blocks, rpb, self.line_size), np.float32, buffer=buf,
-                          strides=(bb, 4 * self.line_size, 4))
-        raw = np.ndarray((n_blocks, bb), np.uint8, buffer=buf)
-        return buf, rows, raw
-
-    def _copy(self, kernel, view, pos, within, data, data_rows) -> None:
-        """Run ``kernel`` over rows 0..n-1, split over ``threads`` when the batch is big."""
-        n = pos.shape[0]
-        if self._pool is None or n < _PARALLEL_ROWS:
-            kernel(view, pos, within, data, data_rows, 0, n)
-            return
-        bounds = np.linspace(0, n, self.threads + 1).astype(np.int64)
-        futures = [self._pool.submit(kernel, view, pos, within, data, data_rows,
-                                     int(bounds[t]), int(bounds[t + 1]))
-                   for t in range(self.threads)]
-        for f in futures:
-            f.result()
-
-    def _chunk_blocks(self) -> int:
-        return max(1, IO_CHUNK_BYTES // self.pool.block_bytes)
-
-    def read_locations(self, locs: np.ndarray, out: np.ndarray | None = None,
-                       out_rows: np.ndarray | None = None) -> np.ndarray:
-        """locs: (n,) int64 locations -> lines (n, line_size) float32, or into ``out[out_rows]``.
-
-        Each distinct block is read once, in file order, ``io_threads`` reads in flight."""
-        self._check()
-        n = locs.shape[0]
-        if out is None:
-            out = np.empty((n, self.line_size), np.float32)
-            out_rows = np.arange(n, dtype=np.int64)
-        if n == 0:
-            return out
-        rpb = self.pool.rows_per_block
-        seg, slot = self._split(np.ascontiguousarray(locs, np.int64))
-        block = slot // rpb
-        within = slot - block * rpb
-        # one sort key: (segment, block) in location order
-        ordinal = seg * (self.pool.segment_rows // rpb + 1) + block
-        order = np.argsort(ordinal)
-        ordinal, seg, block, within = ordinal[order], seg[order], block[order], within[order]
-        rows = np.ascontiguousarray(out_rows, np.int64)[order]
-        first = np.ones(n, np.bool_)
-        first[1:] = ordinal[1:] != ordinal[:-1]
-        blocks, block_segs = block[first], seg[first]     # (k,) distinct blocks
-        pos = np.cumsum(first) - 1                         # (n,) each row's block
-        # each pass reads at most a staging buffer of blocks from at most max_files segments
-        seg_rank = np.cumsum(np.r_[True, block_segs[1:] != block_segs[:-1]]) - 1
-        max_files = max(1, self.pool.handles.max_files)
-        c0, chunk = 0, self._chunk_blocks()
-        while c0 < blocks.shape[0]:
-            c1 = min(c0 + chunk, blocks.shape[0],
-                     int(np.searchsorted(seg_rank, seg_rank[c0] + max_files)))
-            r0, r1 = np.searchsorted(pos, [c0, c1])
-            fds = self._open_rows(block_segs[c0:c1])
-            buf, view, raw = self._staging(self._read_buffer, c1 - c0)
-            t0 = time.perf_counter()
-            try:
-                self._io.read(fds, blocks[c0:c1], self.pool.block_bytes, buf)
-                self.read_seconds += time.perf_counter() - t0
-            except OSError as e:
-                self._check_rows_sizes(block_segs[c0:c1], blocks[c0:c1])  # names a short file
-                raise StoreError(f"{self.name}: reading a segment under {self.pool.folder!r} "
-                                 f"failed ({e.strerror or e}); check the disk, then load the last "
-                                 "snapshot") from None
-            self._check_sums(raw, block_segs[c0:c1], blocks[c0:c1])
-            self._copy(_gather, view, pos[r0:r1] - c0, within[r0:r1], out, rows[r0:r1])
-            c0 = c1
-        self.io_counts["read_blocks"] += int(blocks.shape[0])
-        return out
-
-    def _check_sums(self, raw: np.ndarray, segs: np.ndarray, blocks: np.ndarray) -> None:
-        """Blocks just read (raw: (k, block_bytes) uint8; their segment indices and block
-        numbers, (k,) int64) against the checksums written with them (each segment's own
-        function: a snapshot of format 2 brings segments of the legacy one)."""
-        expected = self._per_segment("sums", segs, blocks)
-        legacy = self._legacy_table()[segs]
-        if not legacy.any():
-            got = block_checksums(raw)
-        else:
-            got = np.empty(raw.shape[0], np.uint64)
-            for flag in (False, True):
-                part = np.flatnonzero(legacy == flag)
-                if part.shape[0]:
-                    got[part] = block_checksums(raw[part], seg_files.LEGACY_BLOCK_CHECKSUM
-                                                if flag else seg_files.BLOCK_CHECKSUM)
-        bad = np.flatnonzero(got != expected)
-        if bad.shape[0]:
-            seg = self._segments[int(segs[bad[0]])]
-            raise StoreError(
-                f"{self.name}: block {int(blocks[bad[0]])} of {seg.path('rows')!r} fails its "
-                "checksum: the segment is damaged; load another snapshot (one-embedding inspect "
-                "lists the intact ones)")
-
-    def _check_rows_sizes(self, segs: np.ndarray, blocks: np.ndarray) -> None:
-        """Raise StoreError naming a rows file shorter than the blocks (k,) int64 of the
-        segments (k,) int64 that a read wanted from it."""
-        for index in np.unique(segs).tolist():
-            end = int(blocks[segs == index].max()) + 1
-            self._segments[index].check_rows_size(end * self.pool.block_bytes)
-
-    def _open_rows(self, segs: np.ndarray) -> np.ndarray:
-        """segs: (k,) int64 segment indices, ascending -> (k,) int32 their rows files'
-        descriptors, all open together (the pool's budget reopens closed ones)."""
-        starts = np.r_[0, np.flatnonzero(segs[1:] != segs[:-1]) + 1]
-        fds = self.pool.open_rows([self._segments[int(i)] for i in segs[starts].tolist()])
-        return np.repeat(np.asarray(fds, np.int32), np.diff(np.r_[starts, segs.shape[0]]))
-
-    def _legacy_table(self) -> np.ndarray:
-        """(max index + 1,) bool: whether a live segment's block checksums are the legacy ones
-        (rebuilt when the live segments change)."""
-        if self._legacy is None:
-            self._legacy = np.zeros(max(self._segments, default=-1) + 1, np.bool_)
-            for index, seg in self._segments.items():
-                self._legacy[index] = seg.checksum == seg_files.LEGACY_BLOCK_CHECKSUM
-        return self._legacy
-
+    # -- appends and the live segments --------------------------------------------------------
     def _append(self, keys: np.ndarray, lines: np.ndarray) -> np.ndarray:
         """Append rows (keys (n,) uint64, lines (n, line_size) float32) to the active segment,
         sealing it and starting another when it is full. Returns their locations (n,) int64.
@@ -378,55 +232,6 @@ class SlotFileStore(SlotSnapshots, StoreTier):
         self._segments[seg.index] = seg
         self._slots_total += seg.n_slots
         self._legacy = None
-
-    def _write_into(self, seg, keys: np.ndarray, lines: np.ndarray) -> None:
-        """Rows go to slots seg.n_slots.. of ``seg``: whole blocks, the partly filled last block
-        rewritten with the rows it held. The block images pass through the write buffer, where
-        the CRC32 of each block that is final (full) is taken."""
-        rpb, bb = self.pool.rows_per_block, self.pool.block_bytes
-        m = keys.shape[0]
-        s0, s1 = seg.n_slots, seg.n_slots + m
-        first_block, end_block = s0 // rpb, -(-s1 // rpb)
-        slots = np.arange(s0, s1, dtype=np.int64)
-        block = slots // rpb
-        within = slots - block * rpb
-        line_rows = np.arange(m, dtype=np.int64)
-        chunk = self._chunk_blocks()
-        final_blocks = s1 // rpb  # blocks below this are full after the write
-        seg.append_keys(keys)  # first: a failure (StoreError) changes nothing of the segment
-        for b0 in range(first_block, end_block, chunk):
-            b1 = min(b0 + chunk, end_block)
-            r0, r1 = np.searchsorted(block, [b0, b1])
-            buf, view, raw = self._staging(self._write_buffer, b1 - b0)
-            # every byte written is deterministic (the same file on both I/O paths): the rows
-            # fill the blocks, the partly filled first block comes whole from its last image,
-            # and only the block padding and the free rows of a partly filled last block are
-            # zeroed (not the whole buffer: a step writes tens of MB)
-            raw[:, rpb * 4 * self.line_size:] = 0
-            if b0 == first_block and seg.tail is not None:
-                raw[0] = np.frombuffer(seg.tail, np.uint8)
-            if b1 == end_block and s1 % rpb:
-                view[-1, s1 % rpb:] = 0
-            self._copy(_scatter, view, block[r0:r1] - b0, within[r0:r1], lines, line_rows[r0:r1])
-            seg.sums[b0:b1] = block_checksums(raw, seg.checksum)
-            try:
-                self._io.write(seg.fd(), np.arange(b0, b1, dtype=np.int64), bb, buf)
-            except OSError as e:
-                # (rows files are preallocated: a file system that still refuses a write, such
-                # as a copy-on-write one that is full) the rewritten last block may be half
-                # written: its earlier rows are suspect
-                self._broken = write_failed(
-                    "writing the rows of", self.pool.path(seg.id, "rows"), e,
-                    "load_snapshot restores the last snapshot (the live table is inconsistent)")
-                raise StoreError(f"{self.name}: {self._broken}") from None
-            for b in range(max(b0, seg.crc_blocks), min(b1, final_blocks)):
-                seg.rows_crc = zlib.crc32(raw[b - b0], seg.rows_crc)
-                seg.crc_blocks = b + 1
-            if b1 == end_block:
-                seg.tail = raw[-1].tobytes() if s1 % rpb else None
-        self.io_counts["written_blocks"] += end_block - first_block
-        seg.n_slots = s1
-        self._slots_total += m
 
     def _seal_active(self) -> None:
         seg, self._active = self._active, None

@@ -1,0 +1,231 @@
+"""bench_gpu's part 1: the embedding lookup's bandwidth against the device's copy bandwidth, and
+the parts it is made of, each beside its baseline measured in the same run.
+
+- ``bench_lookup``: ``emb(ids)`` of a device_mem table against a device-to-device copy of the
+  output's size; on the device path its parts (hash-table unique against the sort-based one it
+  replaced, the chain's find, the gather by inverse), then the two below.
+- ``bench_dedup_find``: the dedup and the store's find as two kernels against the find fused
+  into the dedup's output pass, results compared bit for bit, and ``emb(ids)`` with the fusion
+  switched the other way.
+- ``bench_grad_update``: the per-key gradient sum + Adam row update as two kernels against the
+  fused one, results compared bit for bit.
+- ``bench_interaction_input``: a batch's rows into the dot interaction's input, gather +
+  concatenation against the gather straight into it, fp32 and bf16.
+
+``bench_gpu`` prints their tables and summary lines; the module docstring there says what each
+bandwidth counts and the goals.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from .common import zipf_ids
+
+if TYPE_CHECKING:
+    from .bench_gpu import Device
+
+
+def bench_lookup(dev: Device, args) -> dict:
+    import one_embedding as oe
+    from one_embedding.kernels import device_ops, device_unique
+
+    xp, e = dev.xp, args.lookup_dim
+    rng = np.random.default_rng(0)
+    n = args.batch_size * 26
+    batches = [zipf_ids(rng, 1.05, args.lookup_keys, (args.batch_size, 26)) for _ in range(3)]
+    store = oe.make_device_mem_store_options(None, capacity=args.lookup_keys)
+    emb = oe.MultiTableEmbedding("lookup", e, np.float32, np.int64, None, store,
+                                 device="cpu" if dev.dry_run else "cuda")
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.0), embeddings=[emb])
+    for ids in batches:                      # store every key of the timed batches first
+        out = emb(ids)
+        emb.backward(xp.zeros(out.shape, dtype=xp.float32))
+        opt.step()
+    ids = xp.asarray(batches[0])
+    out_bytes = n * e * 4
+    t_lookup = dev.seconds(lambda: emb(ids), args.repeats)
+    src = xp.ones((n, e), dtype=xp.float32)
+    dst = xp.empty_like(src)
+    t_copy = dev.seconds(lambda: xp.copyto(dst, src), args.repeats)
+    copy_bw = 2 * out_bytes / t_copy
+    lookup_bw = (8 + 8 * e) * n / t_lookup
+    rows = [{"what": "device copy (baseline), read + write", "ms": 1e3 * t_copy,
+             "GB/s": copy_bw / 1e9, "x copy": 1.0},
+            {"what": "lookup emb(ids): unique + find + gather", "ms": 1e3 * t_lookup,
+             "GB/s": lookup_bw / 1e9, "x copy": lookup_bw / copy_bw}]
+    parts = {}
+    if not dev.dry_run:                      # the parts, on the device path's own ops
+        launch = emb.launch
+        keys = ids.reshape(-1).view(xp.uint64)
+        uniq, inverse = device_unique.unique_ids(keys, launch)
+        # the hash-table dedup against the sort-based one it replaced: same results, timed apart
+        by_sorting = device_unique.unique_ids_by_sorting(keys, launch)
+        unique_same = bool((uniq.shape == by_sorting[0].shape) and (uniq == by_sorting[0]).all()
+                           and (inverse == by_sorting[1]).all())
+        chain = emb._owner()._chain
+        lines, _ = chain.lookup(uniq)
+        table = xp.ascontiguousarray(lines[:, :e])
+        parts = {"unique (hash table: unique_ids)":
+                     dev.seconds(lambda: device_unique.unique_ids(keys, launch), args.repeats),
+                 "unique (sort, the replaced baseline: unique_ids_by_sorting)":
+                     dev.seconds(lambda: device_unique.unique_ids_by_sorting(keys, launch), args.repeats),
+                 "find (chain.lookup of the unique keys)":
+                     dev.seconds(lambda: chain.lookup(uniq), args.repeats),
+                 "gather (rows by inverse)":
+                     dev.seconds(lambda: device_ops.gather_rows(table, inverse, launch), args.repeats)}
+        for name, t in parts.items():
+            rows.append({"what": f"  part: {name}", "ms": 1e3 * t})
+        rows[-1].update({"GB/s": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / 1e9,
+                         "x copy": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / copy_bw})
+        dedup_find = bench_dedup_find(dev, args, emb, ids)
+        rows += dedup_find.pop("rows")
+        update = bench_grad_update(dev, args, launch, inverse, int(uniq.shape[0]), copy_bw)
+        rows += update.pop("rows")
+        unique_count = int(uniq.shape[0])
+        unique_vs_sort = {"speedup": parts["unique (sort, the replaced baseline: unique_ids_by_sorting)"]
+                          / parts["unique (hash table: unique_ids)"], "same_results": unique_same}
+    else:
+        unique_count = int(np.unique(batches[0]).size)
+        unique_vs_sort, update, dedup_find = {}, {}, {}
+    emb.close()
+    return {"ids": n, "unique": unique_count, "dim": e, "copy_GBps": copy_bw / 1e9,
+            "lookup_GBps": lookup_bw / 1e9, "ratio": lookup_bw / copy_bw, "rows": rows,
+            "parts_s": parts, "unique_hash_vs_sort": unique_vs_sort, "grad_update": update,
+            "dedup_find": dedup_find}
+
+
+def bench_dedup_find(dev: Device, args, emb, ids) -> dict:
+    """The dedup and the store's find of one batch on the one-rank device_mem path, two ways in
+    the same run: the dedup's own output pass then the find (``unique_ids_fixed``, then
+    ``chain.lookup(live=count)``: two kernels, the unique keys written then read back) and the
+    find fused into the output pass (``dedup_passes_fixed`` + ``chain.lookup_deduped``: one
+    kernel); results compared bit for bit (unique keys, inverse, first positions, count, found,
+    the lines of the keys found). Then the whole ``emb(ids)`` with the fusion switched the
+    other way (``device_unique.FIND_IN_DEDUP``, off by default) beside the lookup row above."""
+    from one_embedding.kernels import device_unique
+
+    launch, chain, xp = emb.launch, emb._owner()._chain, dev.xp
+    keys = ids.reshape(-1).view(xp.uint64)
+
+    def unfused():
+        fixed = device_unique.unique_ids_fixed(keys, launch)
+        return (fixed, *chain.lookup(fixed.keys, live=fixed.count))
+
+    def fused():
+        return chain.lookup_deduped(device_unique.dedup_passes_fixed(keys, launch))
+
+    (want, want_lines, want_found), (got, got_lines, got_found) = unfused(), fused()
+    count = int(launch.to_host(want.count, reason="bench: unique count")[0])
+    held = want_found[:count]          # the lines of missing keys are left as they were
+    same = all(bool((a == b).all()) for a, b in zip(got, want, strict=True)) and \
+        bool((got_found == want_found).all()) and \
+        bool((got_lines[:count][held].view(xp.uint32) ==
+              want_lines[:count][held].view(xp.uint32)).all())
+    t_unfused = dev.seconds(unfused, args.repeats)
+    t_fused = dev.seconds(fused, args.repeats)
+    before = device_unique.FIND_IN_DEDUP
+    device_unique.FIND_IN_DEDUP = not before
+    try:
+        t_lookup_other = dev.seconds(lambda: emb(ids), args.repeats)
+    finally:
+        device_unique.FIND_IN_DEDUP = before
+    rows = [{"what": "  part: dedup + find, two kernels (unique_ids_fixed, chain.lookup(live))",
+             "ms": 1e3 * t_unfused},
+            {"what": "  part: dedup + find fused (dedup_passes_fixed, chain.lookup_deduped)",
+             "ms": 1e3 * t_fused},
+            {"what": "lookup emb(ids) with the dedup and find "
+                     f"{'unfused (FIND_IN_DEDUP off)' if before else 'fused (FIND_IN_DEDUP on)'}",
+             "ms": 1e3 * t_lookup_other}]
+    return {"rows": rows, "unfused_s": t_unfused, "fused_s": t_fused,
+            "lookup_other_fusion_s": t_lookup_other, "find_in_dedup": before,
+            "speedup": t_unfused / t_fused,
+            "same_results": same}
+
+
+def bench_grad_update(dev: Device, args, launch, inverse, n_unique: int, copy_bw: float) -> dict:
+    """The gradient sum + Adam row update of the lookup's ids: two kernels against the fused
+    one, on the same gradient rows (n, E) and lines (u, 3E) -> {"rows": table rows, "two_s",
+    "fused_s", "speedup", "same_results"}."""
+    import one_embedding as oe
+    from one_embedding.kernels import device_ops, device_unique, fused_update
+
+    xp, e = dev.xp, args.lookup_dim
+    n = inverse.shape[0]
+    rng = np.random.default_rng(1)
+    grads = xp.asarray((rng.standard_normal((n, e)) * 1e-3).astype(np.float32))
+    start = xp.asarray(rng.uniform(-0.05, 0.05, (n_unique, 3 * e)).astype(np.float32))
+    start[:, e:] = 0.0
+    opt = oe.optim.Adam(lr=1e-3)
+    two_lines, fused_lines = start.copy(), start.copy()
+
+    def two_kernels(lines=two_lines):
+        sums = device_unique.segment_sum(grads, inverse, n_unique, launch, check_inverse=False)
+        device_ops.update_lines(opt, lines, sums, 1, launch)
+
+    def fused(lines=fused_lines):
+        summed = fused_update.SummedGradients(grads, inverse, n_unique, launch)
+        fused_update.update_lines_summed(opt, lines, summed, 1)
+
+    two_kernels()
+    fused()
+    same = bool((two_lines.view(xp.int32) == fused_lines.view(xp.int32)).all())
+    t_two = dev.seconds(two_kernels, args.repeats)
+    t_fused = dev.seconds(fused, args.repeats)
+    moved = 4 * e * n + 2 * 12 * e * n_unique
+    rows = [{"what": "  part: grad sum + Adam update, two kernels (segment_sum, update_lines)",
+             "ms": 1e3 * t_two, "GB/s": moved / t_two / 1e9, "x copy": moved / t_two / copy_bw},
+            {"what": f"  part: grad sum + Adam update, fused (optim_summed_adam; same bits: {same})",
+             "ms": 1e3 * t_fused, "GB/s": moved / t_fused / 1e9,
+             "x copy": moved / t_fused / copy_bw}]
+    return {"rows": rows, "two_s": t_two, "fused_s": t_fused, "speedup": t_two / t_fused,
+            "same_results": same}
+
+
+def bench_interaction_input(dev: Device, args) -> dict:
+    """The rows of a DLRM batch into the dot interaction's input, the path before and the fused
+    gather (issue 32 item 3), on random rows: (B * 26) rows of ``--lookup-dim`` from a table of
+    B * 6 unique rows (Criteo's share of unique ids), z (B, E) beside them.
+
+    Before: fp32 (amp off) gathers (B, 26, E) float32 and concatenates [z, rows] (B, 27, E);
+    under AMP it gathers float32 and the interaction reads them in place. Fused: one gather
+    into the (B, 27, E) buffer at slots 1.. (float32, or bf16 patterns: half the bytes written
+    and read by the interaction twice) plus z into slot 0. The dry run times the numpy twins."""
+    from one_embedding.kernels import device_ops, layout_ops
+
+    xp, e, batch = dev.xp, args.lookup_dim, args.batch_size
+    rng = np.random.default_rng(2)
+    table = xp.asarray(rng.standard_normal((batch * 6, e)).astype(np.float32))
+    inverse = xp.asarray(rng.integers(0, batch * 6, (batch, 26)).astype(np.int64))
+    z = xp.asarray(rng.standard_normal((batch, e)).astype(np.float32))
+    launch = None if dev.dry_run else device_ops.cupy_launcher()
+
+    def before():
+        rows = table[inverse] if dev.dry_run else device_ops.gather_rows(table, inverse, launch,
+                                                                          check_index=False)
+        return rows, xp.concatenate([z[:, None], rows], axis=1)
+
+    def fused(precision):
+        target = layout_ops.empty_input(xp, batch, 27, e, precision, 1, launch)
+        layout_ops.gather_into(table, inverse, target, 1, launch)
+        layout_ops.write_slot(z, target, 0, launch)
+        return target
+
+    t_concat = dev.seconds(before, args.repeats)
+    t_gather = dev.seconds(lambda: before()[0] if dev.dry_run else
+                           device_ops.gather_rows(table, inverse, launch, check_index=False),
+                           args.repeats)
+    t_fp32 = dev.seconds(lambda: fused("off"), args.repeats)
+    t_bf16 = dev.seconds(lambda: fused("bf16"), args.repeats)
+    n = batch * 26
+    rows = [{"what": "before, amp off: gather (B, 26, E) fp32 + concat [z, rows]",
+             "ms": 1e3 * t_concat, "MB written": (4 * n * e + 4 * (n + batch) * e) / 1e6,
+             "x before": 1.0},
+            {"what": "fused, amp off: gather into (B, 27, E) fp32 + z", "ms": 1e3 * t_fp32,
+             "MB written": 4 * (n + batch) * e / 1e6, "x before": t_concat / t_fp32},
+            {"what": "before, AMP: gather (B, 26, E) fp32 (read in place, rounded in registers)",
+             "ms": 1e3 * t_gather, "MB written": 4 * n * e / 1e6, "x before": 1.0},
+            {"what": "fused, bf16: gather into (B, 27, E) bf16 patterns + z", "ms": 1e3 * t_bf16,
+             "MB written": 2 * (n + batch) * e / 1e6, "x before": t_gather / t_bf16}]
+    return {"rows": rows, "speedup_fp32": t_concat / t_fp32, "speedup_bf16": t_gather / t_bf16}

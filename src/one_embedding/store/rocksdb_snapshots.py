@@ -1,0 +1,161 @@
+"""The RocksDB engine's snapshots (``RocksDBStore`` inherits them): incremental, by hard links.
+
+Saving flushes both memtables, then writes a RocksDB checkpoint into ``<snapshot>/db/``: the SST
+and blob files are hard links (RocksDB never writes into one after creating it, and deletes it
+only by name, so the inode stays valid while any snapshot or working DB links it); the small
+metadata files are copies. The CRC32 of each data file is computed once per file identity (new
+files only: ``_data_file_crc``) and recorded in the manifest as a shared file; ``rocksdb.json``
+lists every file of ``db/`` with its size. Garbage is reclaimed first only when it has piled up
+(the store's ``_reclaim_due``). Loading (reopen in place) rebuilds the working DB from hard links
+to the snapshot's data files and copies of its metadata (a copy where the file system cannot
+link). Deleting a snapshot removes its links; a file goes when its last link does: disk is
+reclaimed without a collector of our own.
+"""
+from __future__ import annotations
+
+import errno
+import json
+import os
+import shutil
+
+from ..errors import SnapshotError, StoreError
+from .durable import (copy_file, file_crc32, fsync_dir, fsync_path, no_space_left,
+                      write_bytes_atomic)
+from .snapshots import read_manifest
+
+INFO_FILE = "rocksdb.json"
+#: the immutable data files of a DB (shared by hard links); the rest are small metadata copies
+_SHARED_SUFFIXES = (".sst", ".blob")
+
+
+class RocksDBSnapshots:
+    """Snapshot methods of ``RocksDBStore`` (it provides the working DB and its path, the
+    flush, the garbage reclaim, the I/O error wrapper and the CRC32 cache ``_crcs``)."""
+
+    @staticmethod
+    def _file_key(path: str) -> tuple:
+        """The identity of a data file: (device, inode, name, size, mtime_ns). RocksDB never
+        writes into a finished file, so this names its content, where the inode alone does not:
+        a deleted file's inode is reused by the next file created, which may have its size.
+        Within one DB session RocksDB never reuses a file name (a new session, ``_open``,
+        forgets every CRC). ctime is left out: every checkpoint's hard link changes it.
+
+        rocksdict (0.3) exposes neither RocksDB's own file checksums (no
+        ``file_checksum_gen_factory``, no checksums in ``live_files``) nor a way to verify
+        them, so the CRC32s are ours, computed once per file identity."""
+        st = os.stat(path)
+        return st.st_dev, st.st_ino, os.path.basename(path), st.st_size, st.st_mtime_ns
+
+    def _data_file_crc(self, path: str, seen: dict | None = None) -> int:
+        """CRC32 of an SST or blob file, computed once per file identity (``_file_key``);
+        ``seen``: collects this save's entries (the cache keeps only those afterwards)."""
+        key = self._file_key(path)
+        crc = self._crcs.get(key)
+        if crc is None:
+            crc = file_crc32(path)
+            self._crcs[key] = crc
+        if seen is not None:
+            seen[key] = crc
+        return crc
+
+    def save_snapshot(self, directory: str) -> dict:
+        """Write ``db/`` (a RocksDB checkpoint: SSTs hard-linked, metadata copied) and
+        ``rocksdb.json`` into ``directory``; returns the SSTs' sizes and CRC32s (shared files)."""
+        target = os.path.join(directory, "db")
+        self._size_blob_files()
+        self.flush()  # the WAL is off: the memtables must reach SSTs first
+        if self._reclaim_due(self._garbage_bytes(), self._live_bytes()):
+            self._reclaim()
+        with self._io(f"a RocksDB checkpoint into {target!r}"):
+            self._rd.Checkpoint(self._db).create_checkpoint(target)
+        try:
+            files, shared, seen = {}, {}, {}
+            for entry in sorted(os.listdir(target)):
+                path = os.path.join(target, entry)
+                files[entry] = os.path.getsize(path)
+                if entry.endswith(_SHARED_SUFFIXES):
+                    shared[f"db/{entry}"] = {"bytes": files[entry],
+                                             "crc32": self._data_file_crc(path, seen)}
+                else:
+                    fsync_path(path)
+            self._crcs = seen  # this checkpoint's files only: a file the next save links and
+            # this one did not is new (computed then), so nothing else is needed
+            fsync_dir(target)
+            write_bytes_atomic(os.path.join(directory, INFO_FILE), json.dumps(
+                {"engine": "rocksdb", "line_size": self.line_size, "rows": self._rows,
+                 "db_files": files}).encode())
+        except OSError as e:
+            what = "the disk is full" if no_space_left(e) else "an I/O error stopped it"
+            raise StoreError(
+                f"{self.name}: writing snapshot files into {directory!r} failed: {what} "
+                f"({e.strerror or e}); free disk space and save again. Every snapshot already "
+                "published (the previous one of that name included) is intact"
+            ) from None
+        return shared
+
+    def _read_info(self, directory: str) -> dict:
+        try:
+            with open(os.path.join(directory, INFO_FILE), "rb") as f:
+                info = json.loads(f.read())
+        except (OSError, ValueError) as e:
+            raise SnapshotError(f"{self.name}: snapshot {directory!r} is unreadable: {e}") from None
+        db_files = info.get("db_files") if isinstance(info, dict) else None
+        if not isinstance(db_files, dict) or not db_files or info.get("engine") != "rocksdb" \
+                or info.get("line_size") != self.line_size or not isinstance(info.get("rows"), int):
+            raise SnapshotError(
+                f"{self.name}: snapshot {directory!r} holds {info}; this store needs a 'rocksdb' "
+                f"snapshot of line_size={self.line_size}")
+        for entry, size in db_files.items():
+            fpath = os.path.join(directory, "db", entry)
+            if os.path.basename(entry) != entry or not os.path.isfile(fpath) \
+                    or os.path.getsize(fpath) != size:
+                raise SnapshotError(
+                    f"{self.name}: snapshot {directory!r} is damaged: db/{entry} is missing or not "
+                    f"{size} bytes; load another snapshot")
+        return info
+
+    def load_snapshot(self, directory: str) -> None:
+        """Rebuild the working DB from the snapshot's ``db/`` files (exactly those that
+        ``rocksdb.json`` lists): SSTs hard-linked, the rest copied."""
+        info = self._read_info(directory)
+        source = os.path.join(directory, "db")
+        self._close_db()
+        shutil.rmtree(self.path, ignore_errors=True)
+        try:
+            os.mkdir(self.path)
+            for entry in info["db_files"]:
+                src, dst = os.path.join(source, entry), os.path.join(self.path, entry)
+                if entry.endswith(_SHARED_SUFFIXES):
+                    _link_or_copy(src, dst)
+                else:
+                    copy_file(src, dst)
+        except OSError as e:
+            raise StoreError(f"{self.name}: restoring {source!r} into {self.path!r} failed: {e}") from None
+        self._open()
+        self._rows = int(info["rows"])
+        self._remember_checksums(directory)
+
+    def _remember_checksums(self, directory: str) -> None:
+        """Take the CRC32s the snapshot's manifest records of its SSTs (the working DB links the
+        same inodes), so the next save reads none of them again."""
+        try:
+            files = read_manifest(directory, os.path.basename(directory))["files"]
+        except (SnapshotError, KeyError, TypeError):
+            return  # a bare snapshot folder (no manifest): the next save computes them
+        for rel, entry in files.items():
+            if rel.startswith("db/") and rel.endswith(_SHARED_SUFFIXES):
+                try:
+                    key = self._file_key(os.path.join(directory, rel))
+                except OSError:
+                    continue
+                if key[3] == entry.get("bytes"):
+                    self._crcs[key] = int(entry["crc32"])
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+            raise
+        copy_file(src, dst)
