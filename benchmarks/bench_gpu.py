@@ -348,7 +348,7 @@ def bench_amp(dev: Device, args, batches=None) -> dict:
             "speedup_vs_torch_bf16": fastest["samples_per_s"] / baseline}
 
 
-# ---------------------------------------------------------------- 5. the fused loss
+# ---------------------------------------------------------------- 2. DLRM training: the pre-built-batch run beside PyTorch
 
 
 def bench_dlrm(dev: Device, args) -> dict:
