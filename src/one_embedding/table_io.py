@@ -38,7 +38,7 @@ from typing import Sequence
 import numpy as np
 
 from .chain import open_store_for_snapshot, read_snapshot_rows
-from .embedding import dtype_name, keys_as_uint64, resolve_key_type
+from .embedding_inputs import dtype_name, keys_as_uint64, resolve_key_type
 from .errors import ConfigError, InputError, SnapshotError
 from .parallel.shuffle import owner_rank
 from .store.lock import PathLock
