@@ -3,6 +3,7 @@ with ``--cuda``: each rank trains the same embedding on the CPU path and on CuPy
 alike, its exchanges staged through host memory by MPI (NCCL takes one rank per GPU, and the
 machines lent to this project have one). A device_mem step's reads: the per-rank counts, and
 MPI's staging of the ids, table ids, rows and gradients (NcclComm keeps those on the device)."""
+import os
 import sys
 from pathlib import Path
 
@@ -10,11 +11,12 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi"))
 
-from test_device_ranks import COUNTS_READ, run  # noqa: E402
+from test_device_ranks import COUNTS_READ, run, run_trainer  # noqa: E402
 
 pytestmark = [pytest.mark.gpu]
 
 STAGED = {"MPI alltoallv: device array staged on the host"}
+DRY = os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1"
 
 
 @pytest.mark.parametrize("exchange_dtype", ["fp32", "int8"])
@@ -24,3 +26,15 @@ def test_two_ranks_on_one_gpu_give_the_cpu_bits(tmp_path, exchange_dtype):
     for rank_reads in report["reads"]:
         for step in rank_reads:
             assert step.get(COUNTS_READ) == 1 and set(step) <= {COUNTS_READ} | STAGED, step
+
+
+def test_the_trainer_runs_two_ranks_on_one_gpu(tmp_path):
+    """The trainer's device path over 2 ranks on the one GPU: in 20 steady-state steps the
+    steps' thread reads the losses twice and otherwise only MPI's staging (NcclComm would keep
+    the exchanges on the device); the prefetch thread reads each batch's per-rank counts."""
+    report = run_trainer(tmp_path, 2, *(["--dry-run"] if DRY else []))
+    for rank in report["ranks"]:
+        main = rank["steady_main"]
+        assert main.get("losses") == 2, rank
+        assert set(main) <= {"losses"} | {r for r in main if r.startswith("MPI ")}, rank
+        assert rank["steady"].get(COUNTS_READ) == 20, rank

@@ -53,3 +53,29 @@ def test_cached_host_mem_ranks_give_the_cpu_bits(tmp_path, emulation_lib, emulat
     report = run(tmp_path, emulation_folder, 2, "--store", "cached_host_mem")
     assert report["rows_identical"] and report["tables_identical"]
     assert all(COUNTS_READ in step for rank_reads in report["reads"] for step in rank_reads)
+
+
+TRAINER = Path(__file__).with_name("device_trainer_worker.py")
+
+
+def run_trainer(tmp_path, world, *args):
+    """device_trainer_worker.py's report: each rank's reads over 20 steady-state steps."""
+    out = tmp_path / "trainer.json"
+    cmd = [mpiexec(), "-n", str(world), sys.executable, str(TRAINER), str(out), *args]
+    env = {**os.environ, "PYTHONPATH": str(helpers.ROOT) + os.pathsep +
+           os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(out.read_text())
+
+
+def test_the_trainers_steps_read_only_the_losses_over_two_ranks(tmp_path):
+    """The trainer over 2 ranks on the dry run of the device path (prefetch depth 2, --log-interval
+    10): in 20 steady-state steps the thread that runs the steps reads the losses twice and
+    nothing else; the prefetch thread reads each batch's per-rank counts once (the exchange's
+    message sizes), under the step before it."""
+    report = run_trainer(tmp_path, 2, "--dry-run")
+    assert report["world"] == 2
+    for rank in report["ranks"]:
+        assert rank["steady_main"] == {"losses": 2}, rank
+        assert rank["steady"] == {"losses": 2, COUNTS_READ: 20}, rank
