@@ -194,6 +194,8 @@ class NcclComm(Communicator):
     messages: counts, barriers). One GPU per rank: rank r uses device ``r % local_size``.
 
     All-to-all is a group of NCCL sends and receives, one pair per peer, on the current stream.
+    Host (numpy) arrays go over the MPI communicator and come back as host arrays, as they would
+    from ``MpiComm``.
     Not run yet: the GPU machines lent to this project have one GPU, and NCCL takes one rank
     per GPU. The device path it carries runs under ``mpiexec`` with ``MpiComm`` in the default
     checks (tests/mpi/test_device_ranks.py: the kernels on the host emulator).
@@ -226,8 +228,10 @@ class NcclComm(Communicator):
         return self._mpi.alltoall_counts(send_counts)
 
     def alltoallv(self, send, send_counts, recv_counts):
+        if not is_cupy_array(send):   # host arrays (the trainer's own messages) go over MPI
+            return self._mpi.alltoallv(send, send_counts, recv_counts)
         cp, nccl = self._cupy, self._nccl
-        send = cp.ascontiguousarray(cp.asarray(send))
+        send = cp.ascontiguousarray(send)
         send_counts = _check_counts(send_counts, self.world)
         recv_counts = _check_counts(recv_counts, self.world)
         row = int(np.prod(send.shape[1:], dtype=np.int64))
@@ -248,8 +252,10 @@ class NcclComm(Communicator):
         return recv
 
     def allreduce_sum(self, array):
+        if not is_cupy_array(array):   # e.g. the trainer's losses: a host array stays one
+            return self._mpi.allreduce_sum(array)
         cp = self._cupy
-        array = cp.ascontiguousarray(cp.asarray(array))
+        array = cp.ascontiguousarray(array)
         out = cp.empty_like(array)
         self._comm.allReduce(array.data.ptr, out.data.ptr, array.size,
                              self._nccl_dtype(array.dtype), self._nccl.NCCL_SUM,
@@ -257,8 +263,10 @@ class NcclComm(Communicator):
         return out
 
     def allgather(self, array):
+        if not is_cupy_array(array):
+            return self._mpi.allgather(array)
         cp = self._cupy
-        array = cp.ascontiguousarray(cp.asarray(array))
+        array = cp.ascontiguousarray(array)
         counts = self._mpi.allgather(np.array([array.shape[0]], np.int64))
         send_counts = np.full(self.world, array.shape[0], np.int64)
         # every rank sends its whole block to every rank: an all-to-all with equal blocks
