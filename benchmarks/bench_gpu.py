@@ -9,7 +9,9 @@
    row read and written (2 x 4E B): ``(8 + 8E) * n / t``. The baseline, measured in the same run,
    is the device's copy bandwidth: a device-to-device copy of a buffer as large as the output,
    counted read + write (``2 * bytes / t``). Goal: lookup >= 0.8x copy. The parts (unique alone,
-   the chain's find, the gather kernel) are timed too, to show where the time goes; unique twice:
+   the chain's find, the gather kernel as the step runs it: the found lines' first E columns read
+   in place, at 16 bytes per thread where the layout allows it, beside the 4-byte-per-thread
+   scalar kernel as its baseline) are timed too, to show where the time goes; unique twice:
    the hash-table dedup the lookup runs and, as its baseline in the same run, the sort-based one
    it replaced (``device_unique.unique_ids_by_sorting``), whose results it must equal. The
    dedup and the store's find as two kernels against the find fused into the dedup's output
@@ -76,6 +78,10 @@ LOOKUP_GOAL = 0.8
 #: FBGEMM's table-batched embedding lookups reach 76-83% of HBM bandwidth (the reference the
 #: lookup's share of the copy bandwidth is printed beside)
 FBGEMM_HBM_SHARE = (0.76, 0.83)
+#: the lookup's gather parts: the step's (16 bytes per thread where the layout allows it) and the
+#: scalar kernel as its baseline in the same run (issue 32 item 3)
+GATHER_PART = "gather (rows by inverse, the step's: lines read in place)"
+GATHER_SCALAR_PART = "gather, scalar kernel (baseline: gather_rows(vector=False))"
 
 
 class Device:
@@ -152,19 +158,28 @@ def bench_lookup(dev: Device, args) -> dict:
                            and (inverse == by_sorting[1]).all())
         chain = emb._owner()._chain
         lines, _ = chain.lookup(uniq)
-        table = xp.ascontiguousarray(lines[:, :e])
         parts = {"unique (hash table: unique_ids)":
                      dev.seconds(lambda: device_unique.unique_ids(keys, launch), args.repeats),
                  "unique (sort, the replaced baseline: unique_ids_by_sorting)":
                      dev.seconds(lambda: device_unique.unique_ids_by_sorting(keys, launch), args.repeats),
                  "find (chain.lookup of the unique keys)":
                      dev.seconds(lambda: chain.lookup(uniq), args.repeats),
-                 "gather (rows by inverse)":
-                     dev.seconds(lambda: device_ops.gather_rows(table, inverse, launch), args.repeats)}
+                 # the step's gather (embedding._embed_on_device, one rank, fp32): the first E
+                 # columns of the found lines read in place, at 16 bytes per thread where the
+                 # layout allows it; the scalar kernel (4 bytes per thread) as its baseline
+                 GATHER_PART:
+                     dev.seconds(lambda: device_ops.gather_rows(lines, inverse, launch, check_index=False,
+                                                                columns=e), args.repeats),
+                 GATHER_SCALAR_PART:
+                     dev.seconds(lambda: device_ops.gather_rows(lines, inverse, launch, check_index=False,
+                                                                columns=e, vector=False), args.repeats)}
         for name, t in parts.items():
             rows.append({"what": f"  part: {name}", "ms": 1e3 * t})
-        rows[-1].update({"GB/s": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / 1e9,
-                         "x copy": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / copy_bw})
+            if name in (GATHER_PART, GATHER_SCALAR_PART):
+                rows[-1].update({"GB/s": (8 + 8 * e) * n / t / 1e9,
+                                 "x copy": (8 + 8 * e) * n / t / copy_bw})
+        # CuPy's pool hands out 256-byte aligned outputs: the lines decide
+        gather_vectorised = bool(device_ops.vector_lanes(np.float32, (e, lines.shape[1]), (lines,)))
         dedup_find = bench_dedup_find(dev, args, emb, ids)
         rows += dedup_find.pop("rows")
         update = bench_grad_update(dev, args, launch, inverse, int(uniq.shape[0]), copy_bw)
@@ -174,11 +189,12 @@ def bench_lookup(dev: Device, args) -> dict:
                           / parts["unique (hash table: unique_ids)"], "same_results": unique_same}
     else:
         unique_count = int(np.unique(batches[0]).size)
-        unique_vs_sort, update, dedup_find = {}, {}, {}
+        unique_vs_sort, update, dedup_find, gather_vectorised = {}, {}, {}, None
     emb.close()
     return {"ids": n, "unique": unique_count, "dim": e, "copy_GBps": copy_bw / 1e9,
             "lookup_GBps": lookup_bw / 1e9, "ratio": lookup_bw / copy_bw, "rows": rows,
-            "parts_s": parts, "unique_hash_vs_sort": unique_vs_sort, "grad_update": update,
+            "parts_s": parts, "gather_vectorised": gather_vectorised,
+            "unique_hash_vs_sort": unique_vs_sort, "grad_update": update,
             "dedup_find": dedup_find}
 
 
@@ -641,6 +657,11 @@ def main(argv=None):
                        f"{FBGEMM_HBM_SHARE[1]:.2f}x; goal {LOOKUP_GOAL}x: {verdict})")
         if lookup["unique_hash_vs_sort"]:
             summary.append(f"unique: hash {lookup['unique_hash_vs_sort']['speedup']:.2f}x sort")
+        if GATHER_PART in lookup["parts_s"]:
+            speedup = lookup["parts_s"][GATHER_SCALAR_PART] / lookup["parts_s"][GATHER_PART]
+            print(f"gather: the step's kernel is {speedup:.2f}x the scalar one's speed (16 bytes "
+                  f"per thread: {lookup['gather_vectorised']})")
+            summary.append(f"gather: {speedup:.2f}x scalar (vectorised: {lookup['gather_vectorised']})")
         if lookup["dedup_find"]:
             fusion = lookup["dedup_find"]
             print(f"dedup + find: fused {fusion['speedup']:.2f}x two kernels (same results: "
