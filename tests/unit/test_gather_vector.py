@@ -121,9 +121,16 @@ def test_a_layout_off_the_vector_boundary_falls_back_to_the_scalar_gather(launch
     np.testing.assert_array_equal(_bits(got), _bits(want))
 
 
-def test_the_emulator_refuses_a_misaligned_vector_access(launch):
+def test_the_emulator_refuses_a_misaligned_vector_access(emulation_lib):
     """The vectorised kernel launched by hand on rows 4 bytes off the boundary fails the launch,
-    as the GPU faults ("misaligned address"): the host-side check above is what keeps it away."""
+    as the GPU faults ("misaligned address"): the host-side check above is what keeps it away.
+    In the default mode, where kernels see the arrays' own addresses (the stress mode's guarded
+    copies keep the element alignment only)."""
+    from cuda_emulation import EmulatedLauncher
+
+    from one_embedding.kernels import cuda_module as cm
+
+    launch = EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES, seed=None)
     src = _values(np.random.default_rng(13), (8, 8), np.float32, offset=4)
     out = _at((2, 8), np.float32)
     index = np.array([1, 2], np.int64)

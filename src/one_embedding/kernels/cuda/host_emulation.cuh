@@ -225,7 +225,10 @@ inline void yield() { swapcontext(&running->context, &scheduler); }
 }
 
 // oe::gather::as_vectors (embedding.cu) of an address that is not a multiple of the vector's
-// size: a GPU faults ("misaligned address"); here the launch fails naming the thread.
+// size: a GPU faults ("misaligned address"); here the launch fails naming the thread. The
+// default mode sees the arrays' own addresses. The stress mode's guarded copies keep only the
+// element alignment, but a copy ends at a page boundary, so an argument of whole vectors (every
+// vectorised argument: whole rows of whole vectors) still starts on a vector boundary there.
 inline void check_vector_alignment(const void* address, size_t alignment) {
   if ((size_t)address % alignment != 0) {
     char text[96];
