@@ -9,7 +9,9 @@
    row read and written (2 x 4E B): ``(8 + 8E) * n / t``. The baseline, measured in the same run,
    is the device's copy bandwidth: a device-to-device copy of a buffer as large as the output,
    counted read + write (``2 * bytes / t``). Goal: lookup >= 0.8x copy. The parts (unique alone,
-   the chain's find, the gather kernel) are timed too, to show where the time goes; unique twice:
+   the chain's find, the gather kernel as the step runs it: the found lines' first E columns read
+   in place, at 16 bytes per thread where the layout allows it, beside the 4-byte-per-thread
+   scalar kernel as its baseline) are timed too, to show where the time goes; unique twice:
    the hash-table dedup the lookup runs and, as its baseline in the same run, the sort-based one
    it replaced (``device_unique.unique_ids_by_sorting``), whose results it must equal. The
    dedup and the store's find as two kernels against the find fused into the dedup's output
@@ -69,7 +71,7 @@ import traceback
 import numpy as np
 
 from .bench_gpu_dense import bench_dense_parts, bench_fused_loss, print_dense_parts
-from .bench_gpu_lookup import bench_interaction_input, bench_lookup
+from .bench_gpu_lookup import GATHER_PART, GATHER_SCALAR_PART, bench_interaction_input, bench_lookup
 from .common import markdown_table, print_header, save_result, zipf_ids
 
 #: HugeCTR's published DLRM training throughput on one H100, the anchor of issue 13
@@ -436,6 +438,11 @@ def main(argv=None):
                        f"{FBGEMM_HBM_SHARE[1]:.2f}x; goal {LOOKUP_GOAL}x: {verdict})")
         if lookup["unique_hash_vs_sort"]:
             summary.append(f"unique: hash {lookup['unique_hash_vs_sort']['speedup']:.2f}x sort")
+        if GATHER_PART in lookup["parts_s"]:
+            speedup = lookup["parts_s"][GATHER_SCALAR_PART] / lookup["parts_s"][GATHER_PART]
+            print(f"gather: the step's kernel is {speedup:.2f}x the scalar one's speed (16 bytes "
+                  f"per thread: {lookup['gather_vectorised']})")
+            summary.append(f"gather: {speedup:.2f}x scalar (vectorised: {lookup['gather_vectorised']})")
         if lookup["dedup_find"]:
             fusion = lookup["dedup_find"]
             print(f"dedup + find: fused {fusion['speedup']:.2f}x two kernels (same results: "

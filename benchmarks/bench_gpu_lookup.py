@@ -3,7 +3,8 @@ the parts it is made of, each beside its baseline measured in the same run.
 
 - ``bench_lookup``: ``emb(ids)`` of a device_mem table against a device-to-device copy of the
   output's size; on the device path its parts (hash-table unique against the sort-based one it
-  replaced, the chain's find, the gather by inverse), then the two below.
+  replaced, the chain's find, the gather by inverse as the step runs it beside the
+  scalar kernel), then the two below.
 - ``bench_dedup_find``: the dedup and the store's find as two kernels against the find fused
   into the dedup's output pass, results compared bit for bit, and ``emb(ids)`` with the fusion
   switched the other way.
@@ -22,6 +23,11 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .common import zipf_ids
+
+#: the lookup's gather parts: the step's (16 bytes per thread where the layout allows it) and the
+#: scalar kernel as its baseline in the same run (issue 32 item 3)
+GATHER_PART = "gather (rows by inverse, the step's: lines read in place)"
+GATHER_SCALAR_PART = "gather, scalar kernel (baseline: gather_rows(vector=False))"
 
 if TYPE_CHECKING:
     from .bench_gpu import Device
@@ -66,19 +72,28 @@ def bench_lookup(dev: Device, args) -> dict:
                            and (inverse == by_sorting[1]).all())
         chain = emb._owner()._chain
         lines, _ = chain.lookup(uniq)
-        table = xp.ascontiguousarray(lines[:, :e])
         parts = {"unique (hash table: unique_ids)":
                      dev.seconds(lambda: device_unique.unique_ids(keys, launch), args.repeats),
                  "unique (sort, the replaced baseline: unique_ids_by_sorting)":
                      dev.seconds(lambda: device_unique.unique_ids_by_sorting(keys, launch), args.repeats),
                  "find (chain.lookup of the unique keys)":
                      dev.seconds(lambda: chain.lookup(uniq), args.repeats),
-                 "gather (rows by inverse)":
-                     dev.seconds(lambda: device_ops.gather_rows(table, inverse, launch), args.repeats)}
+                 # the step's gather (embedding._embed_on_device, one rank, fp32): the first E
+                 # columns of the found lines read in place, at 16 bytes per thread where the
+                 # layout allows it; the scalar kernel (4 bytes per thread) as its baseline
+                 GATHER_PART:
+                     dev.seconds(lambda: device_ops.gather_rows(lines, inverse, launch, check_index=False,
+                                                                columns=e), args.repeats),
+                 GATHER_SCALAR_PART:
+                     dev.seconds(lambda: device_ops.gather_rows(lines, inverse, launch, check_index=False,
+                                                                columns=e, vector=False), args.repeats)}
         for name, t in parts.items():
             rows.append({"what": f"  part: {name}", "ms": 1e3 * t})
-        rows[-1].update({"GB/s": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / 1e9,
-                         "x copy": (8 + 8 * e) * n / parts["gather (rows by inverse)"] / copy_bw})
+            if name in (GATHER_PART, GATHER_SCALAR_PART):
+                rows[-1].update({"GB/s": (8 + 8 * e) * n / t / 1e9,
+                                 "x copy": (8 + 8 * e) * n / t / copy_bw})
+        # CuPy's pool hands out 256-byte aligned outputs: the lines decide
+        gather_vectorised = bool(device_ops.vector_lanes(np.float32, (e, lines.shape[1]), (lines,)))
         dedup_find = bench_dedup_find(dev, args, emb, ids)
         rows += dedup_find.pop("rows")
         update = bench_grad_update(dev, args, launch, inverse, int(uniq.shape[0]), copy_bw)
@@ -88,11 +103,12 @@ def bench_lookup(dev: Device, args) -> dict:
                           / parts["unique (hash table: unique_ids)"], "same_results": unique_same}
     else:
         unique_count = int(np.unique(batches[0]).size)
-        unique_vs_sort, update, dedup_find = {}, {}, {}
+        unique_vs_sort, update, dedup_find, gather_vectorised = {}, {}, {}, None
     emb.close()
     return {"ids": n, "unique": unique_count, "dim": e, "copy_GBps": copy_bw / 1e9,
             "lookup_GBps": lookup_bw / 1e9, "ratio": lookup_bw / copy_bw, "rows": rows,
-            "parts_s": parts, "unique_hash_vs_sort": unique_vs_sort, "grad_update": update,
+            "parts_s": parts, "gather_vectorised": gather_vectorised,
+            "unique_hash_vs_sort": unique_vs_sort, "grad_update": update,
             "dedup_find": dedup_find}
 
 

@@ -256,6 +256,61 @@ def test_gather_rows_equal_the_reference(rows, dim, index_shape, dtype):
     _exact(device_ops.gather_rows(cp.asarray(src), cp.asarray(index)), reference.gather_rows(src, index))
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("dim", [4, 8, 12, 128, 129])
+def test_vector_gather_equals_the_scalar_gather(dim, dtype):
+    """The gathers at 16 bytes per thread (embedding_gather_vector, embedding_gather_into_vector)
+    against the scalar kernels (vector=False) and the references, bit for bit: rows of exactly
+    dim and whole lines read in place (stride > dim), padding, an empty index, and rows 4 or 8
+    bytes off the 16-byte boundary (an offset view: the scalar kernel must run, a vector read
+    there would fault); vector_lanes on CuPy's device pointers says which kernel runs."""
+    from one_embedding.kernels import device_ops, layout_ops, reference
+
+    cp = _cp()
+    dry = os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1"
+    rng = np.random.default_rng(dim)
+    n_rows, index_shape = (50, (6, 5)) if dry else (20_000, (4096, 26))
+    lanes = 16 // np.dtype(dtype).itemsize
+    launch = device_ops.cupy_launcher()
+    for stride in (dim, dim + 4):
+        src = _normal_floats(rng, (n_rows, stride), dtype)
+        src[0, :2] = [np.nan, -0.0]
+        columns = None if stride == dim else dim
+        src_d = cp.asarray(src)
+        # the aligned case is the vectorised one wherever the widths allow it
+        out_d = cp.empty((1, dim), dtype)
+        want_vector = dim % lanes == 0 and stride % lanes == 0
+        assert bool(device_ops.vector_lanes(dtype, (dim, stride), (src_d, out_d))) == want_vector
+        for index in [rng.integers(-1, n_rows, index_shape), np.empty(0, np.int64)]:
+            want = reference.gather_rows(np.ascontiguousarray(src[:, :dim]), index)
+            index_d = cp.asarray(index)
+            _exact(device_ops.gather_rows(src_d, index_d, columns=columns), want)
+            _exact(device_ops.gather_rows(src_d, index_d, columns=columns, vector=False), want)
+    # rows one element (and 8 bytes) past the boundary: a view into a larger buffer
+    for offset in sorted({1, 8 // np.dtype(dtype).itemsize}):
+        flat = cp.asarray(_normal_floats(rng, (n_rows * 16 + offset,), dtype))
+        view = flat[offset:].reshape(n_rows, 16)
+        assert device_ops.vector_lanes(dtype, (16, 16), (view,)) == 0
+        index = rng.integers(-1, n_rows, index_shape)
+        _exact(device_ops.gather_rows(view, cp.asarray(index)),
+               reference.gather_rows(_get(view), index))
+    if dtype != np.float32:
+        return
+    # into the interaction's input, float32 and the fp16 / bf16 patterns
+    rows = _normal_floats(rng, (n_rows, dim + 4), np.float32)
+    index = rng.integers(-1, n_rows, index_shape[:1] + (5,))
+    for precision in ("off", "fp16", "bf16"):
+        twin = layout_ops.empty_input(np, index.shape[0], 6, dim, precision, 1)
+        twin.data[...] = 7
+        layout_ops.gather_into(rows, index, twin, 1, None, dim)
+        for vector in (True, False):
+            target = layout_ops.empty_input(cp, index.shape[0], 6, dim, precision, 1, launch)
+            target.data[...] = 7
+            layout_ops.gather_into(cp.asarray(rows), cp.asarray(index), target, 1, launch, dim,
+                                   vector=vector)
+            _exact(target.data, twin.data)
+
+
 # ---------------------------------------------------------------- initial values
 
 

@@ -317,15 +317,48 @@ def _float_dtype(name: str, a):
 
 # ---------------------------------------------------------------- gather
 
+#: bytes one thread of the vectorised gathers moves (``embedding_gather_vector``,
+#: ``embedding_gather_into_vector``: a float4 / double2)
+VECTOR_BYTES = 16
+
+
+def array_address(a) -> int:
+    """The address of array ``a``'s first element: CuPy's device pointer, or numpy's host
+    address (the emulator runs the kernels on numpy arrays in place)."""
+    ptr = getattr(getattr(a, "data", None), "ptr", None)
+    return int(ptr) if ptr is not None else int(a.__array_interface__["data"][0])
+
+
+def vector_lanes(dtype, counts, arrays, bits=None) -> int:
+    """The values of ``dtype`` that one 16-byte vector holds (4 float32, 2 float64) when the
+    vectorised gathers may run: every count in ``counts`` (row lengths and strides, in elements)
+    a multiple of it, every array in ``arrays`` (of ``dtype``) at an address that is a multiple
+    of 16 and ``bits`` (the fp16 / bf16 output, or None) at a multiple of the lanes' patterns'
+    size (8 bytes for float32); else 0: the scalar kernels run. Rows then start on vector
+    boundaries too (an offset of whole rows is a multiple of the lanes)."""
+    lanes = VECTOR_BYTES // np.dtype(dtype).itemsize
+    if any(int(c) % lanes for c in counts):
+        return 0
+    if any(array_address(a) % VECTOR_BYTES for a in arrays):
+        return 0
+    if bits is not None and array_address(bits) % (lanes * bits.itemsize):
+        return 0
+    return lanes
+
 
 def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = True,
-                columns: int | None = None):
+                columns: int | None = None, vector: bool = True):
     """src: (R, E) float, index: (...) int64 -> (..., E): ``src[index]``, zero rows where index < 0.
 
     The twin of ``reference.gather_rows`` (copies, so bit-identical). ``check_index=False`` skips
     the index's range check (a host read) for an index that lies in src by construction.
     ``columns``: gather the first ``columns`` of each row of a wider src, read in place (the
     embedding columns of whole lines: no copy of them first) -> (..., columns).
+
+    Kernel: ``embedding_gather_vector`` (16 bytes per thread) where ``vector_lanes`` allows it
+    (columns and src's row length multiples of 4 float32 / 2 float64, src and the result at
+    16-byte aligned addresses), else ``embedding_gather`` (one element per thread);
+    ``vector=False`` runs the latter always (the benchmark's baseline). Same bits either way.
     """
     launch = resolve(launch)
     xp = launch.xp
@@ -340,8 +373,14 @@ def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = 
     if check_index and flat.size and host_sync.flag(flat.max() >= src.shape[0], "gather_rows: index range check"):
         raise InputError(f"index holds {int(flat.max())} but src has {src.shape[0]} rows")
     out = xp.empty((flat.shape[0], dim), dtype=dtype)
-    launch_threads(launch, "embedding", "gather", dtype, flat.shape[0] * dim,
-                   (src, np.int32(dim), np.int32(stride), flat, np.int64(flat.shape[0]), out))
+    lanes = vector_lanes(dtype, (dim, stride), (src, out)) if vector else 0
+    if lanes:
+        launch_threads(launch, "embedding", "gather_vector", dtype, flat.shape[0] * (dim // lanes),
+                       (src, np.int32(dim // lanes), np.int32(stride // lanes), flat,
+                        np.int64(flat.shape[0]), out))
+    else:
+        launch_threads(launch, "embedding", "gather", dtype, flat.shape[0] * dim,
+                       (src, np.int32(dim), np.int32(stride), flat, np.int64(flat.shape[0]), out))
     return out.reshape(tuple(index.shape) + (dim,))
 
 

@@ -15,7 +15,8 @@ The interaction rounds its operands to the precision anyway, and rounding is ide
 results are the same bits as the gather + concatenation + cast they replace.
 
 Every launching function takes ``launch``, a ``device_ops.Launcher`` (the kernel is
-``embedding_gather_into`` in ``cuda/embedding.cu``); ``launch=None`` runs the numpy twin on numpy
+``embedding_gather_into`` in ``cuda/embedding.cu``, or ``embedding_gather_into_vector`` at 16
+bytes per thread where the layout allows it); ``launch=None`` runs the numpy twin on numpy
 arrays (the CPU model of the dry run, and the reference the kernel is tested against).
 """
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..errors import InputError
-from .device_ops import Launcher, device_array, launch_threads
+from .device_ops import Launcher, device_array, launch_threads, vector_lanes
 from .precision import HALF_PRECISIONS, check_precision, round_to
 
 #: kernels/cuda/precision.cuh's kind codes of the 16-bit types
@@ -106,10 +107,12 @@ def _check_target(target: InteractionInput, batch: int, n_features: int, slot: i
 
 
 def gather_into(rows, index, target: InteractionInput, first_slot: int,
-                launch: Launcher | None = None, columns: int | None = None) -> None:
+                launch: Launcher | None = None, columns: int | None = None,
+                vector: bool = True) -> None:
     """rows: (U, E) float32, index: (B, F) int64 into rows (< 0: a zero row) -> writes
     ``rows[index]`` cast to the target's storage into ``target.data[:, first_slot:first_slot + F]``.
     ``columns``: the first ``columns`` of each row of wider rows (whole lines, read in place).
+    ``vector``: as ``device_ops.gather_rows``'s (False: the one-element-per-thread kernel always).
 
     The twin of ``gather_rows`` + stacking + ``encode``, bit for bit."""
     batch, n_features = index.shape
@@ -124,7 +127,7 @@ def gather_into(rows, index, target: InteractionInput, first_slot: int,
         target.data[:, first_slot:first_slot + n_features] = encode(values, target.precision)
         return
     _launch(launch, rows, index.reshape(-1), True, batch * n_features, n_features, target,
-            first_slot, dim)
+            first_slot, dim, vector)
 
 
 def write_slot(x, target: InteractionInput, slot: int, launch: Launcher | None = None) -> None:
@@ -138,7 +141,8 @@ def write_slot(x, target: InteractionInput, slot: int, launch: Launcher | None =
     _launch(launch, x, None, False, batch, 1, target, slot)
 
 
-def _launch(launch, src, index, has_index, n_rows, per_sample, target, first_slot, dim=None):
+def _launch(launch, src, index, has_index, n_rows, per_sample, target, first_slot, dim=None,
+            vector=True):
     xp = launch.xp
     src = device_array(launch, "rows", src, np.float32, ndim=2)
     dim = src.shape[1] if dim is None else dim
@@ -150,8 +154,16 @@ def _launch(launch, src, index, has_index, n_rows, per_sample, target, first_slo
     data = device_array(launch, "interaction input", target.data, target.data.dtype, writable=True)
     unused_float = xp.empty((1,), dtype=xp.float32)
     unused_bits = xp.empty((1,), dtype=xp.uint16)
-    launch_threads(launch, "embedding", "gather_into", np.float32, n_rows * dim,
-                   (src, np.int32(dim), np.int32(src.shape[1]), index, np.int32(bool(has_index)),
+    # 16 bytes per thread where the layout allows it: dim and the row length multiples of 4,
+    # rows at a 16-byte aligned address, the buffer at 16 (float32) or 8 (4 fp16 / bf16
+    # patterns); each row's slot then starts on a vector boundary too (its offset is a multiple
+    # of dim)
+    lanes = vector_lanes(np.float32, (dim, src.shape[1]), (src,) if half else (src, data),
+                         data if half else None) if vector else 0
+    name, groups, row = ("gather_into_vector", dim // lanes, src.shape[1] // lanes) if lanes else \
+        ("gather_into", dim, src.shape[1])
+    launch_threads(launch, "embedding", name, np.float32, n_rows * groups,
+                   (src, np.int32(groups), np.int32(row), index, np.int32(bool(has_index)),
                     np.int64(n_rows), np.int32(per_sample), np.int32(data.shape[1]),
                     np.int32(first_slot), np.int32(_KINDS.get(target.precision, 0)),
                     unused_float if half else data, data if half else unused_bits))

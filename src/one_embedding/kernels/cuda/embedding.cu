@@ -1,7 +1,7 @@
 // The embedding side's data movement: unique + inverse (a hash-table dedup, and the atomic step
 // of the sort-based unique it replaced, kept as the benchmark's baseline), segment sums in a
-// fixed tree order, row gathers (also straight into the dot interaction's input), and initial
-// values on a miss.
+// fixed tree order, row gathers (also straight into the dot interaction's input; each at 4 or
+// 16 bytes per thread, as the layout allows), and initial values on a miss.
 //
 // The sorts and prefix sums around these kernels run in CuPy (kernels/device_ops.py); each op's
 // result is independent of thread timing (the dedup's buckets are not, its outputs are), so the
@@ -283,6 +283,127 @@ __global__ void embedding_gather_into(const T* src, int dim, int src_stride,
   }
 }
 
+// ---- The two gathers at 16 bytes per thread: one thread per group of LANES = 16 / sizeof(T)
+// columns (Vector16: a float4 / double2 load and store), the row's index read once per group,
+// and 32-bit division where the groups of the launch fit (always, in practice). Launched instead
+// of the scalar kernels above when dim and src_stride are multiples of LANES and the arrays'
+// addresses are multiples of the vector's size (device_ops.vector_lanes checks it on the host);
+// the same copies and the same rounding, so the same bits. groups = dim / LANES, src_groups =
+// src_stride / LANES; the other parameters are those of the scalar kernels.
+namespace oe {
+namespace gather {
+
+// Vector16<T>::type holds LANES = 16 / sizeof(T) values of T in one 16-byte aligned struct
+// (CUDA's float4 / double2: one 128-bit load or store); ::bits holds their fp16 / bf16 patterns
+// (ushort4 / ushort2). as_vectors views an array of T as an array of such vectors: its address
+// must be a multiple of the vector's size (the launching code checks it on the host; a GPU
+// faults with "misaligned address" otherwise). The host emulator defines
+// ONE_EMBEDDING_VECTOR_HOOK(address, alignment), which fails the launch there as the GPU would.
+template <typename T>
+struct Vector16;
+template <>
+struct Vector16<float> {
+  typedef float4 type;
+  typedef ushort4 bits;
+  static constexpr int LANES = 4;
+};
+template <>
+struct Vector16<double> {
+  typedef double2 type;
+  typedef ushort2 bits;
+  static constexpr int LANES = 2;
+};
+
+template <typename V, typename T>
+__device__ __forceinline__ V* as_vectors(T* p) {
+#ifdef ONE_EMBEDDING_VECTOR_HOOK
+  ONE_EMBEDDING_VECTOR_HOOK((const void*)p, sizeof(V));
+#endif
+  return reinterpret_cast<V*>(p);
+}
+
+// Row r = t / groups of item t, and its group t - r * groups, in 32-bit arithmetic when narrow.
+__device__ __forceinline__ i64 row_of(i64 t, int groups, bool narrow) {
+  return narrow ? (i64)((unsigned)t / (unsigned)groups) : t / groups;
+}
+
+// The fp16 / bf16 patterns of a vector's values (precision::to_bits on each, as the scalar
+// kernel does on each element).
+__device__ __forceinline__ ushort4 to_bits(const float4& v, int kind) {
+  ushort4 b;
+  b.x = precision::to_bits(v.x, kind);
+  b.y = precision::to_bits(v.y, kind);
+  b.z = precision::to_bits(v.z, kind);
+  b.w = precision::to_bits(v.w, kind);
+  return b;
+}
+__device__ __forceinline__ ushort2 to_bits(const double2& v, int kind) {
+  ushort2 b;
+  b.x = precision::to_bits((float)v.x, kind);
+  b.y = precision::to_bits((float)v.y, kind);
+  return b;
+}
+
+}  // namespace gather
+}  // namespace oe
+
+// embedding_gather, 16 bytes per thread (see above). out: (n, dim) viewed as (n, groups) vectors.
+template <typename T>
+__global__ void embedding_gather_vector(const T* src, int groups, int src_groups,
+                                        const oe::i64* index, oe::i64 n, T* out) {
+  typedef typename oe::gather::Vector16<T>::type V;
+  const oe::i64 total = n * groups;
+  if (total == 0) return;
+  const V* from = oe::gather::as_vectors<const V>(src);
+  V* to = oe::gather::as_vectors<V>(out);
+  const bool narrow = total <= 0x7fffffffll;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    const oe::i64 r = oe::gather::row_of(t, groups, narrow);
+    const oe::i64 source = index[r];
+    if (source >= 0) {
+      to[t] = from[source * src_groups + (t - r * groups)];
+    } else {
+      to[t] = V{};  // +0 in every lane, as T(0)
+    }
+  }
+}
+
+// embedding_gather_into, 16 bytes read per thread (see above); the fp16 / bf16 kinds write the
+// group's LANES patterns at once (8 bytes for float). Row r's group g lands at vector
+// (sample * slots + first_slot + feature) * groups + g of out (or out_bits): the element offset
+// of the scalar kernel divided by LANES, exact since dim is a multiple of LANES, so the store is
+// aligned whenever out's (out_bits') address is. Only the array the kind writes is viewed as
+// vectors: the other is the caller's 1-element placeholder.
+template <typename T>
+__global__ void embedding_gather_into_vector(const T* src, int groups, int src_groups,
+                                             const oe::i64* index, int has_index, oe::i64 n_rows,
+                                             int per_sample, int slots, int first_slot,
+                                             int kind, T* out, unsigned short* out_bits) {
+  typedef typename oe::gather::Vector16<T>::type V;
+  typedef typename oe::gather::Vector16<T>::bits B;
+  const oe::i64 total = n_rows * groups;
+  if (total == 0) return;
+  const bool half = kind == oe::precision::FP16 || kind == oe::precision::BF16;
+  const V* from = oe::gather::as_vectors<const V>(src);
+  V* to = half ? nullptr : oe::gather::as_vectors<V>(out);
+  B* to_bits = half ? oe::gather::as_vectors<B>(out_bits) : nullptr;
+  const bool narrow = total <= 0x7fffffffll;
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
+    const oe::i64 r = oe::gather::row_of(t, groups, narrow);
+    const int g = (int)(t - r * groups);
+    const oe::i64 source = has_index ? index[r] : r;
+    const V v = source >= 0 ? from[source * src_groups + g] : V{};
+    const oe::i64 sample = narrow ? (oe::i64)((unsigned)r / (unsigned)per_sample) : r / per_sample;
+    const int feature = (int)(r - sample * per_sample);
+    const oe::i64 at = (sample * slots + first_slot + feature) * (oe::i64)groups + g;
+    if (half) {
+      to_bits[at] = oe::gather::to_bits(v, kind);
+    } else {
+      to[at] = v;
+    }
+  }
+}
+
 namespace oe {
 namespace init {
 
@@ -466,6 +587,8 @@ ONE_EMBEDDING_KERNEL(embedding_tree_counts)
 ONE_EMBEDDING_KERNEL(embedding_tree_level)
 ONE_EMBEDDING_KERNEL(embedding_gather)
 ONE_EMBEDDING_KERNEL(embedding_gather_into)
+ONE_EMBEDDING_KERNEL(embedding_gather_vector)
+ONE_EMBEDDING_KERNEL(embedding_gather_into_vector)
 ONE_EMBEDDING_KERNEL(embedding_init)
 ONE_EMBEDDING_KERNEL(embedding_init_missing)
 ONE_EMBEDDING_KERNEL(embedding_fill_missing)

@@ -76,6 +76,25 @@ inline void scheduling_point();
 // threads there, as at a shared-memory access.
 #define ONE_EMBEDDING_RACY_READ_HOOK oe_emulation::scheduling_point
 
+// CUDA's vector types that the kernels use (vector_types.h declares them alike: plain structs
+// aligned to their size): embedding.cu's 16-byte copies.
+struct alignas(16) float4 {
+  float x, y, z, w;
+};
+struct alignas(16) double2 {
+  double x, y;
+};
+struct alignas(8) ushort4 {
+  unsigned short x, y, z, w;
+};
+struct alignas(4) ushort2 {
+  unsigned short x, y;
+};
+namespace oe_emulation {
+inline void check_vector_alignment(const void* address, size_t alignment);
+}
+#define ONE_EMBEDDING_VECTOR_HOOK oe_emulation::check_vector_alignment
+
 // gridDim.x is read once per step of a grid-stride loop: in the stress mode that read may yield.
 struct oe_grid_dim {
   struct X {
@@ -203,6 +222,19 @@ inline void yield() { swapcontext(&running->context, &scheduler); }
   running->state = State::done;
   setcontext(&scheduler);
   __builtin_unreachable();
+}
+
+// oe::gather::as_vectors (embedding.cu) of an address that is not a multiple of the vector's
+// size: a GPU faults ("misaligned address"); here the launch fails naming the thread. The
+// default mode sees the arrays' own addresses. The stress mode's guarded copies keep only the
+// element alignment, but a copy ends at a page boundary, so an argument of whole vectors (every
+// vectorised argument: whole rows of whole vectors) still starts on a vector boundary there.
+inline void check_vector_alignment(const void* address, size_t alignment) {
+  if ((size_t)address % alignment != 0) {
+    char text[96];
+    snprintf(text, sizeof text, "%p as %zu-byte vectors", address, alignment);
+    abort_fiber("misaligned vector access: " + describe_thread(*running) + " views " + text);
+  }
 }
 
 inline void scheduling_point() {
