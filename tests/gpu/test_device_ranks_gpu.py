@@ -9,11 +9,16 @@ from pathlib import Path
 
 import pytest
 
+from one_embedding.backend import cupy_available
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mpi"))
 
 from test_device_ranks import COUNTS_READ, run, run_trainer  # noqa: E402
 
-pytestmark = [pytest.mark.gpu]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not cupy_available(), reason="needs CuPy and a CUDA device"),
+]
 
 STAGED = {"MPI alltoallv: device array staged on the host"}
 DRY = os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1"
