@@ -160,10 +160,12 @@ def _launch(launch, src, index, has_index, n_rows, per_sample, target, first_slo
     # of dim)
     lanes = vector_lanes(np.float32, (dim, src.shape[1]), (src,) if half else (src, data),
                          data if half else None) if vector else 0
-    name, groups, row = ("gather_into_vector", dim // lanes, src.shape[1] // lanes) if lanes else \
-        ("gather_into", dim, src.shape[1])
-    launch_threads(launch, "embedding", name, np.float32, n_rows * groups,
-                   (src, np.int32(groups), np.int32(row), index, np.int32(bool(has_index)),
-                    np.int64(n_rows), np.int32(per_sample), np.int32(data.shape[1]),
-                    np.int32(first_slot), np.int32(_KINDS.get(target.precision, 0)),
-                    unused_float if half else data, data if half else unused_bits))
+    groups, row = (dim // lanes, src.shape[1] // lanes) if lanes else (dim, src.shape[1])
+    args = (src, np.int32(groups), np.int32(row), index, np.int32(bool(has_index)),
+            np.int64(n_rows), np.int32(per_sample), np.int32(data.shape[1]),
+            np.int32(first_slot), np.int32(_KINDS.get(target.precision, 0)),
+            unused_float if half else data, data if half else unused_bits)
+    if lanes:
+        launch_threads(launch, "embedding", "gather_into_vector", np.float32, n_rows * groups, args)
+    else:
+        launch_threads(launch, "embedding", "gather_into", np.float32, n_rows * groups, args)
