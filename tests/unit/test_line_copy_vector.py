@@ -149,8 +149,8 @@ def test_store_line_copies_off_the_boundary_fall_back_to_element_copies(launch, 
 
 
 def test_the_emulator_refuses_16_byte_line_copies_off_the_boundary(emulation_lib, monkeypatch):
-    """A 16-byte copy forced onto outputs 4 bytes off the boundary fails the launch, as a GPU
-    faults ("misaligned address"), in the find, the put and the cache's find: the glue's check
+    """A 16-byte copy forced onto outputs (or lines given) 4 bytes off the boundary fails the
+    launch, as a GPU faults ("misaligned address"), in each of the six kernels: the glue's check
     is what keeps it away. The same launches on aligned outputs pass (so the failure is the
     alignment's). In the default mode, where kernels see the arrays' own addresses."""
     launch = EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES, seed=None)
@@ -165,9 +165,13 @@ def test_the_emulator_refuses_16_byte_line_copies_off_the_boundary(emulation_lib
         cache.insert_or_assign(keys, _lines(rng, (20, 8)))
         fixed = device_unique.unique_ids_fixed(keys, launch=launch)
         calls = [lambda: store.find(keys, out, np.arange(20, dtype=np.int64)),
+                 lambda: store.find_found(fixed.keys, out, fixed.count),
+                 lambda: store.dedup_find_found(device_unique.dedup_passes_fixed(keys, launch),
+                                                out),
                  lambda: store.insert_or_assign(fixed.keys, _lines(rng, (20, 8), offset),
                                                 fixed.count),
-                 lambda: cache.find(keys, out, np.arange(20, dtype=np.int64))]
+                 lambda: cache.find(keys, out, np.arange(20, dtype=np.int64)),
+                 lambda: cache.insert_or_assign(keys, _lines(rng, (20, 8), offset))]
         for call in calls:
             if offset:
                 with pytest.raises(AssertionError, match="misaligned vector access"):
