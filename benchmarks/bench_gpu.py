@@ -9,9 +9,10 @@
    row read and written (2 x 4E B): ``(8 + 8E) * n / t``. The baseline, measured in the same run,
    is the device's copy bandwidth: a device-to-device copy of a buffer as large as the output,
    counted read + write (``2 * bytes / t``). Goal: lookup >= 0.8x copy. The parts (unique alone,
-   the chain's find, the gather kernel as the step runs it: the found lines' first E columns read
-   in place, at 16 bytes per thread where the layout allows it, beside the 4-byte-per-thread
-   scalar kernel as its baseline) are timed too, to show where the time goes; unique twice:
+   the chain's find, its line copies at 16 bytes per lane where the layout allows it beside the
+   same find with one-element copies, the gather kernel as the step runs it: the found lines'
+   first E columns read in place, at 16 bytes per thread where the layout allows it, beside the
+   4-byte-per-thread scalar kernel as its baseline) are timed too, to show where the time goes; unique twice:
    the hash-table dedup the lookup runs and, as its baseline in the same run, the sort-based one
    it replaced (``device_unique.unique_ids_by_sorting``), whose results it must equal. The
    dedup and the store's find as two kernels against the find fused into the dedup's output
@@ -71,7 +72,8 @@ import traceback
 import numpy as np
 
 from .bench_gpu_dense import bench_dense_parts, bench_fused_loss, print_dense_parts
-from .bench_gpu_lookup import GATHER_PART, GATHER_SCALAR_PART, bench_interaction_input, bench_lookup
+from .bench_gpu_lookup import (FIND_PART, FIND_SCALAR_PART, GATHER_PART, GATHER_SCALAR_PART,
+                               bench_interaction_input, bench_lookup)
 from .common import markdown_table, print_header, save_result, zipf_ids
 
 #: HugeCTR's published DLRM training throughput on one H100, the anchor of issue 13
@@ -443,6 +445,12 @@ def main(argv=None):
             print(f"gather: the step's kernel is {speedup:.2f}x the scalar one's speed (16 bytes "
                   f"per thread: {lookup['gather_vectorised']})")
             summary.append(f"gather: {speedup:.2f}x scalar (vectorised: {lookup['gather_vectorised']})")
+        if FIND_PART in lookup["parts_s"]:
+            speedup = lookup["parts_s"][FIND_SCALAR_PART] / lookup["parts_s"][FIND_PART]
+            print(f"find: the step's line copies are {speedup:.2f}x the one-element copies' speed "
+                  f"(16 bytes per lane: {lookup['find_vectorised']})")
+            summary.append(f"find: {speedup:.2f}x one-element copies (vectorised: "
+                           f"{lookup['find_vectorised']})")
         if lookup["dedup_find"]:
             fusion = lookup["dedup_find"]
             print(f"dedup + find: fused {fusion['speedup']:.2f}x two kernels (same results: "

@@ -23,8 +23,9 @@
 //
 // Line copies: `vector` (set by the host, device_ops.line_vector, when line_size is a multiple of
 // Vector16<T>::LANES and the line arrays start on 16-byte boundaries) makes each lane move 16
-// bytes per access (oe::copy_line, common.cuh) instead of one element; the same bits either way.
+// bytes per access (oe::copy_line, vector.cuh) instead of one element; the same bits either way.
 #include "common.cuh"
+#include "vector.cuh"
 
 namespace oe {
 namespace cache {

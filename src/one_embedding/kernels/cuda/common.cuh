@@ -54,56 +54,6 @@ __device__ __forceinline__ i64 grid_threads() { return (i64)gridDim.x * blockDim
 __device__ __forceinline__ i64 grid_warp() { return grid_thread() >> 5; }
 __device__ __forceinline__ i64 grid_warps() { return grid_threads() >> 5; }
 
-// Vector16<T>::type holds LANES = 16 / sizeof(T) values of T in one 16-byte aligned struct
-// (CUDA's float4 / double2: one 128-bit load or store); ::bits holds their fp16 / bf16 patterns
-// (ushort4 / ushort2). as_vectors views an array of T as an array of such vectors: its address
-// must be a multiple of the vector's size (the launching code checks it on the host:
-// device_ops.vector_lanes; a GPU faults with "misaligned address" otherwise). The host emulator
-// defines ONE_EMBEDDING_VECTOR_HOOK(address, alignment), which fails the launch there as the GPU
-// would. Used by the gathers (embedding.cu) and the line copies (copy_line below).
-template <typename T>
-struct Vector16;
-template <>
-struct Vector16<float> {
-  typedef float4 type;
-  typedef ushort4 bits;
-  static constexpr int LANES = 4;
-};
-template <>
-struct Vector16<double> {
-  typedef double2 type;
-  typedef ushort2 bits;
-  static constexpr int LANES = 2;
-};
-
-template <typename V, typename T>
-__device__ __forceinline__ V* as_vectors(T* p) {
-#ifdef ONE_EMBEDDING_VECTOR_HOOK
-  ONE_EMBEDDING_VECTOR_HOOK((const void*)p, sizeof(V));
-#endif
-  return reinterpret_cast<V*>(p);
-}
-
-// The 32 lanes of a warp copy one line of line_size values, dst[c] = src[c]: one element per lane
-// and step (a warp moves 128 bytes of float per step), or, when `vector` is set, one
-// Vector16<T> per lane and step (512 bytes per step). `vector` requires line_size to be a
-// multiple of LANES and both addresses multiples of 16 (the host decides: device_ops.line_vector);
-// the same values either way (plain copies, so the same bits). Warp-uniform arguments: the branch
-// does not diverge. The line copies of hashindex.cu and cache.cu.
-template <typename T>
-__device__ __forceinline__ void copy_line(T* dst, const T* src, int line_size, int vector,
-                                          int lane) {
-  if (vector) {
-    typedef typename Vector16<T>::type V;
-    const int groups = line_size / Vector16<T>::LANES;
-    V* to = as_vectors<V>(dst);
-    const V* from = as_vectors<const V>(src);
-    for (int g = lane; g < groups; g += 32) to[g] = from[g];
-  } else {
-    for (int c = lane; c < line_size; c += 32) dst[c] = src[c];
-  }
-}
-
 // Sum over the 32 lanes of a warp; every lane gets the total. All lanes must call it.
 template <typename T>
 __device__ __forceinline__ T warp_sum(T v) {

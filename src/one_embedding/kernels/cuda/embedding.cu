@@ -11,6 +11,7 @@
 // in the last ulp, which survives the rounding to float32 only rarely).
 #include "common.cuh"
 #include "precision.cuh"
+#include "vector.cuh"
 
 // first[segment[j]] = min over j of order[j]: the first position of each run of equal keys.
 // order: (n,) i64 positions of the keys in key-sorted order; segment: (n,) i64 run of each sorted
@@ -284,7 +285,7 @@ __global__ void embedding_gather_into(const T* src, int dim, int src_stride,
 }
 
 // ---- The two gathers at 16 bytes per thread: one thread per group of LANES = 16 / sizeof(T)
-// columns (oe::Vector16, common.cuh: a float4 / double2 load and store), the row's index read
+// columns (oe::Vector16, vector.cuh: a float4 / double2 load and store), the row's index read
 // once per group, and 32-bit division where the groups of the launch fit (always, in practice).
 // Launched instead of the scalar kernels above when dim and src_stride are multiples of LANES
 // and the arrays' addresses are multiples of the vector's size (device_ops.vector_lanes checks it

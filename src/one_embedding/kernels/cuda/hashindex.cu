@@ -13,8 +13,9 @@
 // (device_ops.line_vector) when line_size is a multiple of Vector16<T>::LANES (4 float, 2 double)
 // and the rows' and the lines' arrays start on 16-byte boundaries; every line then does too
 // (an offset of whole lines), and each lane moves 16 bytes per access (oe::copy_line,
-// common.cuh), else 4 (float) or 8 (double). The same copies, so the same bits either way.
+// vector.cuh), else 4 (float) or 8 (double). The same copies, so the same bits either way.
 #include "common.cuh"
+#include "vector.cuh"
 
 namespace oe {
 namespace hashindex {

@@ -225,7 +225,7 @@ inline void yield() { swapcontext(&running->context, &scheduler); }
   __builtin_unreachable();
 }
 
-// oe::as_vectors (common.cuh) of an address that is not a multiple of the vector's
+// oe::as_vectors (vector.cuh) of an address that is not a multiple of the vector's
 // size: a GPU faults ("misaligned address"); here the launch fails naming the thread. The
 // default mode sees the arrays' own addresses. The stress mode's guarded copies keep only the
 // element alignment, but a copy ends at a page boundary, so an argument of whole vectors (every
