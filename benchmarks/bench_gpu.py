@@ -5,25 +5,26 @@
 
 1. Lookup: ``emb(ids)`` of a device_mem table on the GPU (validate, unique, hash-index find, rows
    out by inverse), keys already stored, ids Zipf(1.05) over ``--lookup-keys`` keys. Its
-   bandwidth counts what a lookup must move at least: the ids read (8 B each) and each output
-   row read and written (2 x 4E B): ``(8 + 8E) * n / t``. The baseline, measured in the same run,
-   is the device's copy bandwidth: a device-to-device copy of a buffer as large as the output,
+   bandwidth counts what a lookup must move at least: the ids read (8 B each) and each output row
+   read and written (2 x 4E B): ``(8 + 8E) * n / t``. The baseline, measured in the same run, is
+   the device's copy bandwidth: a device-to-device copy of a buffer as large as the output,
    counted read + write (``2 * bytes / t``). Goal: lookup >= 0.8x copy. The parts (unique alone,
-   the chain's find, the gather kernel as the step runs it: the found lines' first E columns read
-   in place, at 16 bytes per thread where the layout allows it, beside the 4-byte-per-thread
-   scalar kernel as its baseline) are timed too, to show where the time goes; unique twice:
-   the hash-table dedup the lookup runs and, as its baseline in the same run, the sort-based one
-   it replaced (``device_unique.unique_ids_by_sorting``), whose results it must equal. The
-   dedup and the store's find as two kernels against the find fused into the dedup's output
-   pass (``bench_dedup_find``), results compared, and ``emb(ids)`` with the fusion off. Then the
-   backward's other end: the per-key gradient sum and the row update (Adam, lines of 3E) of the
-   same ids, as two kernels (``segment_sum`` then ``update_lines``: the (u, E) sums written and
-   read back) and fused (``fused_update``: each key's rows summed inside the update), timed
-   in the same run, their results compared bit for bit. Their bandwidth counts the gradient
-   rows read (4E B each) and each line read and written (2 x 12E B per key). Then the
-   rows of a batch into the dot interaction's input: gather + concatenation (the path before)
-   against the gather straight into it (``kernels.layout_ops``), in fp32 and bf16. The
-   part's functions: ``bench_gpu_lookup``.
+   the chain's find, its line copies at 16 bytes per lane where the layout allows it beside the
+   same find with one-element copies, the gather kernel as the step runs it: the found lines'
+   first E columns read in place, at 16 bytes per thread where the layout allows it, beside the
+   4-byte-per-thread scalar kernel as its baseline) are timed too, to show where the time goes;
+   unique twice: the hash-table dedup the lookup runs and, as its baseline in the same run, the
+   sort-based one it replaced (``device_unique.unique_ids_by_sorting``), whose results it must
+   equal. The dedup and the store's find as two kernels against the find fused into the dedup's
+   output pass (``bench_dedup_find``), results compared, and ``emb(ids)`` with the fusion off.
+   Then the backward's other end: the per-key gradient sum and the row update (Adam, lines of 3E)
+   of the same ids, as two kernels (``segment_sum`` then ``update_lines``: the (u, E) sums
+   written and read back) and fused (``fused_update``: each key's rows summed inside the update),
+   timed in the same run, their results compared bit for bit. Their bandwidth counts the gradient
+   rows read (4E B each) and each line read and written (2 x 12E B per key). Then the rows of a
+   batch into the dot interaction's input: gather + concatenation (the path before) against the
+   gather straight into it (``kernels.layout_ops``), in fp32 and bf16. The part's functions:
+   ``bench_gpu_lookup``.
 2. DLRM training on Criteo-1TB shapes: 26 tables of the Criteo 1TB sizes (each capped at
    ``--max-rows`` rows so a plain PyTorch model's dense tables fit the GPU), dim 128, bottom MLP
    512-256-128, top 1024-1024-512-256-1, dot interaction, BCE, SGD, batch 65536, Zipf ids per
@@ -71,7 +72,8 @@ import traceback
 import numpy as np
 
 from .bench_gpu_dense import bench_dense_parts, bench_fused_loss, print_dense_parts
-from .bench_gpu_lookup import GATHER_PART, GATHER_SCALAR_PART, bench_interaction_input, bench_lookup
+from .bench_gpu_lookup import (FIND_PART, FIND_SCALAR_PART, GATHER_PART, GATHER_SCALAR_PART,
+                               bench_interaction_input, bench_lookup)
 from .common import markdown_table, print_header, save_result, zipf_ids
 
 #: HugeCTR's published DLRM training throughput on one H100, the anchor of issue 13
@@ -443,6 +445,12 @@ def main(argv=None):
             print(f"gather: the step's kernel is {speedup:.2f}x the scalar one's speed (16 bytes "
                   f"per thread: {lookup['gather_vectorised']})")
             summary.append(f"gather: {speedup:.2f}x scalar (vectorised: {lookup['gather_vectorised']})")
+        if FIND_PART in lookup["parts_s"]:
+            speedup = lookup["parts_s"][FIND_SCALAR_PART] / lookup["parts_s"][FIND_PART]
+            print(f"find: the step's line copies are {speedup:.2f}x the one-element copies' speed "
+                  f"(16 bytes per lane: {lookup['find_vectorised']})")
+            summary.append(f"find: {speedup:.2f}x one-element copies (vectorised: "
+                           f"{lookup['find_vectorised']})")
         if lookup["dedup_find"]:
             fusion = lookup["dedup_find"]
             print(f"dedup + find: fused {fusion['speedup']:.2f}x two kernels (same results: "

@@ -3,8 +3,9 @@ the parts it is made of, each beside its baseline measured in the same run.
 
 - ``bench_lookup``: ``emb(ids)`` of a device_mem table against a device-to-device copy of the
   output's size; on the device path its parts (hash-table unique against the sort-based one it
-  replaced, the chain's find, the gather by inverse as the step runs it beside the
-  scalar kernel), then the two below.
+  replaced, the chain's find (its line copies at 16 bytes per lane where the layout allows it)
+  beside the same find with one-element copies, the gather by inverse as the step runs it
+  beside the scalar kernel), then the two below.
 - ``bench_dedup_find``: the dedup and the store's find as two kernels against the find fused
   into the dedup's output pass, results compared bit for bit, and ``emb(ids)`` with the fusion
   switched the other way.
@@ -28,6 +29,10 @@ from .common import zipf_ids
 #: scalar kernel as its baseline in the same run (issue 32 item 3)
 GATHER_PART = "gather (rows by inverse, the step's: lines read in place)"
 GATHER_SCALAR_PART = "gather, scalar kernel (baseline: gather_rows(vector=False))"
+#: the chain's find, its line copies as the step runs them (16 bytes per lane where the layout
+#: allows it), and with one-element copies as their baseline in the same run (issue 32 item 3)
+FIND_PART = "find (chain.lookup of the unique keys)"
+FIND_SCALAR_PART = "find, one-element line copies (baseline: VECTOR_LINE_COPIES off)"
 
 if TYPE_CHECKING:
     from .bench_gpu import Device
@@ -76,8 +81,9 @@ def bench_lookup(dev: Device, args) -> dict:
                      dev.seconds(lambda: device_unique.unique_ids(keys, launch), args.repeats),
                  "unique (sort, the replaced baseline: unique_ids_by_sorting)":
                      dev.seconds(lambda: device_unique.unique_ids_by_sorting(keys, launch), args.repeats),
-                 "find (chain.lookup of the unique keys)":
-                     dev.seconds(lambda: chain.lookup(uniq), args.repeats),
+                 FIND_PART: dev.seconds(lambda: chain.lookup(uniq), args.repeats),
+                 FIND_SCALAR_PART: _scalar_line_copies(
+                     lambda: dev.seconds(lambda: chain.lookup(uniq), args.repeats)),
                  # the step's gather (embedding._embed_on_device, one rank, fp32): the first E
                  # columns of the found lines read in place, at 16 bytes per thread where the
                  # layout allows it; the scalar kernel (4 bytes per thread) as its baseline
@@ -94,6 +100,7 @@ def bench_lookup(dev: Device, args) -> dict:
                                  "x copy": (8 + 8 * e) * n / t / copy_bw})
         # CuPy's pool hands out 256-byte aligned outputs: the lines decide
         gather_vectorised = bool(device_ops.vector_lanes(np.float32, (e, lines.shape[1]), (lines,)))
+        find_vectorised = bool(device_ops.line_vector(np.float32, lines.shape[1], (lines,)))
         dedup_find = bench_dedup_find(dev, args, emb, ids)
         rows += dedup_find.pop("rows")
         update = bench_grad_update(dev, args, launch, inverse, int(uniq.shape[0]), copy_bw)
@@ -104,12 +111,27 @@ def bench_lookup(dev: Device, args) -> dict:
     else:
         unique_count = int(np.unique(batches[0]).size)
         unique_vs_sort, update, dedup_find, gather_vectorised = {}, {}, {}, None
+        find_vectorised = None
     emb.close()
     return {"ids": n, "unique": unique_count, "dim": e, "copy_GBps": copy_bw / 1e9,
             "lookup_GBps": lookup_bw / 1e9, "ratio": lookup_bw / copy_bw, "rows": rows,
             "parts_s": parts, "gather_vectorised": gather_vectorised,
+            "find_vectorised": find_vectorised,
             "unique_hash_vs_sort": unique_vs_sort, "grad_update": update,
             "dedup_find": dedup_find}
+
+
+def _scalar_line_copies(timed):
+    """``timed()`` with the line-copying kernels at one element per lane
+    (``device_ops.VECTOR_LINE_COPIES`` off), restored after."""
+    from one_embedding.kernels import device_ops
+
+    before = device_ops.VECTOR_LINE_COPIES
+    device_ops.VECTOR_LINE_COPIES = False
+    try:
+        return timed()
+    finally:
+        device_ops.VECTOR_LINE_COPIES = before
 
 
 def bench_dedup_find(dev: Device, args, emb, ids) -> dict:

@@ -154,3 +154,45 @@ def write_criteo_tsv(path, rows: int, seed: int = 0) -> None:
             cats = [f"{rng.integers(0, 50) * 2654435761 % 2**32:08x}" for _ in range(26)]
             label = int(rng.random() < 0.3 + 0.4 * (cats[0] < "80000000"))
             f.write("\t".join([str(label), *ints, *cats]) + "\n")
+
+
+class LineCopies:
+    """Watches a launcher's launches of the kernels that copy whole lines (those with an ``int
+    vector`` parameter: ``hashindex.cu``'s finds and put, ``cache.cu``'s find and insert):
+    ``seen`` gets (kernel, line_size, vector) per launch, as the device glue chose them; with
+    ``force`` set (0 or 1) the kernel runs with that ``vector`` instead (0: the one-element copies
+    to compare against; 1: a 16-byte copy the glue refused). Installed on the launcher's ``run``
+    through pytest's ``monkeypatch``, so it is undone after the test; works on the emulator and on
+    the CuPy launcher alike."""
+
+    def __init__(self, monkeypatch, launcher, force: int | None = None):
+        from cuda_emulation import kernel_parameters
+
+        self.force = force
+        self.seen: list[tuple[str, int, int]] = []
+        self._at = {}
+        for family in ("hashindex", "cache"):
+            for kernel, params in kernel_parameters(family).items():
+                names = [name for _, name in params]
+                if "vector" in names:
+                    self._at[kernel] = (names.index("line_size"), names.index("vector"))
+        original = launcher.run
+
+        def run(family, name, dtype, grid, block, args):
+            where = self._at.get(f"{family}_{name}")
+            if where is not None:
+                size_at, vector_at = where
+                self.seen.append((f"{family}_{name}", int(args[size_at]), int(args[vector_at])))
+                if self.force is not None:
+                    args = args[:vector_at] + (np.int32(self.force),) + args[vector_at + 1:]
+            original(family, name, dtype, grid, block, args)
+
+        monkeypatch.setattr(launcher, "run", run)
+
+    def kernels(self) -> set[str]:
+        return {kernel for kernel, _, _ in self.seen}
+
+    def vectors(self, with_lines: bool = True) -> set[int]:
+        """The ``vector`` values chosen for the launches that copy lines (line_size > 0), or for
+        those that copy none."""
+        return {vector for _, size, vector in self.seen if (size > 0) == with_lines}

@@ -601,6 +601,110 @@ def test_device_full_store_snapshot_loads_into_memory_store_and_back(tmp_path):
     _exact(out_dev, lines)
 
 
+def _copy_lines(rng, shape):
+    """_normal_floats with the bit patterns a copy must keep: NaN payloads and -0.0."""
+    x = _normal_floats(rng, shape)
+    flat = x.reshape(-1).view(np.uint32)
+    at = rng.choice(flat.size, min(flat.size, 8), replace=False)
+    flat[at] = np.resize(np.array([0x7FC00001, 0xFFC12345, 0x80000000, 0x7F800000], np.uint32),
+                         at.size)
+    return x
+
+
+def _line_copy_round(line, n, offset=0):
+    """One round of the six line-copying kernels, on a DeviceFullStore and a DeviceCache of
+    lines of ``line`` floats and their CPU twins: a fixed-capacity put, a find into scattered
+    rows, the fixed-capacity find, the fused dedup + find, cache inserts that evict and a cache
+    find; ``offset``: the outputs start that many floats into a buffer (off the 16-byte boundary
+    when not a multiple of 4). -> [(device result, twin's)]."""
+    from one_embedding.cache.device import DeviceCache, DeviceFullStore
+    from one_embedding.cache.set_associative import SetAssociativeCache
+    from one_embedding.kernels import device_unique
+    from one_embedding.store.memory import MemoryStore
+
+    cp = _cp()
+    rng = np.random.default_rng(line)
+
+    def out_buffer(rows):
+        flat = cp.full(rows * line + offset, 7.0, dtype=cp.float32)
+        return flat[offset:].reshape(rows, line), np.full((rows, line), 7.0, np.float32)
+
+    universe = rng.integers(0, 2**64, 2 * n, dtype=np.uint64, endpoint=False)
+    dev, cpu = DeviceFullStore(line, capacity=2 * n), MemoryStore(line, capacity=2 * n)
+    pairs = []
+    ids = universe[rng.integers(0, n, n)]
+    fixed = device_unique.unique_ids_fixed(cp.asarray(ids))
+    u = int(_get(fixed.count)[0])
+    lines = _copy_lines(rng, (n, line))
+    dev.insert_or_assign(fixed.keys, cp.asarray(lines), fixed.count)      # hashindex_put_rows
+    cpu.insert_or_assign(_get(fixed.keys)[:u], lines[:u])
+    probe = universe[rng.permutation(universe.size)[:n]]                  # half held
+    out_rows = rng.permutation(n + 3)[:n].astype(np.int64)
+    out, want = out_buffer(n + 3)
+    _exact(dev.find(cp.asarray(probe), out, cp.asarray(out_rows)),       # hashindex_find
+           cpu.find(probe, want, out_rows))
+    pairs.append((out, want))
+    ids = universe[rng.integers(0, 2 * n, n)]
+    fixed = device_unique.unique_ids_fixed(cp.asarray(ids))
+    u = int(_get(fixed.count)[0])
+    live, want = out_buffer(n)
+    dev.find_found(fixed.keys, live, fixed.count)                         # hashindex_find_live
+    cpu.find(_get(fixed.keys)[:u], want, np.arange(u))
+    pairs.append((live, want))
+    fused, _ = out_buffer(n)
+    dev.dedup_find_found(device_unique.dedup_passes_fixed(cp.asarray(ids)), fused)
+    pairs.append((fused, want))                                           # the fused find
+    cache_rows = n // 32 * 8                                              # a quarter of n
+    cache = DeviceCache(line, cache_rows, 8, "lru")
+    twin = SetAssociativeCache(line, cache_rows, 8, "lru")
+    for _ in range(2):                                                    # cache_insert
+        keys = _keys(rng, n, universe)
+        lines = _copy_lines(rng, (keys.size, line))
+        ev_keys, ev_lines = cache.insert_or_assign(cp.asarray(keys), cp.asarray(lines))
+        want_keys, want_lines = twin.insert_or_assign(keys, lines)
+        _exact(ev_keys, want_keys)
+        assert want_keys.size > 0                                         # it evicts
+        pairs.append((ev_lines, want_lines))
+    keys = _keys(rng, n, universe)
+    out, want = out_buffer(keys.size)
+    _exact(cache.find(cp.asarray(keys), out, cp.arange(keys.size)),       # cache_find
+           twin.find(keys, want, np.arange(keys.size)))
+    pairs.append((out, want))
+    return pairs
+
+
+@pytest.mark.parametrize("line", [4, 8, 12, 16, 256, 6, 130])
+def test_line_copies_by_vector_equal_the_element_copies_and_the_twins(line, monkeypatch):
+    """The hash index's and the cache's line copies at 16 bytes per lane (hashindex_find,
+    find_live, dedup_output_find, put_rows, cache_find, cache_insert with ``vector`` = 1, chosen
+    by device_ops.line_vector on CuPy's device pointers exactly where the line is a multiple of 4
+    floats) against the same kernels with ``vector`` forced to 0 and the CPU twins, bit for bit;
+    outputs one float off the boundary (an offset view) take the element copies, the twins'
+    bits (a 16-byte access there would fault)."""
+    dry = os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1"
+    n = 200 if dry else 100_000
+    from one_embedding.kernels import device_ops
+
+    copies = helpers.LineCopies(monkeypatch, device_ops.cupy_launcher())
+    vectorised = _line_copy_round(line, n)
+    assert len(copies.kernels()) == 6
+    assert copies.vectors() == {int(line % 4 == 0)}
+    copies.force = 0
+    scalar = _line_copy_round(line, n)
+    for (got, want), (forced, _) in zip(vectorised, scalar, strict=True):
+        _exact(got, want)
+        _exact(forced, want)
+    if line % 4 == 0:
+        copies.force = None
+        copies.seen.clear()
+        for got, want in _line_copy_round(line, n, offset=1):
+            _exact(got, want)
+        assert {(kernel, vector) for kernel, _, vector in copies.seen if kernel in (
+            "hashindex_find", "hashindex_find_live", "hashindex_dedup_output_find",
+            "cache_find")} == {("hashindex_find", 0), ("hashindex_find_live", 0),
+                               ("hashindex_dedup_output_find", 0), ("cache_find", 0)}
+
+
 # ---------------------------------------------------------------- the set-associative cache
 
 

@@ -165,10 +165,13 @@ class DeviceFullStore(_OnDevice, StoreTier):
             self._rows[slots] = lines
         else:
             n = slots.shape[0]
+            lines = xp.ascontiguousarray(lines)
+            vector = device_ops.line_vector(np.float32, self.line_size, (self._rows, lines))
+            per_line = self.line_size // 4 if vector else self.line_size   # float4s or floats
             device_ops.launch_threads(self._launch, "hashindex", "put_rows", np.float32,
-                                      n * self.line_size,
-                                      (self._rows, np.int32(self.line_size), slots,
-                                       xp.ascontiguousarray(lines), np.int64(n), live))
+                                      n * per_line,
+                                      (self._rows, np.int32(self.line_size), vector, slots,
+                                       lines, np.int64(n), live))
         return xp.empty(0, dtype=xp.uint64), xp.empty((0, self.line_size), dtype=xp.float32)
 
     def _sorted_items(self):
@@ -323,10 +326,11 @@ class DeviceCache(_OnDevice, Tier):
         order, starts, set_ids = group_by_set(xp, keys, self.n_sets)
         hit = xp.empty(n, dtype=xp.int32)
         way_keys, way_stamp, way_freq, rows, ways, line_size = self._state()
+        vector = device_ops.line_vector(np.float32, self.line_size, (rows, out))
         device_ops.launch_warps(launch, "cache", "find", np.float32, set_ids.shape[0],
-                                (way_keys, way_stamp, way_freq, rows, ways, line_size, keys, order,
-                                 starts, set_ids, np.int64(set_ids.shape[0]), np.int64(self._clock),
-                                 out_rows, out, hit))
+                                (way_keys, way_stamp, way_freq, rows, ways, line_size, vector, keys,
+                                 order, starts, set_ids, np.int64(set_ids.shape[0]),
+                                 np.int64(self._clock), out_rows, out, hit))
         self._clock += n
         return device_ops.flatnonzero(xp, hit == 0, "miss keys to host tier")
 
@@ -351,8 +355,9 @@ class DeviceCache(_OnDevice, Tier):
         ev_flag = xp.zeros(n, dtype=xp.int32)      # 1 evicted here, 2 evicted again later
         new_flag = xp.empty(n, dtype=xp.int32)
         way_keys, way_stamp, way_freq, rows, ways, line_size = self._state()
+        vector = device_ops.line_vector(np.float32, self.line_size, (rows, lines, ev_lines))
         device_ops.launch_warps(launch, "cache", "insert", np.float32, set_ids.shape[0],
-                                (way_keys, way_stamp, way_freq, rows, ways, line_size,
+                                (way_keys, way_stamp, way_freq, rows, ways, line_size, vector,
                                  np.int32(self._policy_code), keys, lines, order, starts, set_ids,
                                  np.int64(set_ids.shape[0]), np.int64(self._clock), ev_keys, ev_lines,
                                  ev_flag, new_flag))

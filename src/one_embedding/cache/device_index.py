@@ -150,9 +150,10 @@ class DeviceHashIndex:
             line_size = 0
         else:
             line_size = rows.shape[1]
+        vector = device_ops.line_vector(np.float32, line_size, (rows, out))
         device_ops.launch_warps(self._launch, "hashindex", "find", np.float32, n,
                                 (self._table, np.int64(self.capacity - 1), keys, np.int64(n), rows,
-                                 np.int32(line_size), out_rows, out, slots, buckets))
+                                 np.int32(line_size), vector, out_rows, out, slots, buckets))
         return slots, buckets
 
     def _keys(self, keys):
@@ -189,9 +190,10 @@ class DeviceHashIndex:
             line_size = 0
         else:
             line_size = rows.shape[1]
+        vector = device_ops.line_vector(np.float32, line_size, (rows, out))
         device_ops.launch_warps(self._launch, "hashindex", "find_live", np.float32, n,
                                 (self._table, np.int64(self.capacity - 1), keys, np.int64(n), live,
-                                 rows, np.int32(line_size), out, slots))
+                                 rows, np.int32(line_size), vector, out, slots))
         return slots
 
     def dedup_find_live(self, passes, rows=None, out=None):

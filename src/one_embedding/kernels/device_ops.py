@@ -346,6 +346,23 @@ def vector_lanes(dtype, counts, arrays, bits=None) -> int:
     return lanes
 
 
+#: whether the kernels that copy whole lines may copy 16 bytes per lane (``line_vector``); False
+#: runs their one-element copies always (the benchmark's baseline, bench_gpu_lookup). Same bits.
+VECTOR_LINE_COPIES = True
+
+
+def line_vector(dtype, line_size: int, arrays) -> np.int32:
+    """The ``vector`` argument of the kernels that copy whole lines of ``line_size`` values of
+    ``dtype`` (``hashindex_find``, ``hashindex_find_live``, ``hashindex_dedup_output_find``,
+    ``hashindex_put_rows``, ``cache_find``, ``cache_insert``): 1 (16 bytes per lane, a warp moves
+    512 bytes per step) when ``vector_lanes`` allows it for line_size and every array in
+    ``arrays`` (the lines' sources and destinations, of ``dtype``), else 0 (one element per lane);
+    0 when line_size is 0 (nothing is copied: the arrays are placeholders) and while
+    ``VECTOR_LINE_COPIES`` is False."""
+    return np.int32(VECTOR_LINE_COPIES and line_size > 0
+                    and vector_lanes(dtype, (line_size,), arrays) != 0)
+
+
 def gather_rows(src, index, launch: Launcher | None = None, check_index: bool = True,
                 columns: int | None = None, vector: bool = True):
     """src: (R, E) float, index: (...) int64 -> (..., E): ``src[index]``, zero rows where index < 0.

@@ -15,7 +15,7 @@ import numpy as np
 from .. import host_sync
 from ..errors import InputError
 from .device_ops import (Launcher, _float_dtype, device_array, launch_threads, launch_warps,
-                         resolve)
+                         line_vector, resolve)
 
 
 #: True: the one-rank device_mem path dedups and probes the store's index in one output pass
@@ -178,9 +178,10 @@ def unique_ids_fixed_find(passes: DedupPasses, table, rows=None, out=None,
         line_size = rows.shape[1]
     uniq, first, inverse = _fixed_outputs(xp, n)
     slots = xp.empty(n, dtype=xp.int64)
+    vector = line_vector(np.float32, line_size, (rows, out))
     launch_warps(launch, "hashindex", "dedup_output_find", np.float32, -(-n // 32),
                  (keys, passes.first_of, passes.rank, np.int64(n), inverse, uniq, first, table,
-                  np.int64(table.shape[0] - 1), rows, np.int32(line_size), out, slots))
+                  np.int64(table.shape[0] - 1), rows, np.int32(line_size), vector, out, slots))
     return FixedUnique(uniq, inverse, first, passes.rank[n - 1:]), slots
 
 

@@ -20,7 +20,12 @@
 // A warp keeps its set's state in shared memory. Lane w owns way w: it alone writes the way's
 // entry and it alone reads it outside victim scans, so hits need no barrier; a victim scan reads
 // every entry and is fenced by __syncwarp on both sides.
+//
+// Line copies: `vector` (set by the host, device_ops.line_vector, when line_size is a multiple of
+// Vector16<T>::LANES and the line arrays start on 16-byte boundaries) makes each lane move 16
+// bytes per access (oe::copy_line, vector.cuh) instead of one element; the same bits either way.
 #include "common.cuh"
+#include "vector.cuh"
 
 namespace oe {
 namespace cache {
@@ -64,10 +69,10 @@ __device__ __forceinline__ void load_set(SetState& s, const u64* way_keys, const
 // Lookup with touches. For every position p of the batch: when keys[p] is held, its line goes to
 // out[out_rows[p]], the way is stamped clock + p and its freq counted, and hit[p] = 1; else
 // hit[p] = 0 and out is untouched. keys: (n,) u64; order, starts, set_ids: the grouping above
-// (n_groups groups); out: (N, line_size); out_rows, hit: (n,).
+// (n_groups groups); out: (N, line_size); out_rows, hit: (n,); vector: 16-byte copies (above).
 template <typename T>
 __global__ void cache_find(const oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way_freq,
-                           const T* rows, int ways, int line_size, const oe::u64* keys,
+                           const T* rows, int ways, int line_size, int vector, const oe::u64* keys,
                            const oe::i64* order, const oe::i64* starts, const oe::i64* set_ids,
                            oe::i64 n_groups, oe::i64 clock, const oe::i64* out_rows, T* out,
                            int* hit) {
@@ -88,9 +93,8 @@ __global__ void cache_find(const oe::u64* way_keys, oe::i64* way_stamp, oe::i64*
           s.stamp[w] = clock + p;
           s.freq[w] += 1;
         }
-        const T* src = rows + (base + w) * line_size;
-        T* dst = out + out_rows[p] * line_size;
-        for (int c = lane; c < line_size; c += 32) dst[c] = src[c];
+        oe::copy_line(out + out_rows[p] * line_size, rows + (base + w) * line_size, line_size,
+                      vector, lane);
       }
       if (lane == 0) hit[p] = hits != 0u;
     }
@@ -108,10 +112,11 @@ __global__ void cache_find(const oe::u64* way_keys, oe::i64* way_stamp, oe::i64*
 // zeroed by the caller). A victim stamped in this same call (stamp >= clock) may have been
 // displaced once before in this call, carrying its older line; that earlier record is marked
 // ev_flag = 2 (superseded), so each key leaves once, with its newest line, as on the CPU.
-// new_flag[p] = 1 when keys[p] was not held. lines, ev_lines: (n, line_size); flags: (n,).
+// new_flag[p] = 1 when keys[p] was not held. lines, ev_lines: (n, line_size); flags: (n,);
+// vector: 16-byte copies (above).
 template <typename T>
 __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way_freq, T* rows,
-                             int ways, int line_size, int policy, const oe::u64* keys,
+                             int ways, int line_size, int vector, int policy, const oe::u64* keys,
                              const T* lines, const oe::i64* order, const oe::i64* starts,
                              const oe::i64* set_ids, oe::i64 n_groups, oe::i64 clock,
                              oe::u64* ev_keys, T* ev_lines, int* ev_flag, int* new_flag) {
@@ -170,10 +175,23 @@ __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way
       T* row = rows + (base + w) * line_size;
       const T* src = lines + p * line_size;
       T* evicted = ev_lines + p * line_size;
-      // a lane copies the old value of column c out before it writes the new one into it
-      for (int c = lane; c < line_size; c += 32) {
-        if (evict) evicted[c] = row[c];
-        row[c] = src[c];
+      // a lane copies the old value of column c (of vector g) out before it writes the new one
+      // into it; no other lane touches that column
+      if (vector) {
+        typedef typename oe::Vector16<T>::type V;
+        const int groups = line_size / oe::Vector16<T>::LANES;
+        V* row_v = oe::as_vectors<V>(row);
+        const V* src_v = oe::as_vectors<const V>(src);
+        V* evicted_v = evict ? oe::as_vectors<V>(evicted) : nullptr;
+        for (int g = lane; g < groups; g += 32) {
+          if (evict) evicted_v[g] = row_v[g];
+          row_v[g] = src_v[g];
+        }
+      } else {
+        for (int c = lane; c < line_size; c += 32) {
+          if (evict) evicted[c] = row[c];
+          row[c] = src[c];
+        }
       }
     }
     if (lane < ways) {

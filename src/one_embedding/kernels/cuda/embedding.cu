@@ -11,6 +11,7 @@
 // in the last ulp, which survives the rounding to float32 only rarely).
 #include "common.cuh"
 #include "precision.cuh"
+#include "vector.cuh"
 
 // first[segment[j]] = min over j of order[j]: the first position of each run of equal keys.
 // order: (n,) i64 positions of the keys in key-sorted order; segment: (n,) i64 run of each sorted
@@ -284,43 +285,14 @@ __global__ void embedding_gather_into(const T* src, int dim, int src_stride,
 }
 
 // ---- The two gathers at 16 bytes per thread: one thread per group of LANES = 16 / sizeof(T)
-// columns (Vector16: a float4 / double2 load and store), the row's index read once per group,
-// and 32-bit division where the groups of the launch fit (always, in practice). Launched instead
-// of the scalar kernels above when dim and src_stride are multiples of LANES and the arrays'
-// addresses are multiples of the vector's size (device_ops.vector_lanes checks it on the host);
-// the same copies and the same rounding, so the same bits. groups = dim / LANES, src_groups =
-// src_stride / LANES; the other parameters are those of the scalar kernels.
+// columns (oe::Vector16, vector.cuh: a float4 / double2 load and store), the row's index read
+// once per group, and 32-bit division where the groups of the launch fit (always, in practice).
+// Launched instead of the scalar kernels above when dim and src_stride are multiples of LANES
+// and the arrays' addresses are multiples of the vector's size (device_ops.vector_lanes checks it
+// on the host); the same copies and the same rounding, so the same bits. groups = dim / LANES,
+// src_groups = src_stride / LANES; the other parameters are those of the scalar kernels.
 namespace oe {
 namespace gather {
-
-// Vector16<T>::type holds LANES = 16 / sizeof(T) values of T in one 16-byte aligned struct
-// (CUDA's float4 / double2: one 128-bit load or store); ::bits holds their fp16 / bf16 patterns
-// (ushort4 / ushort2). as_vectors views an array of T as an array of such vectors: its address
-// must be a multiple of the vector's size (the launching code checks it on the host; a GPU
-// faults with "misaligned address" otherwise). The host emulator defines
-// ONE_EMBEDDING_VECTOR_HOOK(address, alignment), which fails the launch there as the GPU would.
-template <typename T>
-struct Vector16;
-template <>
-struct Vector16<float> {
-  typedef float4 type;
-  typedef ushort4 bits;
-  static constexpr int LANES = 4;
-};
-template <>
-struct Vector16<double> {
-  typedef double2 type;
-  typedef ushort2 bits;
-  static constexpr int LANES = 2;
-};
-
-template <typename V, typename T>
-__device__ __forceinline__ V* as_vectors(T* p) {
-#ifdef ONE_EMBEDDING_VECTOR_HOOK
-  ONE_EMBEDDING_VECTOR_HOOK((const void*)p, sizeof(V));
-#endif
-  return reinterpret_cast<V*>(p);
-}
 
 // Row r = t / groups of item t, and its group t - r * groups, in 32-bit arithmetic when narrow.
 __device__ __forceinline__ i64 row_of(i64 t, int groups, bool narrow) {
@@ -351,11 +323,11 @@ __device__ __forceinline__ ushort2 to_bits(const double2& v, int kind) {
 template <typename T>
 __global__ void embedding_gather_vector(const T* src, int groups, int src_groups,
                                         const oe::i64* index, oe::i64 n, T* out) {
-  typedef typename oe::gather::Vector16<T>::type V;
+  typedef typename oe::Vector16<T>::type V;
   const oe::i64 total = n * groups;
   if (total == 0) return;
-  const V* from = oe::gather::as_vectors<const V>(src);
-  V* to = oe::gather::as_vectors<V>(out);
+  const V* from = oe::as_vectors<const V>(src);
+  V* to = oe::as_vectors<V>(out);
   const bool narrow = total <= 0x7fffffffll;
   for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
     const oe::i64 r = oe::gather::row_of(t, groups, narrow);
@@ -379,14 +351,14 @@ __global__ void embedding_gather_into_vector(const T* src, int groups, int src_g
                                              const oe::i64* index, int has_index, oe::i64 n_rows,
                                              int per_sample, int slots, int first_slot,
                                              int kind, T* out, unsigned short* out_bits) {
-  typedef typename oe::gather::Vector16<T>::type V;
-  typedef typename oe::gather::Vector16<T>::bits B;
+  typedef typename oe::Vector16<T>::type V;
+  typedef typename oe::Vector16<T>::bits B;
   const oe::i64 total = n_rows * groups;
   if (total == 0) return;
   const bool half = kind == oe::precision::FP16 || kind == oe::precision::BF16;
-  const V* from = oe::gather::as_vectors<const V>(src);
-  V* to = half ? nullptr : oe::gather::as_vectors<V>(out);
-  B* to_bits = half ? oe::gather::as_vectors<B>(out_bits) : nullptr;
+  const V* from = oe::as_vectors<const V>(src);
+  V* to = half ? nullptr : oe::as_vectors<V>(out);
+  B* to_bits = half ? oe::as_vectors<B>(out_bits) : nullptr;
   const bool narrow = total <= 0x7fffffffll;
   for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
     const oe::i64 r = oe::gather::row_of(t, groups, narrow);

@@ -6,9 +6,16 @@
 // every uint64 is a valid key. No deletions, so a probe chain has no holes: the first bucket that
 // holds the key or is empty ends a probe.
 //
-// T is the float type of the rows behind the index (the slots index them); only
-// hashindex_find reads rows, the other kernels are the same code for both instantiations.
+// T is the float type of the rows behind the index (the slots index them); only the finds and
+// hashindex_put_rows touch rows, the other kernels are the same code for both instantiations.
+//
+// Line copies (`vector` != 0): the kernels that copy lines take `int vector`, set by the host
+// (device_ops.line_vector) when line_size is a multiple of Vector16<T>::LANES (4 float, 2 double)
+// and the rows' and the lines' arrays start on 16-byte boundaries; every line then does too
+// (an offset of whole lines), and each lane moves 16 bytes per access (oe::copy_line,
+// vector.cuh), else 4 (float) or 8 (double). The same copies, so the same bits either way.
 #include "common.cuh"
+#include "vector.cuh"
 
 namespace oe {
 namespace hashindex {
@@ -66,11 +73,13 @@ __device__ __forceinline__ void probe(const u64* table, i64 mask, u64 key, u64* 
 
 // One warp finds keys[i] (probe). Lane 0 writes out_slots[i] (slot or -1) and, when out_buckets
 // is given, out_buckets[i] (bucket or -1); when line_size > 0 the lanes copy the found line
-// rows[slot] into out[out_rows[i]] (into out[i] when out_rows is null).
+// rows[slot] into out[out_rows[i]] (into out[i] when out_rows is null), 16 bytes per lane when
+// `vector` is set (see the top of this file).
 template <typename T>
 __device__ __forceinline__ void find_one(const u64* table, i64 mask, const u64* keys, i64 i,
-                                         const T* rows, int line_size, const i64* out_rows, T* out,
-                                         i64* out_slots, i64* out_buckets) {
+                                         const T* rows, int line_size, int vector,
+                                         const i64* out_rows, T* out, i64* out_slots,
+                                         i64* out_buckets) {
   const int lane = threadIdx.x & 31;
   u64 slot;
   i64 bucket;
@@ -83,7 +92,7 @@ __device__ __forceinline__ void find_one(const u64* table, i64 mask, const u64* 
   if (found && line_size > 0) {
     const T* src = rows + (i64)slot * line_size;
     T* dst = out + (out_rows != nullptr ? out_rows[i] : i) * line_size;
-    for (int c = lane; c < line_size; c += 32) dst[c] = src[c];
+    copy_line(dst, src, line_size, vector, lane);
   }
 }
 
@@ -93,33 +102,35 @@ __device__ __forceinline__ void find_one(const u64* table, i64 mask, const u64* 
 // Warp per key (oe::hashindex::find_one). keys: (n,) u64; out_slots: (n,) i64 slot or -1;
 // out_buckets: (n,) i64 bucket or -1. When line_size > 0 the line of every found key is copied
 // too: out[out_rows[i]] = rows[slot] (rows: (slot_limit, line_size), out: (N, line_size),
-// out_rows: (n,) i64); otherwise rows, out and out_rows are not read.
+// out_rows: (n,) i64); otherwise rows, out and out_rows are not read. vector: 16-byte copies
+// (the top of this file; 0 when line_size is 0).
 template <typename T>
 __global__ void hashindex_find(const oe::u64* table, oe::i64 mask, const oe::u64* keys, oe::i64 n,
-                               const T* rows, int line_size, const oe::i64* out_rows, T* out,
-                               oe::i64* out_slots, oe::i64* out_buckets) {
+                               const T* rows, int line_size, int vector, const oe::i64* out_rows,
+                               T* out, oe::i64* out_slots, oe::i64* out_buckets) {
   for (oe::i64 i = oe::grid_warp(); i < n; i += oe::grid_warps()) {
-    oe::hashindex::find_one(table, mask, keys, i, rows, line_size, out_rows, out, out_slots,
-                            out_buckets);
+    oe::hashindex::find_one(table, mask, keys, i, rows, line_size, vector, out_rows, out,
+                            out_slots, out_buckets);
   }
 }
 
 // hashindex_find of a fixed-capacity batch (device_unique.unique_ids_fixed): only the first
 // live[0] of the n keys are looked up; the others get slot NOT_LOOKED_UP (-2) and nothing else
 // (no probe, no line copied). The line of found key i goes to out[i] (when line_size > 0).
-// keys, out_slots: (n,); out: (n, line_size); live: (1,) i64 on the device.
+// keys, out_slots: (n,); out: (n, line_size); live: (1,) i64 on the device; vector: as
+// hashindex_find's.
 template <typename T>
 __global__ void hashindex_find_live(const oe::u64* table, oe::i64 mask, const oe::u64* keys,
                                     oe::i64 n, const oe::i64* live, const T* rows, int line_size,
-                                    T* out, oe::i64* out_slots) {
+                                    int vector, T* out, oe::i64* out_slots) {
   const oe::i64 count = live[0];
   for (oe::i64 i = oe::grid_warp(); i < n; i += oe::grid_warps()) {
     if (i >= count) {   // the same i in every lane of the warp: it leaves together
       if ((threadIdx.x & 31) == 0) out_slots[i] = oe::hashindex::NOT_LOOKED_UP;
       continue;
     }
-    oe::hashindex::find_one(table, mask, keys, i, rows, line_size, (const oe::i64*)nullptr, out,
-                            out_slots, (oe::i64*)nullptr);
+    oe::hashindex::find_one(table, mask, keys, i, rows, line_size, vector,
+                            (const oe::i64*)nullptr, out, out_slots, (oe::i64*)nullptr);
   }
 }
 
@@ -132,13 +143,15 @@ __global__ void hashindex_find_live(const oe::u64* table, oe::i64 mask, const oe
 // slot (or -1) and the lanes copying a found key's line into its row of out.
 // keys, first_of, rank (inclusive prefix sum of the first occurrences), inverse, unique_out,
 // first_out, out_slots: (n,); table: (capacity, 2) u64 of the index, mask = capacity - 1;
-// rows: (R, line_size) T; out: (n, line_size) T, rows from the count on untouched.
+// rows: (R, line_size) T; out: (n, line_size) T, rows from the count on untouched; vector: as
+// hashindex_find's.
 template <typename T>
 __global__ void hashindex_dedup_output_find(const oe::u64* keys, const oe::i64* first_of,
                                             const oe::i64* rank, oe::i64 n, oe::i64* inverse,
                                             oe::u64* unique_out, oe::i64* first_out,
                                             const oe::u64* table, oe::i64 mask, const T* rows,
-                                            int line_size, T* out, oe::i64* out_slots) {
+                                            int line_size, int vector, T* out,
+                                            oe::i64* out_slots) {
   const oe::i64 count = rank[n - 1];
   const int lane = threadIdx.x & 31;
   // every lane of a warp runs the same steps (the ballots need the whole warp)
@@ -174,8 +187,7 @@ __global__ void hashindex_dedup_output_find(const oe::u64* keys, const oe::i64* 
       if (lane == 0) out_slots[row] = found ? (oe::i64)slot : -1;
       if (found && line_size > 0) {
         const T* src_line = rows + (oe::i64)slot * line_size;
-        T* dst = out + row * line_size;
-        for (int c = lane; c < line_size; c += 32) dst[c] = src_line[c];
+        oe::copy_line(out + row * line_size, src_line, line_size, vector, lane);
       }
     }
   }
@@ -183,12 +195,25 @@ __global__ void hashindex_dedup_output_find(const oe::u64* keys, const oe::i64* 
 
 // rows[slots[i]] = lines[i] for the first live[0] of n lines (a put of a fixed-capacity batch;
 // the other positions are not read). rows: (R, line_size) T; slots: (n,) i64 in [0, R);
-// lines: (n, line_size) T; live: (1,) i64. One thread per element.
+// lines: (n, line_size) T; live: (1,) i64. One thread per element, or, when `vector` is set (the
+// top of this file), per Vector16<T> of LANES elements: groups = line_size / LANES per line.
 template <typename T>
-__global__ void hashindex_put_rows(T* rows, int line_size, const oe::i64* slots, const T* lines,
-                                   oe::i64 n, const oe::i64* live) {
-  const oe::i64 total = live[0] * line_size;
-  for (oe::i64 t = oe::grid_thread(); t < total && t < n * line_size; t += oe::grid_threads()) {
+__global__ void hashindex_put_rows(T* rows, int line_size, int vector, const oe::i64* slots,
+                                   const T* lines, oe::i64 n, const oe::i64* live) {
+  const oe::i64 count = live[0] < n ? live[0] : n;
+  if (count <= 0 || line_size <= 0) return;
+  if (vector) {
+    typedef typename oe::Vector16<T>::type V;
+    const int groups = line_size / oe::Vector16<T>::LANES;
+    V* to = oe::as_vectors<V>(rows);
+    const V* from = oe::as_vectors<const V>(lines);
+    for (oe::i64 t = oe::grid_thread(); t < count * groups; t += oe::grid_threads()) {
+      const oe::i64 i = t / groups;
+      to[slots[i] * groups + (t - i * groups)] = from[t];
+    }
+    return;
+  }
+  for (oe::i64 t = oe::grid_thread(); t < count * line_size; t += oe::grid_threads()) {
     const oe::i64 i = t / line_size;
     rows[slots[i] * line_size + (t - i * line_size)] = lines[t];
   }

@@ -77,7 +77,8 @@ inline void scheduling_point();
 #define ONE_EMBEDDING_RACY_READ_HOOK oe_emulation::scheduling_point
 
 // CUDA's vector types that the kernels use (vector_types.h declares them alike: plain structs
-// aligned to their size): embedding.cu's 16-byte copies.
+// aligned to their size): the 16-byte copies of the gathers (embedding.cu) and line copies
+// (oe::copy_line: hashindex.cu, cache.cu).
 struct alignas(16) float4 {
   float x, y, z, w;
 };
@@ -224,7 +225,7 @@ inline void yield() { swapcontext(&running->context, &scheduler); }
   __builtin_unreachable();
 }
 
-// oe::gather::as_vectors (embedding.cu) of an address that is not a multiple of the vector's
+// oe::as_vectors (vector.cuh) of an address that is not a multiple of the vector's
 // size: a GPU faults ("misaligned address"); here the launch fails naming the thread. The
 // default mode sees the arrays' own addresses. The stress mode's guarded copies keep only the
 // element alignment, but a copy ends at a page boundary, so an argument of whole vectors (every
