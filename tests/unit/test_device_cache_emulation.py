@@ -674,22 +674,13 @@ def _glue_launches():
                  package / "kernels" / "fused_update.py", package / "kernels" / "live_rows.py",
                  package / "cache" / "device.py", package / "cache" / "device_index.py",
                  package / "kernels" / "layout_ops.py"]:
-        tree = ast.parse(path.read_text())
-        strings = {node.value for node in ast.walk(tree)
-                   if isinstance(node, ast.Constant) and isinstance(node.value, str)}
-        for node in ast.walk(tree):
+        for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
                     "launch_threads", "launch_warps"):
                 family, name = node.args[1], node.args[2]
                 if isinstance(family, ast.Constant) and isinstance(name, ast.Constant):
                     found.add((family.value, name.value))
-                elif isinstance(family, ast.Constant) and family.value != "optim":
-                    # a name chosen at run time (layout_ops: the gather or its 16-byte twin): the
-                    # module's strings that name a kernel of the family
-                    found.update((family.value, k[len(family.value) + 1:])
-                                 for k in cm.kernel_names(family.value)
-                                 if k[len(family.value) + 1:] in strings)
-                else:       # update_lines (fused_update) names its kernel by optimizer
+                else:       # update_lines names its kernel by optimizer
                     found.update(("optim", k[len("optim_"):]) for k in cm.kernel_names("optim"))
     return found
 
