@@ -30,7 +30,7 @@ from .chain import build_chain
 from .errors import ConfigError, InputError
 from .initializers import fill_initial_values
 from . import host_sync
-from .kernels import device_ops, device_unique, fused_update, live_rows
+from .kernels import device_init, device_ops, device_unique, fused_update, live_rows
 from .lifecycle import Lifecycle, StepPlan, check_step
 from .options import LifecycleOptions
 from .parallel.unique import first_occurrence, segment_sum, unique_ids
@@ -224,16 +224,16 @@ class EmbeddingShard(ShardSnapshots):
 
     def _initialize_on_device(self, lines, missing, keys, table_ids) -> None:
         """``_initialize`` on device arrays, in one launch and without a read: every row where
-        ``missing`` is True gets its table's initial values (``device_ops.init_missing``). The
+        ``missing`` is True gets its table's initial values (``device_init.init_missing``). The
         values depend on the key only (the counter hash), so they equal the CPU path's bit for
         bit."""
         if keys.shape[0] == 0:
             return
         if self._init_spec is None:
-            self._init_spec = device_ops.init_spec(
+            self._init_spec = device_init.init_spec(
                 self.layout.columns, [[c.initializer for c in t.columns] for t in self.tables],
                 self.launch)
-        device_ops.init_missing(lines, missing, table_ids, keys, self._init_spec, self.seed,
+        device_init.init_missing(lines, missing, table_ids, keys, self._init_spec, self.seed,
                                 self.launch)
 
     # ---------------------------------------------------------------- writes

@@ -327,7 +327,7 @@ INITIALIZERS = {
 @pytest.mark.parametrize("name", list(INITIALIZERS))
 def test_initial_values_equal_numpy_within_one_ulp(name, keyset):
     from one_embedding.initializers import fill_initial_values, initial_values
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import device_init
 
     cp = _cp()
     init = INITIALIZERS[name]
@@ -336,7 +336,7 @@ def test_initial_values_equal_numpy_within_one_ulp(name, keyset):
     seed, col_start, n_cols, offset, width = 12345, 64, 64, 0, 192
     lines = cp.full((keys.size, width), 9.0, dtype=cp.float32)
     rows = rng.permutation(keys.size).astype(np.int64)
-    device_ops.fill_initial_values(lines, cp.asarray(rows), cp.asarray(keys), init, seed, col_start, n_cols,
+    device_init.fill_initial_values(lines, cp.asarray(rows), cp.asarray(keys), init, seed, col_start, n_cols,
                                    offset)
     got = _get(lines)[rows, offset:offset + n_cols]
     want = initial_values(np, init, seed, keys, np.arange(col_start, col_start + n_cols, dtype=np.uint64))
@@ -352,7 +352,7 @@ def test_init_missing_equals_the_cpu_initial_lines_within_one_ulp():
     """The masked one-launch init of a lookup's missing rows (issue 30 item 2) against the CPU
     path's per-table fill: initial values within 1 ulp, states zeroed, other rows untouched."""
     from one_embedding.initializers import fill_initial_values
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import device_init
 
     cp = _cp()
     tables = list(INITIALIZERS.values())
@@ -364,8 +364,8 @@ def test_init_missing_equals_the_cpu_initial_lines_within_one_ulp():
     missing = rng.random(n) < 0.5
     start = rng.uniform(-1, 1, (n, width)).astype(np.float32)
     lines = cp.asarray(start)
-    spec = device_ops.init_spec(columns, [[init, init] for init in tables])
-    device_ops.init_missing(lines, cp.asarray(missing), cp.asarray(table_ids), cp.asarray(keys),
+    spec = device_init.init_spec(columns, [[init, init] for init in tables])
+    device_init.init_missing(lines, cp.asarray(missing), cp.asarray(table_ids), cp.asarray(keys),
                             spec, seed)
     want = start.copy()
     for t, init in enumerate(tables):

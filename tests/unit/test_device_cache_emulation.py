@@ -38,7 +38,7 @@ from one_embedding.cache.set_associative import SetAssociativeCache
 from one_embedding.errors import CapacityError, ConfigError, InputError
 from one_embedding.initializers import fill_initial_values, initial_values
 from one_embedding.kernels import cuda_module as cm
-from one_embedding.kernels import device_ops, device_unique, reference
+from one_embedding.kernels import device_init, device_ops, device_unique, reference
 from one_embedding.optim import SGD, Adam
 from one_embedding.parallel import codec
 from one_embedding.parallel.unique import segment_sum, unique_ids
@@ -529,7 +529,7 @@ def test_initial_values_equal_the_cpu_initializer(launch, init):
     lines = np.full((keys.size + 4, width), 9.0, np.float32)
     rows = rng.permutation(keys.size + 4)[: keys.size].astype(np.int64)
     want = lines.copy()
-    device_ops.fill_initial_values(lines, rows, keys, init, seed, col_start, n_cols, offset, launch=launch)
+    device_init.fill_initial_values(lines, rows, keys, init, seed, col_start, n_cols, offset, launch=launch)
     fill_initial_values(want, rows, keys, init, seed, col_start, n_cols, offset)
     columns = np.arange(col_start, col_start + n_cols, dtype=np.uint64)
     numpy_values = initial_values(np, init, seed, keys, columns)
@@ -549,15 +549,15 @@ def test_initial_values_argument_checks(launch):
     lines = np.zeros((4, 8), np.float32)
     init = INITIALIZERS[1]
     with pytest.raises(InputError):      # columns past the line
-        device_ops.fill_initial_values(lines, np.arange(2), np.arange(2, dtype=np.uint64), init, 0, 0, 6, 3,
+        device_init.fill_initial_values(lines, np.arange(2), np.arange(2, dtype=np.uint64), init, 0, 0, 6, 3,
                                        launch=launch)
     with pytest.raises(InputError):      # a row past the buffer
-        device_ops.fill_initial_values(lines, np.array([0, 4]), np.arange(2, dtype=np.uint64), init,
+        device_init.fill_initial_values(lines, np.array([0, 4]), np.arange(2, dtype=np.uint64), init,
                                        0, 0, 2, 0, launch=launch)
     with pytest.raises(InputError):      # written in place: must already be float32
-        device_ops.fill_initial_values(lines.astype(np.float64), np.arange(2), np.arange(2, dtype=np.uint64),
+        device_init.fill_initial_values(lines.astype(np.float64), np.arange(2), np.arange(2, dtype=np.uint64),
                                        init, 0, 0, 2, 0, launch=launch)
-    device_ops.fill_initial_values(lines, np.empty(0, np.int64), np.empty(0, np.uint64), init, 0, 0, 8, 0,
+    device_init.fill_initial_values(lines, np.empty(0, np.int64), np.empty(0, np.uint64), init, 0, 0, 8, 0,
                                    launch=launch)
     assert not lines.any()
 
@@ -670,7 +670,8 @@ def _glue_launches():
     """{(family, name)} of every launch_threads / launch_warps call in the device glue."""
     found = set()
     package = helpers.PACKAGE
-    for path in [package / "kernels" / "device_ops.py", package / "kernels" / "device_unique.py",
+    for path in [package / "kernels" / "device_ops.py", package / "kernels" / "device_init.py",
+                 package / "kernels" / "device_unique.py",
                  package / "kernels" / "fused_update.py", package / "kernels" / "live_rows.py",
                  package / "cache" / "device.py", package / "cache" / "device_index.py",
                  package / "kernels" / "layout_ops.py"]:

@@ -1,4 +1,4 @@
-"""``device_ops.init_missing`` (issue 30 item 2): the initial lines of a lookup's missing rows in
+"""``device_init.init_missing`` (issue 30 item 2): the initial lines of a lookup's missing rows in
 one masked launch, without the per-table count read back before it. It must write exactly what
 the per-(table, column) ``fill_initial_values`` launches wrote, and leave every other row alone.
 Runs on the emulator (and under its stress seeds)."""
@@ -9,7 +9,7 @@ import pytest
 
 import one_embedding as oe
 from one_embedding.errors import InputError
-from one_embedding.kernels import device_ops
+from one_embedding.kernels import device_init
 
 pytestmark = pytest.mark.stress_seeds
 
@@ -29,7 +29,7 @@ def _per_table(launch, lines, missing, table_ids, keys, seed):
         rows = np.flatnonzero(missing & (table_ids == t)).astype(np.int64)
         lines[rows, 17:] = 0.0
         for (offset, dim), init in zip(COLUMNS, inits):
-            device_ops.fill_initial_values(lines, rows, keys[rows], init, seed, offset, dim, offset,
+            device_init.fill_initial_values(lines, rows, keys[rows], init, seed, offset, dim, offset,
                                            launch=launch)
 
 
@@ -43,21 +43,21 @@ def test_init_missing_writes_the_per_table_launches_values_and_nothing_else(laun
     lines = rng.standard_normal((n, LINE)).astype(np.float32)
     want = lines.copy()
     _per_table(launch, want, missing, table_ids, keys, seed=11)
-    spec = device_ops.init_spec(COLUMNS, TABLES, launch)
-    device_ops.init_missing(lines, missing, table_ids, keys, spec, 11, launch)
+    spec = device_init.init_spec(COLUMNS, TABLES, launch)
+    device_init.init_missing(lines, missing, table_ids, keys, spec, 11, launch)
     assert lines.tobytes() == want.tobytes()
     before = rng.standard_normal((n, LINE)).astype(np.float32)  # rows not missing: untouched
     kept = before.copy()
-    device_ops.init_missing(before, np.zeros(n, bool), table_ids, keys, spec, 11, launch)
+    device_init.init_missing(before, np.zeros(n, bool), table_ids, keys, spec, 11, launch)
     assert before.tobytes() == kept.tobytes()
 
 
 def test_init_missing_refuses_mismatched_arrays(launch):
-    spec = device_ops.init_spec(COLUMNS, TABLES, launch)
+    spec = device_init.init_spec(COLUMNS, TABLES, launch)
     lines = np.zeros((4, LINE), np.float32)
     with pytest.raises(InputError, match="must all have the 4 rows of lines"):
-        device_ops.init_missing(lines, np.ones(3, bool), np.zeros(4, np.int32),
+        device_init.init_missing(lines, np.ones(3, bool), np.zeros(4, np.int32),
                                 np.arange(4, dtype=np.uint64), spec, 0, launch)
     with pytest.raises(InputError, match="cover 17 columns; lines have 8"):
-        device_ops.init_missing(np.zeros((4, 8), np.float32), np.ones(4, bool),
+        device_init.init_missing(np.zeros((4, 8), np.float32), np.ones(4, bool),
                                 np.zeros(4, np.int32), np.arange(4, dtype=np.uint64), spec, 0, launch)
