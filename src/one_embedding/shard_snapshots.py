@@ -111,12 +111,9 @@ class ShardSnapshots:
             return self._import_snapshot(name, [self.path], want)
         if name in snaps.names() or not self._other_world_sources(name):
             folder, manifest = snaps.open(name, {**want, "engine": engine})
-            self._check_optimizer(manifest.get("optimizer"), self._optimizer, f"snapshot {name!r}")
-            self._check_lifecycle_columns(manifest, name)
+            self._check_saved(manifest, name)
             with self._state:
-                self._generation += 1
-                self._retired.retire(self._log)
-                self._log.clear()
+                self._forget_lookups()
                 self._chain.load_snapshot(folder)
                 self._load_lifecycle([(folder, manifest)], resharded=False)
             self._loaded_optimizer = manifest.get("optimizer")
@@ -128,12 +125,9 @@ class ShardSnapshots:
         this rank owns: a snapshot of another number of ranks, or of another engine."""
         opened = [SnapshotDirectory(root, create=False).open(name, want) for root in roots]
         for _, manifest in opened:
-            self._check_optimizer(manifest.get("optimizer"), self._optimizer, f"snapshot {name!r}")
-            self._check_lifecycle_columns(manifest, name)
+            self._check_saved(manifest, name)
         with self._state:
-            self._generation += 1
-            self._retired.retire(self._log)
-            self._log.clear()
+            self._forget_lookups()
             self._chain.clear()
             for folder, manifest in opened:
                 for keys, lines in read_snapshot_rows(folder, manifest["engine"],
@@ -144,6 +138,20 @@ class ShardSnapshots:
             self._load_lifecycle(opened, resharded=roots != [self.path])
         self._loaded_optimizer = opened[0][1].get("optimizer")
         return {**opened[0][1], "folder": opened[0][0]}
+
+    def _check_saved(self, manifest: dict, name: str) -> None:
+        """Refuse snapshot ``name`` (its ``manifest``) when its lines hold another optimizer's
+        state or another eviction layout than this shard's."""
+        self._check_optimizer(manifest.get("optimizer"), self._optimizer, f"snapshot {name!r}")
+        self._check_lifecycle_columns(manifest, name)
+
+    def _forget_lookups(self) -> None:
+        """Before a load replaces the rows (caller holds ``_state``): every outstanding lookup's
+        lines become stale (a new generation) and the write log, which patches them, is
+        dropped (its entries kept until the device has read them)."""
+        self._generation += 1
+        self._retired.retire(self._log)
+        self._log.clear()
 
     def _saved_columns(self, snaps: SnapshotDirectory, name: str):
         """The ``embedding_dims`` snapshot ``name`` records (here, or in the old ranks' folders
