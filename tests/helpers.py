@@ -163,15 +163,17 @@ class LineCopies:
     ``force`` set (0 or 1) the kernel runs with that ``vector`` instead (0: the one-element copies
     to compare against; 1: a 16-byte copy the glue refused). Installed on the launcher's ``run``
     through pytest's ``monkeypatch``, so it is undone after the test; works on the emulator and on
-    the CuPy launcher alike."""
+    the CuPy launcher alike. ``families``: whose kernels to watch (``("optim",)``: the row
+    optimizer kernels, whose ``vector`` picks their 16-byte path the same way)."""
 
-    def __init__(self, monkeypatch, launcher, force: int | None = None):
+    def __init__(self, monkeypatch, launcher, force: int | None = None,
+                 families: tuple[str, ...] = ("hashindex", "cache")):
         from cuda_emulation import kernel_parameters
 
         self.force = force
         self.seen: list[tuple[str, int, int]] = []
         self._at = {}
-        for family in ("hashindex", "cache"):
+        for family in families:
             for kernel, params in kernel_parameters(family).items():
                 names = [name for _, name in params]
                 if "vector" in names:

@@ -437,6 +437,23 @@ def optimizer_kernel(optimizer, lr: float, t: int) -> tuple[str, tuple]:
                       "Ftrl or SmartDecayAdam")
 
 
+#: whether the row optimizer kernels may update 16 bytes of each block per thread
+#: (``row_update_vector``); False runs their one-element path always (the benchmark's baseline,
+#: bench_gpu_lookup). Same bits.
+VECTOR_ROW_UPDATES = True
+
+
+def row_update_vector(dim: int, line_size: int, arrays) -> np.int32:
+    """The ``vector`` argument of the row optimizer kernels (``optim_<rule>``,
+    ``optim_summed_<rule>``) for float32 lines of ``line_size`` holding blocks of ``dim``: 1 (a
+    thread updates 4 consecutive columns, reading and writing the weight's and each state's as
+    one 16-byte vector) when ``vector_lanes`` allows it for dim and line_size and every array in
+    ``arrays`` (the lines, and the gradient rows read as vectors), else 0 (one element per
+    thread); 0 while ``VECTOR_ROW_UPDATES`` is False. Same bits either way."""
+    return np.int32(VECTOR_ROW_UPDATES and dim > 0
+                    and vector_lanes(np.float32, (dim, line_size), arrays) != 0)
+
+
 def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = None,
                  live=None) -> None:
     """One optimizer step on whole lines, in place, fused in one kernel.
@@ -451,16 +468,18 @@ def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = N
     """
     launch = resolve(launch)
     grads = device_array(launch, "grads", grads, np.float32, ndim=2)
-    run_update(optimizer, lines, grads.shape, step, launch, "", (grads,), live)
+    run_update(optimizer, lines, grads.shape, step, launch, "", (grads,), live, (grads,))
 
 
 def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher, variant: str,
-               grad_args: tuple, live=None) -> None:
+               grad_args: tuple, live=None, vector_reads: tuple = ()) -> None:
     """The launches of ``update_lines`` for a gradient of ``grad_shape`` (n, E) that kernel
     ``optim_<variant><rule>`` reads from ``grad_args`` (``update_lines``: the (n, E) rows;
     ``fused_update``: a backward's rows, their grouping and the live count, summed in the
     kernel). live: a fixed-capacity batch's (1,) int64 device count (the rows' last steps are
-    checked below it only)."""
+    checked below it only). vector_reads: the arrays of grad_args the kernel reads 16 bytes at a
+    time on its vector path (``row_update_vector``: ``update_lines``' gradient rows; none for
+    the summed kernels, which sum per element)."""
     t = _check_step(step)
     lr = optimizer._current_lr()
     lines = device_array(launch, "lines", lines, np.float32, ndim=2, writable=True)
@@ -472,8 +491,11 @@ def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher,
                          f"(weight + {optimizer.n_states} states of dim {dim}{per_row})")
     name, scalars = optimizer_kernel(optimizer, lr, t)
     head = (lines, np.int32(lines.shape[1]), *grad_args, np.int64(n), np.int32(dim))
+    vector = row_update_vector(dim, lines.shape[1], (lines, *vector_reads))
+    threads = n * dim // 4 if vector else n * dim      # a thread per 4 columns on the vector path
     if not optimizer.row_columns:
-        launch_threads(launch, "optim", variant + name, np.float32, n * dim, head + scalars)
+        launch_threads(launch, "optim", variant + name, np.float32, threads,
+                       head + scalars + (vector,))
         return
     step_col = optimizer.row_column_offset(dim)
     xp = launch.xp
@@ -481,8 +503,8 @@ def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher,
     if live is not None:   # placeholders past the count hold whatever: step 0 there
         steps = xp.where((xp.arange(n, dtype=xp.int64) < live)[:, None], steps, xp.uint32(0))
     optimizer.check_last_steps(xp, steps, t)
-    launch_threads(launch, "optim", variant + name, np.float32, n * dim,
-                   head + scalars + (np.int32(step_col),))
+    launch_threads(launch, "optim", variant + name, np.float32, threads,
+                   head + scalars + (np.int32(step_col), vector))
     # the rows' new step, once every thread has read the old one
     launch_threads(launch, "optim", "smart_decay_adam_steps", np.float32, n,
                    (lines, np.int32(lines.shape[1]), np.int64(n), np.int64(t), np.int32(step_col)))

@@ -5,12 +5,15 @@
 // differ; sqrt and division are correctly rounded on both.)
 //
 // lines: (n, line_size) T, a line = [w (dim) | state 1 (dim) | state 2 (dim) | ...]. One thread per
-// (row, column); the scalar hyper-parameters arrive prepared on the host exactly as each
-// optimizer's _kernel prepares them for optim/kernels.py (factor, l2, lr * decoupled wd, bias
-// corrections, ...).
+// (row, column), or, with `vector` set by the host (device_ops.row_update_vector: dim and
+// line_size multiples of Vector16<T>::LANES, the arrays read as vectors 16-byte aligned), one
+// thread per (row, group of 4 float / 2 double columns) that loads and stores the weight's and
+// each state's columns as one 16-byte vector and updates each element by the same rule (the same
+// bits); the scalar hyper-parameters arrive prepared on the host exactly as each optimizer's
+// _kernel prepares them for optim/kernels.py (factor, l2, lr * decoupled wd, bias corrections, ...).
 //
-// Each rule exists once (oe::optim::sgd, momentum, ...), over a gradient source, and is launched
-// two ways:
+// Each rule exists once (oe::optim::Sgd, Momentum, ...: one element's update), over a gradient
+// source and a driver (update_elements, update_vectors), and is launched two ways:
 //   optim_<rule>:        grads (n, dim) T, one gradient row per line (the summed gradients);
 //   optim_summed_<rule>: the gradient of line s is summed here from the rows of a backward
 //     (values (m, dim) T, rows_by_segment (m,) i64 and offsets (n + 1,) i64 as for
@@ -19,22 +22,18 @@
 //     which the tree's level kernels wrote), so the update equals embedding_segment_sum followed
 //     by optim_<rule> bit for bit and the short lines' summed gradient is never written.
 #include "common.cuh"
+#include "vector.cuh"
+
+// Unrolled loops over a vector's lanes and a line's blocks: their arrays stay in registers (the
+// host emulator's g++ knows no such pragma).
+#ifdef __CUDACC__
+#define ONE_EMBEDDING_UNROLL _Pragma("unroll")
+#else
+#define ONE_EMBEDDING_UNROLL
+#endif
 
 namespace oe {
 namespace optim {
-
-// Column j of row i: the weight, state k and the gradient.
-struct Element {
-  i64 w, g;
-  int dim;
-  __device__ __forceinline__ i64 state(int k) const { return w + (i64)k * dim; }
-};
-
-__device__ __forceinline__ Element element(i64 t, int dim, int line_size) {
-  const i64 i = t / dim;
-  const i64 j = t - i * dim;
-  return Element{i * line_size + j, t, dim};
-}
 
 // The gradient term every update starts from, as the CPU kernels form it: g * factor (grad_scale,
 // negated with maximize), plus l2 * w only when l2 != 0 (so a run without L2 decay adds nothing,
@@ -83,6 +82,13 @@ template <typename T>
 struct RowGrads {
   const T* grads;
   __device__ __forceinline__ double operator()(i64 t) const { return (double)grads[t]; }
+  // elements t .. t + LANES - 1 (t a multiple of LANES) in one 16-byte load
+  __device__ __forceinline__ void group(i64 t, double* g) const {
+    typedef typename Vector16<T>::type V;
+    const V v = *as_vectors<const V>(grads + t);
+    ONE_EMBEDDING_UNROLL
+    for (int c = 0; c < Vector16<T>::LANES; ++c) g[c] = (double)reinterpret_cast<const T*>(&v)[c];
+  }
 };
 
 // The sum of segment s's rows of values at column c in the tree order of common.cuh, as
@@ -111,177 +117,270 @@ struct SummedGrads {
     return (double)segment_total(values, dim, rows_by_segment, offsets, long_totals, s,
                                  (int)(t - s * dim));
   }
+  // elements t .. t + LANES - 1 of one segment, each summed as above (per column, tree order)
+  __device__ __forceinline__ void group(i64 t, double* g) const {
+    ONE_EMBEDDING_UNROLL
+    for (int c = 0; c < Vector16<T>::LANES; ++c) g[c] = (*this)(t + c);
+  }
 };
 
+// The rules, one element at a time: x[0] = w, x[k] = state k (k = 1 .. states()), in double,
+// read from the line; the rule updates them in place from g (the element's gradient, in double)
+// and the drivers round each back to T once. row: the line's index (SmartDecayAdam reads the
+// row's last step there).
+
 // SGD: w -= lr * (g * factor + wd * w) (decoupled and L2 decay coincide without state).
-template <typename T, typename Grads>
-__device__ __forceinline__ void sgd(T* lines, int line_size, Grads grad, i64 n, int dim,
-                                   double factor, double lr, double wd) {
-  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
-    const Element e = element(t, dim, line_size);
-    const double w = (double)lines[e.w];
-    lines[e.w] = T(w - lr * (grad(e.g) * factor + wd * w));
+struct Sgd {
+  double factor, lr, wd;
+  __device__ __forceinline__ int states() const { return 0; }
+  __device__ __forceinline__ void operator()(double* x, double g, i64) const {
+    const double w = x[0];
+    x[0] = w - lr * (g * factor + wd * w);
   }
-}
+};
 
 // Momentum: m = beta * m + keep * g'; d = g' + beta * m (nesterov) or m; w -= lr * d + lr_wd * w
 // (keep = 1 - dampening; state 1 = m).
-template <typename T, typename Grads>
-__device__ __forceinline__ void momentum(T* lines, int line_size, Grads grad, i64 n, int dim,
-                                        double factor, double l2, double lr, double beta,
-                                        double keep, int nesterov, double lr_wd) {
-  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
-    const Element e = element(t, dim, line_size);
-    const double w = (double)lines[e.w];
-    const double g = gradient_term(grad(e.g), factor, l2, w);
-    double m = beta * (double)lines[e.state(1)] + keep * g;
-    lines[e.state(1)] = T(m);
+struct Momentum {
+  double factor, l2, lr, beta, keep;
+  int nesterov;
+  double lr_wd;
+  __device__ __forceinline__ int states() const { return 1; }
+  __device__ __forceinline__ void operator()(double* x, double grad, i64) const {
+    const double w = x[0];
+    const double g = gradient_term(grad, factor, l2, w);
+    double m = beta * x[1] + keep * g;
+    x[1] = m;
     if (nesterov) m = g + beta * m;
-    lines[e.w] = T(w - lr * m - lr_wd * w);
+    x[0] = w - lr * m - lr_wd * w;
   }
-}
+};
 
 // Adagrad: s += g'^2; w -= clr * g' / (sqrt(s) + eps) + clr_wd * w (state 1 = s).
-template <typename T, typename Grads>
-__device__ __forceinline__ void adagrad(T* lines, int line_size, Grads grad, i64 n, int dim,
-                                       double factor, double l2, double clr, double eps,
-                                       double clr_wd) {
-  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
-    const Element e = element(t, dim, line_size);
-    const double w = (double)lines[e.w];
-    const double g = gradient_term(grad(e.g), factor, l2, w);
-    const double s = (double)lines[e.state(1)] + g * g;
-    lines[e.state(1)] = T(s);
-    lines[e.w] = T(w - clr * g / (sqrt(s) + eps) - clr_wd * w);
+struct Adagrad {
+  double factor, l2, clr, eps, clr_wd;
+  __device__ __forceinline__ int states() const { return 1; }
+  __device__ __forceinline__ void operator()(double* x, double grad, i64) const {
+    const double w = x[0];
+    const double g = gradient_term(grad, factor, l2, w);
+    const double s = x[1] + g * g;
+    x[1] = s;
+    x[0] = w - clr * g / (sqrt(s) + eps) - clr_wd * w;
   }
-}
+};
 
 // Adam: m = b1 m + (1 - b1) g'; v = b2 v + (1 - b2) g'^2; with amsgrad v_max = max(v_max, v) is
 // used for v below; w -= step_size * m / (sqrt(v) * inv_sqrt_bc2 + eps) + lr_wd * w
-// (states 1, 2, 3 = m, v, v_max).
-template <typename T, typename Grads>
-__device__ __forceinline__ void adam(T* lines, int line_size, Grads grad, i64 n, int dim,
-                                    double factor, double l2, double b1, double b2,
-                                    double step_size, double inv_sqrt_bc2, double eps,
-                                    double lr_wd, int amsgrad) {
-  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
-    const Element e = element(t, dim, line_size);
-    const double w = (double)lines[e.w];
-    const double g = gradient_term(grad(e.g), factor, l2, w);
-    const double m = b1 * (double)lines[e.state(1)] + (1.0 - b1) * g;
-    double v = b2 * (double)lines[e.state(2)] + (1.0 - b2) * (g * g);
-    lines[e.state(1)] = T(m);
-    lines[e.state(2)] = T(v);
+// (states 1, 2, 3 = m, v, v_max; v_max is neither read nor written without amsgrad).
+struct Adam {
+  double factor, l2, b1, b2, step_size, inv_sqrt_bc2, eps, lr_wd;
+  int amsgrad;
+  __device__ __forceinline__ int states() const { return amsgrad ? 3 : 2; }
+  __device__ __forceinline__ void operator()(double* x, double grad, i64) const {
+    const double w = x[0];
+    const double g = gradient_term(grad, factor, l2, w);
+    const double m = b1 * x[1] + (1.0 - b1) * g;
+    double v = b2 * x[2] + (1.0 - b2) * (g * g);
+    x[1] = m;
+    x[2] = v;
     if (amsgrad) {
-      const double v_max = (double)lines[e.state(3)];
+      const double v_max = x[3];
       v = v > v_max ? v : v_max;  // Python's max(v_max, v)
-      lines[e.state(3)] = T(v);
+      x[3] = v;
     }
-    lines[e.w] = T(w - step_size * (m / (sqrt(v) * inv_sqrt_bc2 + eps)) - lr_wd * w);
+    x[0] = w - step_size * (m / (sqrt(v) * inv_sqrt_bc2 + eps)) - lr_wd * w;
   }
-}
+};
 
 // FTRL, both conventions of optim/ftrl.py: n' = n + g'^2; z += g' - (P(n') - P(n)) / lr * w;
 // n = n'; w = (sign(z) l1 - z) / ((beta + P(n')) / lr + quad_l2) - lr_wd * w outside the dead
 // zone (|z| < l1, or |z| <= l1 when closed), else 0; P(n) = n ** power (states 1, 2 = n, z).
-template <typename T, typename Grads>
-__device__ __forceinline__ void ftrl(T* lines, int line_size, Grads grad, i64 n, int dim,
-                                    double factor, double l2, double inv_lr, double power,
-                                    double l1, double quad_l2, double beta, int closed,
-                                    double lr_wd) {
-  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
-    const Element e = element(t, dim, line_size);
-    const double w = (double)lines[e.w];
-    const double g = gradient_term(grad(e.g), factor, l2, w);
-    const double acc = (double)lines[e.state(1)];
+struct Ftrl {
+  double factor, l2, inv_lr, power, l1, quad_l2, beta;
+  int closed;
+  double lr_wd;
+  __device__ __forceinline__ int states() const { return 2; }
+  __device__ __forceinline__ void operator()(double* x, double grad, i64) const {
+    const double w = x[0];
+    const double g = gradient_term(grad, factor, l2, w);
+    const double acc = x[1];
     const double acc_new = acc + g * g;
     const double p_old = ftrl_powered(acc, power);
     const double p_new = ftrl_powered(acc_new, power);
-    const double z = (double)lines[e.state(2)] + g - (p_new - p_old) * inv_lr * w;
-    lines[e.state(1)] = T(acc_new);
-    lines[e.state(2)] = T(z);
+    const double z = x[2] + g - (p_new - p_old) * inv_lr * w;
+    x[1] = acc_new;
+    x[2] = z;
     if (fabs(z) > l1 || (!closed && fabs(z) == l1)) {
       double out = (copysign(l1, z) - z) / ((beta + p_new) * inv_lr + quad_l2);
       if (lr_wd != 0.0) out = out - lr_wd * w;
-      lines[e.w] = T(out);
+      x[0] = out;
     } else {
-      lines[e.w] = T(0);
+      x[0] = 0.0;
     }
   }
-}
+};
 
 // SmartDecayAdam on embedding rows (OneFlow's SmartDecaySparseAdamUpdateKernel): with
 // k = t - (the row's last step), m' = b1^k m + (1 - b1) g'; v' = b2^k v + (1 - b2) g'^2;
 // catchup = m b1 (1 - b1^(k-1)) / (1 - b1) when k > 1; w -= lr (m' + catchup) / (sqrt(v') + eps)
 // (states 1, 2 = m, v; the step at column step_col of the line). The steps are read here and
 // written by optim_smart_decay_adam_steps afterwards: a thread must not see its row's new step.
-template <typename T, typename Grads>
-__device__ __forceinline__ void smart_decay_adam(T* lines, int line_size, Grads grad, i64 n,
-                                                int dim, double factor, double l2, double b1,
-                                                double b2, double lr, double eps, i64 t,
-                                                int step_col) {
-  for (i64 i = grid_thread(); i < n * dim; i += grid_threads()) {
-    const Element e = element(i, dim, line_size);
-    const i64 k = t - load_step(lines + (i / dim) * line_size + step_col);
-    const double w = (double)lines[e.w];
-    const double g = gradient_term(grad(e.g), factor, l2, w);
-    const double m_old = (double)lines[e.state(1)];
+template <typename T>
+struct SmartDecayAdam {
+  const T* lines;
+  int line_size;
+  double factor, l2, b1, b2, lr, eps;
+  i64 t;
+  int step_col;
+  __device__ __forceinline__ int states() const { return 2; }
+  __device__ __forceinline__ void operator()(double* x, double grad, i64 row) const {
+    const i64 k = t - load_step(lines + row * line_size + step_col);
+    const double w = x[0];
+    const double g = gradient_term(grad, factor, l2, w);
+    const double m_old = x[1];
     const double catchup = k > 1 ? m_old * b1 * (1.0 - powi(b1, k - 1)) / (1.0 - b1) : 0.0;
     const double m = powi(b1, k) * m_old + (1.0 - b1) * g;
-    const double v = powi(b2, k) * (double)lines[e.state(2)] + (1.0 - b2) * (g * g);
-    lines[e.state(1)] = T(m);
-    lines[e.state(2)] = T(v);
-    lines[e.w] = T(w - lr * (m + catchup) / (sqrt(v) + eps));
+    const double v = powi(b2, k) * x[2] + (1.0 - b2) * (g * g);
+    x[1] = m;
+    x[2] = v;
+    x[0] = w - lr * (m + catchup) / (sqrt(v) + eps);
+  }
+};
+
+// The most states a rule keeps (Adam with amsgrad).
+constexpr int MAX_STATES = 3;
+
+// One thread per (row, column): reads the element's weight and states (4-byte accesses for
+// float), applies the rule, stores each result rounded once to T.
+template <typename T, typename Grads, typename Rule>
+__device__ __forceinline__ void update_elements(T* lines, int line_size, const Grads& grad, i64 n,
+                                                int dim, const Rule& rule) {
+  const int states = rule.states();
+  for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
+    const i64 i = t / dim;
+    T* at = lines + i * line_size + (t - i * dim);
+    double x[1 + MAX_STATES];
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k <= MAX_STATES; ++k) {
+      if (k <= states) x[k] = (double)at[(i64)k * dim];
+    }
+    rule(x, grad(t), i);
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k <= MAX_STATES; ++k) {
+      if (k <= states) at[(i64)k * dim] = T(x[k]);
+    }
+  }
+}
+
+// One thread per (row, group of LANES = 16 / sizeof(T) consecutive columns): the weight's and
+// each state's LANES columns are loaded and stored as one 16-byte vector (Vector16<T>), the
+// gradients come from grad.group (a vector for RowGrads; per column, in the tree order, for
+// SummedGrads) and each element is updated by the same rule as update_elements, so the same bits.
+// Requires dim and line_size multiples of LANES and lines (and RowGrads' grads) 16-byte aligned,
+// so that a group never straddles two blocks of the line (device_ops.row_update_vector decides).
+template <typename T, typename Grads, typename Rule>
+__device__ __forceinline__ void update_vectors(T* lines, int line_size, const Grads& grad, i64 n,
+                                               int dim, const Rule& rule) {
+  typedef typename Vector16<T>::type V;
+  constexpr int LANES = Vector16<T>::LANES;
+  const int states = rule.states();
+  const int groups = dim / LANES;
+  for (i64 t = grid_thread(); t < n * groups; t += grid_threads()) {
+    const i64 i = t / groups;
+    const int j = (int)(t - i * groups) * LANES;
+    T* at = lines + i * line_size + j;
+    V block[1 + MAX_STATES];
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k <= MAX_STATES; ++k) {
+      if (k <= states) block[k] = *as_vectors<V>(at + (i64)k * dim);
+    }
+    double g[LANES];
+    grad.group(i * dim + j, g);
+    ONE_EMBEDDING_UNROLL
+    for (int c = 0; c < LANES; ++c) {
+      double x[1 + MAX_STATES];
+      ONE_EMBEDDING_UNROLL
+      for (int k = 0; k <= MAX_STATES; ++k) {
+        if (k <= states) x[k] = (double)reinterpret_cast<const T*>(&block[k])[c];
+      }
+      rule(x, g[c], i);
+      ONE_EMBEDDING_UNROLL
+      for (int k = 0; k <= MAX_STATES; ++k) {
+        if (k <= states) reinterpret_cast<T*>(&block[k])[c] = T(x[k]);
+      }
+    }
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k <= MAX_STATES; ++k) {
+      if (k <= states) *as_vectors<V>(at + (i64)k * dim) = block[k];
+    }
+  }
+}
+
+// The kernels' body: vector (set by the host) picks update_vectors, else update_elements.
+// Uniform over the grid: no divergence.
+template <typename T, typename Grads, typename Rule>
+__device__ __forceinline__ void update(T* lines, int line_size, const Grads& grad, i64 n, int dim,
+                                       const Rule& rule, int vector) {
+  if (vector) {
+    update_vectors(lines, line_size, grad, n, dim, rule);
+  } else {
+    update_elements(lines, line_size, grad, n, dim, rule);
   }
 }
 
 }  // namespace optim
 }  // namespace oe
 
-// One gradient row per line: grads (n, dim) T.
+// One gradient row per line: grads (n, dim) T. vector: 1 where dim and line_size are multiples
+// of Vector16<T>::LANES and lines and grads are 16-byte aligned (device_ops.row_update_vector):
+// 16-byte accesses (oe::optim::update_vectors), else one element per thread; the same bits.
 template <typename T>
 __global__ void optim_sgd(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
-                          double factor, double lr, double wd) {
-  oe::optim::sgd(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, lr, wd);
+                          double factor, double lr, double wd, int vector) {
+  const oe::optim::Sgd rule{factor, lr, wd};
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
 }
 
 template <typename T>
 __global__ void optim_momentum(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                                double factor, double l2, double lr, double beta, double keep,
-                               int nesterov, double lr_wd) {
-  oe::optim::momentum(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2, lr,
-                      beta, keep, nesterov, lr_wd);
+                               int nesterov, double lr_wd, int vector) {
+  const oe::optim::Momentum rule{factor, l2, lr, beta, keep, nesterov, lr_wd};
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
 }
 
 template <typename T>
 __global__ void optim_adagrad(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
-                              double factor, double l2, double clr, double eps, double clr_wd) {
-  oe::optim::adagrad(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2, clr, eps,
-                     clr_wd);
+                              double factor, double l2, double clr, double eps, double clr_wd,
+                              int vector) {
+  const oe::optim::Adagrad rule{factor, l2, clr, eps, clr_wd};
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
 }
 
 template <typename T>
 __global__ void optim_adam(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                            double factor, double l2, double b1, double b2, double step_size,
-                           double inv_sqrt_bc2, double eps, double lr_wd, int amsgrad) {
-  oe::optim::adam(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2, b1, b2,
-                  step_size, inv_sqrt_bc2, eps, lr_wd, amsgrad);
+                           double inv_sqrt_bc2, double eps, double lr_wd, int amsgrad,
+                           int vector) {
+  const oe::optim::Adam rule{factor, l2, b1, b2, step_size, inv_sqrt_bc2, eps, lr_wd, amsgrad};
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
 }
 
 template <typename T>
 __global__ void optim_ftrl(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                            double factor, double l2, double inv_lr, double power, double l1,
-                           double quad_l2, double beta, int closed, double lr_wd) {
-  oe::optim::ftrl(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2, inv_lr,
-                  power, l1, quad_l2, beta, closed, lr_wd);
+                           double quad_l2, double beta, int closed, double lr_wd, int vector) {
+  const oe::optim::Ftrl rule{factor, l2, inv_lr, power, l1, quad_l2, beta, closed, lr_wd};
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
 }
 
 template <typename T>
-__global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, oe::i64 n,
-                                       int dim, double factor, double l2, double b1, double b2,
-                                       double lr, double eps, oe::i64 t, int step_col) {
-  oe::optim::smart_decay_adam(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, factor, l2,
-                              b1, b2, lr, eps, t, step_col);
+__global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
+                                       double factor, double l2, double b1, double b2, double lr,
+                                       double eps, oe::i64 t, int step_col, int vector) {
+  const oe::optim::SmartDecayAdam<T> rule{lines, line_size, factor, l2, b1, b2, lr, eps, t,
+                                          step_col};
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
 }
 
 // The gradient summed per line from a backward's rows: values (m, dim) T; rows_by_segment (m,)
@@ -291,82 +390,82 @@ __global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, 
 // the other rows of it are not read). live: (1,) i64 on
 // the device, the lines to update: n, or the count of a fixed-capacity batch
 // (device_unique.unique_ids_fixed), whose lines from it on are placeholders left untouched
-// (their threads find nothing to do).
+// (their threads find nothing to do). vector: as for optim_<rule> (lines alone are read as
+// vectors; each column's gradient is summed per element as with vector = 0).
 template <typename T>
 __global__ void optim_summed_sgd(T* lines, int line_size, const T* values,
                                  const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                 const T* long_totals, const oe::i64* live,
-                                 oe::i64 n, int dim, double factor, double lr,
-                                 double wd) {
+                                 const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
+                                 double factor, double lr, double wd, int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
-  oe::optim::sgd(lines, line_size, grad, rows, dim, factor, lr, wd);
+  const oe::optim::Sgd rule{factor, lr, wd};
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
 }
 
 template <typename T>
 __global__ void optim_summed_momentum(T* lines, int line_size, const T* values,
                                       const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                      const T* long_totals, const oe::i64* live,
-                                      oe::i64 n, int dim, double factor,
-                                      double l2, double lr, double beta, double keep, int nesterov,
-                                      double lr_wd) {
+                                      const T* long_totals, const oe::i64* live, oe::i64 n,
+                                      int dim, double factor, double l2, double lr, double beta,
+                                      double keep, int nesterov, double lr_wd, int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
-  oe::optim::momentum(lines, line_size, grad, rows, dim, factor, l2, lr, beta, keep, nesterov,
-                      lr_wd);
+  const oe::optim::Momentum rule{factor, l2, lr, beta, keep, nesterov, lr_wd};
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
 }
 
 template <typename T>
 __global__ void optim_summed_adagrad(T* lines, int line_size, const T* values,
                                      const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                     const T* long_totals, const oe::i64* live,
-                                     oe::i64 n, int dim, double factor,
-                                     double l2, double clr, double eps, double clr_wd) {
+                                     const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
+                                     double factor, double l2, double clr, double eps,
+                                     double clr_wd, int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
-  oe::optim::adagrad(lines, line_size, grad, rows, dim, factor, l2, clr, eps, clr_wd);
+  const oe::optim::Adagrad rule{factor, l2, clr, eps, clr_wd};
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
 }
 
 template <typename T>
 __global__ void optim_summed_adam(T* lines, int line_size, const T* values,
                                   const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                  const T* long_totals, const oe::i64* live,
-                                  oe::i64 n, int dim, double factor,
-                                  double l2, double b1, double b2,
-                                  double step_size, double inv_sqrt_bc2, double eps, double lr_wd,
-                                  int amsgrad) {
+                                  const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
+                                  double factor, double l2, double b1, double b2, double step_size,
+                                  double inv_sqrt_bc2, double eps, double lr_wd, int amsgrad,
+                                  int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
-  oe::optim::adam(lines, line_size, grad, rows, dim, factor, l2, b1, b2, step_size, inv_sqrt_bc2,
-                  eps, lr_wd, amsgrad);
+  const oe::optim::Adam rule{factor, l2, b1, b2, step_size, inv_sqrt_bc2, eps, lr_wd, amsgrad};
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
 }
 
 template <typename T>
 __global__ void optim_summed_ftrl(T* lines, int line_size, const T* values,
                                   const oe::i64* rows_by_segment, const oe::i64* offsets,
-                                  const T* long_totals, const oe::i64* live,
-                                  oe::i64 n, int dim, double factor,
-                                  double l2, double inv_lr, double power,
-                                  double l1, double quad_l2, double beta, int closed,
-                                  double lr_wd) {
+                                  const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
+                                  double factor, double l2, double inv_lr, double power, double l1,
+                                  double quad_l2, double beta, int closed, double lr_wd,
+                                  int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
-  oe::optim::ftrl(lines, line_size, grad, rows, dim, factor, l2, inv_lr, power, l1, quad_l2, beta,
-                  closed, lr_wd);
+  const oe::optim::Ftrl rule{factor, l2, inv_lr, power, l1, quad_l2, beta, closed, lr_wd};
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
 }
 
 template <typename T>
 __global__ void optim_summed_smart_decay_adam(T* lines, int line_size, const T* values,
                                               const oe::i64* rows_by_segment,
                                               const oe::i64* offsets, const T* long_totals,
-                                              const oe::i64* live,
-                                              oe::i64 n, int dim,
+                                              const oe::i64* live, oe::i64 n, int dim,
                                               double factor, double l2, double b1, double b2,
-                                              double lr, double eps, oe::i64 t, int step_col) {
+                                              double lr, double eps, oe::i64 t, int step_col,
+                                              int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
-  oe::optim::smart_decay_adam(lines, line_size, grad, rows, dim, factor, l2, b1, b2, lr, eps, t,
-                              step_col);
+  const oe::optim::SmartDecayAdam<T> rule{lines, line_size, factor, l2, b1, b2, lr, eps, t,
+                                          step_col};
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
 }
 
 // out (dim,) T = the summed gradient of line segment[0] alone, as optim_summed_<rule> sums it
