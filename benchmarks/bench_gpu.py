@@ -461,6 +461,11 @@ def main(argv=None):
             update = lookup["grad_update"]
             summary.append(f"grad sum + update: fused {update['speedup']:.2f}x two kernels "
                            f"(same bits: {update['same_results']})")
+            print(f"grad sum + update: the fused kernel's 16-byte row accesses are "
+                  f"{update['vector_speedup']:.2f}x the one-element ones' speed (vectorised: "
+                  f"{update['vectorised']}; same bits: {update['vector_same_results']})")
+            summary.append(f"row update: {update['vector_speedup']:.2f}x one-element accesses "
+                           f"(vectorised: {update['vectorised']})")
         layout = bench_interaction_input(dev, args)
         payload["interaction_input"] = layout
         print(f"\n## rows into the dot interaction's input, batch {args.batch_size}, dim "

@@ -10,7 +10,8 @@ the parts it is made of, each beside its baseline measured in the same run.
   into the dedup's output pass, results compared bit for bit, and ``emb(ids)`` with the fusion
   switched the other way.
 - ``bench_grad_update``: the per-key gradient sum + Adam row update as two kernels against the
-  fused one, results compared bit for bit.
+  fused one, results compared bit for bit; the fused one also with the row update's one-element
+  accesses (``device_ops.VECTOR_ROW_UPDATES`` off) as the baseline of its 16-byte path.
 - ``bench_interaction_input``: a batch's rows into the dot interaction's input, gather +
   concatenation against the gather straight into it, fp32 and bf16.
 
@@ -33,6 +34,10 @@ GATHER_SCALAR_PART = "gather, scalar kernel (baseline: gather_rows(vector=False)
 #: allows it), and with one-element copies as their baseline in the same run (issue 32 item 3)
 FIND_PART = "find (chain.lookup of the unique keys)"
 FIND_SCALAR_PART = "find, one-element line copies (baseline: VECTOR_LINE_COPIES off)"
+#: the fused gradient sum + Adam update with the row update's one-element accesses: the baseline
+#: of its 16-byte path in the same run (issue 32 item 3)
+UPDATE_SCALAR_PART = ("grad sum + Adam update, fused, one-element line accesses "
+                      "(baseline: VECTOR_ROW_UPDATES off)")
 
 if TYPE_CHECKING:
     from .bench_gpu import Device
@@ -208,17 +213,39 @@ def bench_grad_update(dev: Device, args, launch, inverse, n_unique: int, copy_bw
 
     two_kernels()
     fused()
+    scalar_lines = start.copy()
+    _scalar_row_updates(lambda: fused(scalar_lines))
     same = bool((two_lines.view(xp.int32) == fused_lines.view(xp.int32)).all())
+    scalar_same = bool((scalar_lines.view(xp.int32) == fused_lines.view(xp.int32)).all())
     t_two = dev.seconds(two_kernels, args.repeats)
     t_fused = dev.seconds(fused, args.repeats)
+    t_scalar = _scalar_row_updates(lambda: dev.seconds(fused, args.repeats))
+    vectorised = bool(device_ops.row_update_vector(e, fused_lines.shape[1], (fused_lines,)))
     moved = 4 * e * n + 2 * 12 * e * n_unique
     rows = [{"what": "  part: grad sum + Adam update, two kernels (segment_sum, update_lines)",
              "ms": 1e3 * t_two, "GB/s": moved / t_two / 1e9, "x copy": moved / t_two / copy_bw},
             {"what": f"  part: grad sum + Adam update, fused (optim_summed_adam; same bits: {same})",
              "ms": 1e3 * t_fused, "GB/s": moved / t_fused / 1e9,
-             "x copy": moved / t_fused / copy_bw}]
+             "x copy": moved / t_fused / copy_bw},
+            {"what": f"  part: {UPDATE_SCALAR_PART} (same bits: {scalar_same})",
+             "ms": 1e3 * t_scalar, "GB/s": moved / t_scalar / 1e9,
+             "x copy": moved / t_scalar / copy_bw}]
     return {"rows": rows, "two_s": t_two, "fused_s": t_fused, "speedup": t_two / t_fused,
-            "same_results": same}
+            "same_results": same, "fused_scalar_s": t_scalar, "vectorised": vectorised,
+            "vector_speedup": t_scalar / t_fused, "vector_same_results": scalar_same}
+
+
+def _scalar_row_updates(timed):
+    """``timed()`` with the row optimizer kernels at one element per thread
+    (``device_ops.VECTOR_ROW_UPDATES`` off), restored after."""
+    from one_embedding.kernels import device_ops
+
+    before = device_ops.VECTOR_ROW_UPDATES
+    device_ops.VECTOR_ROW_UPDATES = False
+    try:
+        return timed()
+    finally:
+        device_ops.VECTOR_ROW_UPDATES = before
 
 
 def bench_interaction_input(dev: Device, args) -> dict:

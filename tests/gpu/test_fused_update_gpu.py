@@ -201,3 +201,65 @@ def test_fused_update_of_long_keys_with_placeholders_on_the_gpu():
     device_ops.update_lines(two_opt, want, cp.asarray(segment_sum(values, cpu_inverse, u)), 1)
     np.testing.assert_array_equal(got[:u].view(np.int32), _bits(want))
     np.testing.assert_array_equal(got[u:].view(np.int32), start[u:].view(np.int32))
+
+
+def _row_update_cases() -> dict:
+    from one_embedding.optim import SmartDecayAdam
+
+    cases = dict(helpers.row_optimizer_cases())
+    cases["smart_decay_adam"] = lambda: SmartDecayAdam(lr=0.01, weight_decay=0.01)
+    return cases
+
+
+@pytest.mark.parametrize("dim", [4, 8, 12, 128, 6])
+@pytest.mark.parametrize("name", list(_row_update_cases()))
+def test_row_updates_by_vector_equal_the_element_updates_on_the_gpu(name, dim, monkeypatch):
+    """The row optimizer kernels' 16-byte path (``vector`` = 1, chosen by
+    device_ops.row_update_vector on CuPy's device pointers where dim and the line are multiples
+    of 4 floats; dim 6 takes the element path) against the same kernels with ``vector`` forced
+    to 0, bit for bit, plain (update_lines) and summed (update_lines_summed), with NaN, +-inf and
+    -0.0 among the weights and gradients; SmartDecayAdam's rows last updated 0 to 3 steps back."""
+    from one_embedding.kernels import device_ops, fused_update
+    from one_embedding.parallel.unique import unique_ids
+
+    cp = _cp()
+    make = _row_update_cases()[name]
+    rng = np.random.default_rng(len(name) + dim)
+    n_keys = 300 if DRY else 50_000
+    ids = rng.zipf(1.2, 4 * n_keys).astype(np.uint64) % np.uint64(n_keys)
+    uniq, inverse = unique_ids(ids)
+    u = uniq.size
+    probe = make()
+    width = -(-probe.required_storage_dim(dim) // 4) * 4
+    start = rng.uniform(-1, 1, (u, width)).astype(np.float32)
+    start[:, dim:] = np.abs(start[:, dim:]) + 0.01
+    start[:3, :4] = [[np.nan, np.inf, -np.inf, -0.0]] * 3
+    if probe.row_columns:
+        col = probe.row_column_offset(dim)
+        start[:, col:col + 2] = rng.integers(0, 4, (u, 1)).astype(np.int64).view(np.float32)
+    inputs = []                                 # per step: the backward's rows, the sums
+    for _ in range(3):
+        values = rng.uniform(-1, 1, (inverse.size, dim)).astype(np.float32)
+        values[:2] = -0.0
+        values[2, :3] = [np.inf, np.nan, -np.inf]
+        inputs.append((cp.asarray(values), cp.asarray(rng.uniform(-1, 1, (u, dim)),
+                                                      dtype=cp.float32)))
+    inverse_d = cp.asarray(inverse)
+    launcher = device_ops.cupy_launcher()
+    results = []
+    for force in (None, 0):
+        watch = helpers.LineCopies(monkeypatch, launcher, force=force, families=("optim",))
+        opt_plain, opt_summed = make(), make()
+        plain, summed = cp.array(start), cp.array(start)
+        for step, (values_d, grads) in zip(range(4, 7), inputs):
+            device_ops.update_lines(opt_plain, plain, grads, step)
+            fused_update.update_lines_summed(
+                opt_summed, summed,
+                fused_update.SummedGradients(values_d, inverse_d, u, launcher), step)
+        if force is None:                       # the glue's choice, on CuPy's device pointers
+            chosen = {v for k, _, v in watch.seen if k != "optim_smart_decay_adam_steps"}
+        monkeypatch.undo()
+        results.append((plain, summed))
+    assert chosen == {int(dim % 4 == 0)}
+    for got, want in zip(results[0], results[1], strict=True):
+        np.testing.assert_array_equal(_bits(got), _bits(want))
