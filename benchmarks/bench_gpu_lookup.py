@@ -87,7 +87,8 @@ def bench_lookup(dev: Device, args) -> dict:
                  "unique (sort, the replaced baseline: unique_ids_by_sorting)":
                      dev.seconds(lambda: device_unique.unique_ids_by_sorting(keys, launch), args.repeats),
                  FIND_PART: dev.seconds(lambda: chain.lookup(uniq), args.repeats),
-                 FIND_SCALAR_PART: _scalar_line_copies(
+                 FIND_SCALAR_PART: _switched_off(
+                     "VECTOR_LINE_COPIES",
                      lambda: dev.seconds(lambda: chain.lookup(uniq), args.repeats)),
                  # the step's gather (embedding._embed_on_device, one rank, fp32): the first E
                  # columns of the found lines read in place, at 16 bytes per thread where the
@@ -126,17 +127,18 @@ def bench_lookup(dev: Device, args) -> dict:
             "dedup_find": dedup_find}
 
 
-def _scalar_line_copies(timed):
-    """``timed()`` with the line-copying kernels at one element per lane
-    (``device_ops.VECTOR_LINE_COPIES`` off), restored after."""
+def _switched_off(switch: str, timed):
+    """``timed()`` with ``device_ops.<switch>`` False, restored after: ``VECTOR_LINE_COPIES``
+    (the line-copying kernels at one element per lane) or ``VECTOR_ROW_UPDATES`` (the row
+    optimizer kernels at one element per thread)."""
     from one_embedding.kernels import device_ops
 
-    before = device_ops.VECTOR_LINE_COPIES
-    device_ops.VECTOR_LINE_COPIES = False
+    before = getattr(device_ops, switch)
+    setattr(device_ops, switch, False)
     try:
         return timed()
     finally:
-        device_ops.VECTOR_LINE_COPIES = before
+        setattr(device_ops, switch, before)
 
 
 def bench_dedup_find(dev: Device, args, emb, ids) -> dict:
@@ -214,12 +216,12 @@ def bench_grad_update(dev: Device, args, launch, inverse, n_unique: int, copy_bw
     two_kernels()
     fused()
     scalar_lines = start.copy()
-    _scalar_row_updates(lambda: fused(scalar_lines))
+    _switched_off("VECTOR_ROW_UPDATES", lambda: fused(scalar_lines))
     same = bool((two_lines.view(xp.int32) == fused_lines.view(xp.int32)).all())
     scalar_same = bool((scalar_lines.view(xp.int32) == fused_lines.view(xp.int32)).all())
     t_two = dev.seconds(two_kernels, args.repeats)
     t_fused = dev.seconds(fused, args.repeats)
-    t_scalar = _scalar_row_updates(lambda: dev.seconds(fused, args.repeats))
+    t_scalar = _switched_off("VECTOR_ROW_UPDATES", lambda: dev.seconds(fused, args.repeats))
     vectorised = bool(device_ops.row_update_vector(e, fused_lines.shape[1], (fused_lines,)))
     moved = 4 * e * n + 2 * 12 * e * n_unique
     rows = [{"what": "  part: grad sum + Adam update, two kernels (segment_sum, update_lines)",
@@ -233,19 +235,6 @@ def bench_grad_update(dev: Device, args, launch, inverse, n_unique: int, copy_bw
     return {"rows": rows, "two_s": t_two, "fused_s": t_fused, "speedup": t_two / t_fused,
             "same_results": same, "fused_scalar_s": t_scalar, "vectorised": vectorised,
             "vector_speedup": t_scalar / t_fused, "vector_same_results": scalar_same}
-
-
-def _scalar_row_updates(timed):
-    """``timed()`` with the row optimizer kernels at one element per thread
-    (``device_ops.VECTOR_ROW_UPDATES`` off), restored after."""
-    from one_embedding.kernels import device_ops
-
-    before = device_ops.VECTOR_ROW_UPDATES
-    device_ops.VECTOR_ROW_UPDATES = False
-    try:
-        return timed()
-    finally:
-        device_ops.VECTOR_ROW_UPDATES = before
 
 
 def bench_interaction_input(dev: Device, args) -> dict:

@@ -77,17 +77,25 @@ def _same_bits(got, want):
     np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
 
 
-def _step(opt_vector, opt_element, lines, grads, step: int, launch, monkeypatch):
-    """update_lines by the glue's choice and, on a copy, forced onto the element path -> (the
-    vectorised lines, the element-path lines, the glue's vector flags)."""
+def _both_paths(launch, monkeypatch, update, lines):
+    """``update(k, lines)`` (k = 0: the glue's choice of path; k = 1: on a copy of lines, the
+    kernels forced onto the element path) -> (the copy, the glue's vector flags)."""
     other = lines.copy()
     watch = LineCopies(monkeypatch, launch, families=("optim",))
-    device_ops.update_lines(opt_vector, lines, grads, step, launch=launch)
+    update(0, lines)
     monkeypatch.undo()
     LineCopies(monkeypatch, launch, force=0, families=("optim",))
-    device_ops.update_lines(opt_element, other, grads, step, launch=launch)
+    update(1, other)
     monkeypatch.undo()
-    return other, {vector for kernel, _, vector in watch.seen if kernel != "optim_smart_decay_adam_steps"}
+    return other, {vector for kernel, _, vector in watch.seen
+                   if kernel != "optim_smart_decay_adam_steps"}
+
+
+def _step(opts, lines, grads, step: int, launch, monkeypatch):
+    """update_lines by the glue's choice (opts[0]) and forced onto the element path (opts[1], on
+    a copy) -> (the element-path lines, the glue's vector flags)."""
+    return _both_paths(launch, monkeypatch, lambda k, at: device_ops.update_lines(
+        opts[k], at, grads, step, launch=launch), lines)
 
 
 @pytest.mark.parametrize("name", list(_cases()))
@@ -95,14 +103,13 @@ def test_vector_update_equals_the_element_update_bit_for_bit(launch, monkeypatch
     make = _cases()[name]
     rng = np.random.default_rng(len(name) + 40)
     for dim in DIMS:
-        opt_vector, opt_element = make(), make()
+        opts = make(), make()
         n = 24 if dim < 128 else 5
-        lines = _lines(rng, opt_vector, n, dim, _width(opt_vector, dim))
+        lines = _lines(rng, opts[0], n, dim, _width(opts[0], dim))
         for step in range(4, 7):     # SmartDecayAdam's rows: last updated at steps 0 to 3
             if step == 6:
-                opt_vector.grad_scale = opt_element.grad_scale = 0.5
-            want, vectors = _step(opt_vector, opt_element, lines, _grads(rng, n, dim), step,
-                                  launch, monkeypatch)
+                opts[0].grad_scale = opts[1].grad_scale = 0.5
+            want, vectors = _step(opts, lines, _grads(rng, n, dim), step, launch, monkeypatch)
             assert vectors == {1}, (dim, vectors)
             _same_bits(lines, want)
 
@@ -123,21 +130,16 @@ def test_summed_vector_update_equals_the_element_update_bit_for_bit(launch, monk
     make = _cases()[name]
     rng = np.random.default_rng(len(name) + 80)
     for dim in DIMS:
-        opt_vector, opt_element = make(), make()
+        opts = make(), make()
         for step in range(4, 6):
             values, inverse, u = _backward(rng, dim, 12 if dim < 128 else 4)
-            lines = _lines(rng, opt_vector, u, dim, _width(opt_vector, dim))
-            other = lines.copy()
-            watch = LineCopies(monkeypatch, launch, families=("optim",))
-            fused_update.update_lines_summed(
-                opt_vector, lines, fused_update.SummedGradients(values, inverse, u, launch), step)
-            monkeypatch.undo()
-            LineCopies(monkeypatch, launch, force=0, families=("optim",))
-            fused_update.update_lines_summed(
-                opt_element, other, fused_update.SummedGradients(values, inverse, u, launch), step)
-            monkeypatch.undo()
-            assert {v for k, _, v in watch.seen if k.startswith("optim_summed_")} == {1}, dim
-            _same_bits(lines, other)
+            lines = _lines(rng, opts[0], u, dim, _width(opts[0], dim))
+            want, vectors = _both_paths(launch, monkeypatch, lambda k, at: (
+                fused_update.update_lines_summed(
+                    opts[k], at, fused_update.SummedGradients(values, inverse, u, launch),
+                    step)), lines)
+            assert vectors == {1}, dim
+            _same_bits(lines, want)
 
 
 @pytest.mark.parametrize("dim,extra,lines_offset,grads_offset", [
@@ -156,7 +158,7 @@ def test_off_the_vector_the_element_path_runs_with_the_same_bits(launch, monkeyp
     lines = _lines(rng, opt, n, dim, _width(opt, dim, extra), lines_offset)
     for step in range(4, 6):
         grads = _grads(rng, n, dim, grads_offset)
-        want, vectors = _step(opt, twin, lines, grads, step, launch, monkeypatch)
+        want, vectors = _step((opt, twin), lines, grads, step, launch, monkeypatch)
         assert vectors == {0}
         _same_bits(lines, want)
 
