@@ -84,6 +84,7 @@ class Optimizer:
         for emb in self.embeddings:
             emb.check_optimizer(optimizer)
         self._dense_states = []
+        self._flats = []   # kernels.dense_update.FlatDense per group, on the device path
         for p in self.parameters:
             xp = array_namespace(p.data)
             self._dense_states.append(
@@ -129,19 +130,26 @@ class Optimizer:
         if self.comm.world > 1:
             self._allreduce_dense_grads()
         self.skipped = False
+        flats = self._flat_dense()
         scaler = self.loss_scaler
-        if scaler is not None and self._overflowed(scaler):
+        if scaler is not None and self._overflowed(scaler, flats):
             self.skipped = True
             self.zero_grad()  # gradients at the old scale must not reach a later step
             scaler.update(found_inf=True)
             return loss
         # a parameter whose gradient is all zero is left alone (its state too); on the device
-        # path that is decided on the device (``masked_update``), without a read
+        # path that is decided on the device (``masked_update``, the flat groups' flags), without
+        # a read
         on_device = host_sync.deferred_checks() is not None
+        in_flat = {id(p) for flat in flats for p in flat.params}
+        for flat in flats:
+            flat.find_nonzero()
         dense = [(p, states) for p, states in zip(self.parameters, self._dense_states)
-                 if p.grad is not None and (on_device or host_sync.flag(
+                 if id(p) not in in_flat and p.grad is not None and (on_device or host_sync.flag(
                      p.grad.any(), "optimizer: dense grad nonzero"))]
-        if not dense and not any(emb.has_gradients for emb in self.embeddings):
+        if not dense and not any(emb.has_gradients for emb in self.embeddings) and not (
+                flats and (on_device or any(host_sync.flag(
+                    flat.any_nonzero(), "optimizer: dense grad nonzero") for flat in flats))):
             return loss  # nothing received a gradient: the step does not count
         t = self.step_count + 1
         # unscaled inside the update, where it reads the gradient: no pass over the grads
@@ -158,12 +166,57 @@ class Optimizer:
                 masked_update(bound[id(p)], p.data, states, p.grad, t)
             else:
                 bound[id(p)].update(p.data, states, p.grad, t)
+        for flat in flats:   # a group's parameters share its bound optimizer
+            flat.update(bound[id(flat.params[0])], t)
         self.step_count = t
         for emb, update in zip(self.embeddings, staged):
             emb.commit_gradients(update)
         if scaler is not None:
             scaler.update(found_inf=False)
         return loss
+
+    def _flat_dense(self) -> list:
+        """The ``kernels.dense_update.FlatDense`` of each parameter group whose dense parameters
+        one launch updates: on the device path (the embeddings' launcher, else CuPy parameters)
+        a group without clipping (its norm leaves out all-zero gradients, read on the host),
+        with a rule that has a flat kernel and eligible arrays. Laid out at the first step and
+        again when a caller rebound an array (``FlatDense.intact``); [] on the CPU path."""
+        from .kernels import dense_update
+
+        launch = self._dense_launcher()
+        if launch is None or not dense_update.supported(self.optimizer):
+            self._flats = []
+            return self._flats
+        index = {id(p): i for i, p in enumerate(self.parameters)}
+        flats = []
+        for group in self.optimizer.param_groups:
+            params = [p for p in group.parameters if id(p) in index]
+            if not params or group.clips:
+                continue
+            states = [self._dense_states[index[id(p)]] for p in params]
+            known = next((f for f in self._flats if f.group is group), None)
+            if known is not None and known.launch is launch and known.params == params \
+                    and known.intact(states):
+                flats.append(known)
+            elif dense_update.eligible(launch, params, self.optimizer.n_states):
+                flat = dense_update.FlatDense(params, states, self.optimizer.n_states, launch)
+                flat.group = group
+                flats.append(flat)
+        self._flats = flats
+        return flats
+
+    def _dense_launcher(self):
+        """Where the dense update's kernels run: the first embedding's device launcher, else
+        the current CuPy device's when the parameters are CuPy arrays; None on the CPU path."""
+        from .kernels import device_ops
+
+        for emb in self.embeddings:
+            launch = getattr(emb, "launch", None)
+            if launch is not None:
+                return launch
+        if self.parameters and array_namespace(self.parameters[0].data) is not np:
+            return device_ops.resolve(None)
+        return None
 
     def _bind_groups(self, dense, taken, factor: float) -> dict:
         """{id(parameter or embedding): the row optimizer bound to its group for this step}:
@@ -182,11 +235,15 @@ class Optimizer:
             bound.update({id(x): one for x in group.parameters + group.embeddings})
         return bound
 
-    def _overflowed(self, scaler: LossScaler) -> bool:
+    def _overflowed(self, scaler: LossScaler, flats=()) -> bool:
         """True when this step's gradients hold an inf/nan on any rank. Dense gradients were
         summed over the ranks already (a non-finite one reaches every rank); an embedding
-        gradient refused by ``scaler.backward`` is known only locally, so the flag is summed."""
-        local = scaler.found_inf or not all_finite(*(p.grad for p in self.parameters))
+        gradient refused by ``scaler.backward`` is known only locally, so the flag is summed.
+        A flat group's gradients are checked as one array (one read, not one per parameter)."""
+        in_flat = {id(p) for flat in flats for p in flat.params}
+        grads = [flat.grads for flat in flats] + [p.grad for p in self.parameters
+                                                  if id(p) not in in_flat]
+        local = scaler.found_inf or not all_finite(*grads)
         if self.comm.world > 1:
             local = bool(self.comm.allreduce_sum(np.array([float(local)]))[0] > 0)
         return local
@@ -248,8 +305,14 @@ class Optimizer:
     def zero_grad(self) -> None:
         for emb in self.embeddings:
             emb.zero_grad()
+        index = {id(p): i for i, p in enumerate(self.parameters)}
+        done = set()
+        for flat in self._flats:
+            if flat.intact([self._dense_states[index[id(p)]] for p in flat.params]):
+                flat.zero_grad()   # one fill for the group
+                done.update(id(p) for p in flat.params)
         for p in self.parameters:
-            if p.grad is not None:
+            if p.grad is not None and id(p) not in done:
                 p.grad[...] = 0
 
 
