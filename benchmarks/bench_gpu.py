@@ -58,6 +58,11 @@
    interaction, top MLP) forward and backward, the MLPs' products alone with their FLOP rate,
    and the whole step, under ``--amp off / tf32 / bf16``.
 
+7. The optimizer's update of the dense parameters (``bench_gpu_dense``): the group in one
+   launch (``kernels.dense_update``) against one parameter at a time (the array expressions it
+   replaced), SGD and Adam, with their bits compared; a ``--dry-run`` without the emulator times
+   the per-parameter path only.
+
 The header names the GPU, CUDA, CuPy and torch; results go to ``benchmarks/results/bench_gpu.json``
 (or ``$ONE_EMBEDDING_BENCH_RESULTS``); the last line printed is a one-line summary.
 """
@@ -71,7 +76,8 @@ import traceback
 
 import numpy as np
 
-from .bench_gpu_dense import bench_dense_parts, bench_fused_loss, print_dense_parts
+from .bench_gpu_dense import (bench_dense_parts, bench_dense_update, bench_fused_loss,
+                              print_dense_parts, print_dense_update)
 from .bench_gpu_lookup import (FIND_PART, FIND_SCALAR_PART, GATHER_PART, GATHER_SCALAR_PART,
                                bench_interaction_input, bench_lookup)
 from .common import markdown_table, print_header, save_result, zipf_ids
@@ -397,7 +403,7 @@ def main(argv=None):
     ap.add_argument("--amp-steps", type=int, default=5,
                     help="part 4: timed steps per --amp mode (after --warmup)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["lookup", "dlrm", "cli", "amp",
-                                                              "fused", "dense"])
+                                                              "fused", "dense", "update"])
     args = ap.parse_args(argv)
     if args.dry_run:
         args.batch_size, args.steps, args.warmup, args.batches = 256, 2, 1, 2
@@ -545,8 +551,14 @@ def main(argv=None):
         payload["dense_parts"] = dense
         summary.extend(print_dense_parts(dense, args))
 
+    def update_part():
+        update = bench_dense_update(dev, args)
+        payload["dense_update"] = update
+        summary.extend(print_dense_update(update))
+
     for name, fn in (("lookup", lookup_part), ("dlrm", dlrm_part), ("cli", cli_part),
-                     ("amp", amp_part), ("fused", fused_part), ("dense", dense_part)):
+                     ("amp", amp_part), ("fused", fused_part), ("dense", dense_part),
+                     ("update", update_part)):
         part(name, fn)
     payload["failed"] = failed
     payload.get("dlrm", {}).pop("batches", None)

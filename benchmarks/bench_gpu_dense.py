@@ -1,5 +1,6 @@
 """bench_gpu's dense-step parts: 5, the loss fused with the last layer (``bench_fused_loss``),
-and 6, where the DLRM dense step's time goes, per stage and per precision.
+6, where the DLRM dense step's time goes, per stage and per precision, and 7, the optimizer's
+dense update in one launch against one parameter at a time (``bench_dense_update``).
 
 On an H200 (2026-11-27) the dense step alone (DLRM 512-256-128 / 1024-1024-512-256-1, batch
 65,536, inputs on the device) took 25.9 ms with ``--amp off`` and 15.1 ms with ``bf16``, where
@@ -184,3 +185,81 @@ def bench_fused_loss(dev, args) -> dict:
     emb.close()
     return {"rows": rows, "fused_step_speedup": {r["amp"]: r["x unfused step"] for r in rows
                                                  if r["fused"] == "fused"}}
+
+
+def bench_dense_update(dev, args) -> dict:
+    """Part 7: the optimizer's update of the DLRM's dense parameters (part 2's shapes), the
+    group in one launch (``kernels.dense_update``: the flags, then ``optim_dense_<rule>``)
+    against the per-parameter path it replaced on the device (``optimizer.masked_update``: the
+    rule's CuPy array expressions and the all-zero select, per parameter), SGD and Adam, ms per
+    update (host launches included, as an uncaptured step pays them) and whether both gave the
+    same bits after the timed updates (a parameter with an all-zero gradient among them)."""
+    from one_embedding import optim
+    from one_embedding.kernels import dense_update, device_ops
+    from one_embedding.nn.module import Parameter
+    from one_embedding.optimizer import masked_update
+
+    xp = dev.xp
+    emb, model, *_ = _dense_setup(dev, args, np.random.default_rng(7))
+    emb.close()
+    rng = np.random.default_rng(8)
+    shapes = [p.data.shape for p in model.parameters()]
+    grads = [xp.asarray((rng.standard_normal(s) * 1e-3).astype(np.float32)) for s in shapes]
+    grads[1][...] = 0                                            # a bias without gradient
+    try:       # a dry run without the emulator (tests/gpu_dry_run.py) has no launcher
+        launch = device_ops.cupy_launcher()
+    except ImportError:
+        launch = None
+    paths = ("per parameter", "one launch") if launch is not None else ("per parameter",)
+    rows, same = [], {}
+    for name, make in (("sgd", lambda: optim.SGD(lr=0.1)),
+                       ("adam", lambda: optim.Adam(lr=0.01, weight_decay=0.01))):
+        copies = {}
+        for path in paths:
+            opt = make()
+            params = [Parameter(xp.array(p.data), p.name) for p in model.parameters()]
+            states = [[xp.full_like(p.data, v) for v in opt.initial_state()] for p in params]
+            for p, g in zip(params, grads):
+                p.grad[...] = g
+            step = [0]
+            if path == "one launch":
+                flat = dense_update.FlatDense(params, states, opt.n_states, launch)
+
+                def update(flat=flat, opt=opt, step=step):
+                    step[0] += 1
+                    flat.find_nonzero()
+                    flat.update(opt, step[0])
+            else:
+                def update(params=params, states=states, opt=opt, step=step):
+                    step[0] += 1
+                    for p, own in zip(params, states):
+                        masked_update(opt, p.data, own, p.grad, step[0])
+            ms = dev.seconds(update, args.repeats) * 1e3
+            host = (lambda a: np.asarray(a)) if dev.dry_run else dev.xp.asnumpy
+            copies[path] = (step[0], [host(p.data) for p in params]
+                            + [host(s) for own in states for s in own])
+            rows.append({"what": f"{name}: {path}", "ms": ms})
+        if "one launch" in copies:
+            (n1, a), (n2, b) = copies["per parameter"], copies["one launch"]
+            same[name] = n1 == n2 and all(np.array_equal(x.view(np.uint32), y.view(np.uint32))
+                                          for x, y in zip(a, b))
+        base = next(r["ms"] for r in rows if r["what"] == f"{name}: per parameter")
+        for r in rows:
+            if r["what"].startswith(name):
+                r["x per parameter"] = base / r["ms"]
+    return {"rows": rows, "same_bits": same, "parameters": len(shapes),
+            "elements": int(sum(int(np.prod(s)) for s in shapes)),
+            "speedup": {r["what"].split(":")[0]: r["x per parameter"] for r in rows
+                        if r["what"].endswith("one launch")}}
+
+
+def print_dense_update(result: dict) -> list[str]:
+    """Prints part 7's table; -> the summary's phrases."""
+    print(f"\n## the dense update: {result['parameters']} parameters ({result['elements']:,} "
+          "floats), the group in one launch against one parameter at a time")
+    print(markdown_table(result["rows"], ["what", "ms", "x per parameter"]))
+    if not result["speedup"]:
+        return []
+    return ["dense update: one launch " + ", ".join(
+        f"{x:.1f}x per parameter ({rule}; same bits: {result['same_bits'][rule]})"
+        for rule, x in result["speedup"].items())]

@@ -263,3 +263,52 @@ def test_row_updates_by_vector_equal_the_element_updates_on_the_gpu(name, dim, m
     assert chosen == {int(dim % 4 == 0)}
     for got, want in zip(results[0], results[1], strict=True):
         np.testing.assert_array_equal(_bits(got), _bits(want))
+
+
+#: DLRM's dense parameter shapes (bottom 512-256-128, top 1024-1024-512-256-1 on 480 inputs)
+DLRM_DENSE_SHAPES = [(512, 13), (512,), (256, 512), (256,), (128, 256), (128,), (1024, 480),
+                     (1024,), (1024, 1024), (1024,), (512, 1024), (512,), (256, 512), (256,),
+                     (1, 256), (1,)]
+
+
+@pytest.mark.parametrize("name", list(helpers.row_optimizer_cases()))
+def test_dense_parameters_by_one_launch_equal_the_cpu_update_on_the_gpu(name):
+    """``kernels.dense_update``: DLRM's 16 dense parameters laid end to end on the GPU and
+    updated by one ``optim_dense_<rule>`` per step against numpy's update of each parameter,
+    bit for bit (no float32 subnormals among the inputs; Ftrl's lr_power -0.7 within 1 ulp:
+    CUDA's pow), over 3 steps; the parameter whose gradient is all zero (-0.0) keeps its bits,
+    the one with a NaN in its gradient is updated."""
+    from one_embedding.kernels import dense_update, device_ops
+    from one_embedding.nn.module import Parameter
+
+    cp = _cp()
+    make = helpers.row_optimizer_cases()[name]
+    shapes = [tuple(max(1, d // 16) for d in s) for s in DLRM_DENSE_SHAPES] if DRY \
+        else DLRM_DENSE_SHAPES
+    rng = np.random.default_rng(len(name))
+    cpu_opt, gpu_opt = make(), make()
+    host_w = [rng.uniform(-1, 1, s).astype(np.float32) for s in shapes]
+    host_states = [[np.full(s, v, np.float32) + rng.uniform(0.01, 1, s).astype(np.float32)
+                    for v in cpu_opt.initial_state()] for s in shapes]
+    params = [Parameter(cp.asarray(w), f"p{i}") for i, w in enumerate(host_w)]
+    states = [[cp.asarray(s) for s in own] for own in host_states]
+    flat = dense_update.FlatDense(params, states, gpu_opt.n_states, device_ops.cupy_launcher())
+    for t in range(1, 4):
+        grads = [rng.uniform(-1, 1, s).astype(np.float32) for s in shapes]
+        grads[3][...] = -0.0
+        grads[6].reshape(-1)[5] = np.nan
+        for p, g in zip(params, grads):
+            p.grad[...] = cp.asarray(g)
+        flat.find_nonzero()
+        flat.update(gpu_opt, t)
+        for w, own, g in zip(host_w, host_states, grads):
+            if g.any():
+                cpu_opt.update(w, own, g, t)
+    got = [cp.asnumpy(p.data) for p in params] + [cp.asnumpy(s) for own in states for s in own]
+    want = host_w + [s for own in host_states for s in own]
+    for i, (a, b) in enumerate(zip(got, want)):
+        if name == "ftrl_power":
+            assert _ulps(a, b).max() <= 1, i
+        else:
+            np.testing.assert_array_equal(a.view(np.int32), b.view(np.int32), err_msg=str(i))
+    assert cp.asnumpy(flat.nonzero).tolist() == [0 if i == 3 else 1 for i in range(len(shapes))]

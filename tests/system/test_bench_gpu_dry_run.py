@@ -46,6 +46,11 @@ def test_bench_gpu_dry_run_measures_both_parts_and_summarises(tmp_path):
     rows = data["fused_loss"]["rows"]
     assert [(r["amp"], r["fused"]) for r in rows] == [("off", "unfused"), ("bf16", "unfused")]
     assert all(r["step ms"] > 0 and r["loss + last layer ms"] > 0 for r in rows)
+    # part 7: the dense update; a dry run without the emulator times the per-parameter path only
+    update = data["dense_update"]
+    assert [r["what"] for r in update["rows"]] == ["sgd: per parameter", "adam: per parameter"]
+    assert all(r["ms"] > 0 for r in update["rows"]) and update["parameters"] == 8
+    assert data["failed"] == {}
 
 
 @pytest.mark.gpu
@@ -57,15 +62,20 @@ def test_bench_gpu_small_run_on_the_gpu(tmp_path):
     assert data["dlrm"]["ours"]["samples_per_s"] > 0
     assert {r["amp"] for r in data["amp"]["rows"] if "amp" in r} == {"off", "tf32", "fp16", "bf16"}
     assert set(data["fused_loss"]["fused_step_speedup"]) == {"off", "bf16"}
-    assert out.strip().splitlines()[-1].startswith("summary (")
-    assert "fused loss: dense step" in out.strip().splitlines()[-1]
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("summary (") and "fused loss: dense step" in last
     # part 6: the dense step's stages and the MLPs' products (off and bf16 on a dry run)
     parts = data["dense_parts"]["modes"]
-    assert list(parts) == ["off", "bf16"] and "dense step off" in last
+    assert list(parts) == ["off", "tf32", "bf16"] and "dense step off" in last
     for mode in parts.values():
         stages = {r["stage"]: r for r in mode["rows"]}
         assert {"bottom MLP", "interaction", "top MLP"} <= set(stages)
         assert all(stages[s]["forward ms"] > 0 for s in ("bottom MLP", "interaction", "top MLP"))
         assert mode["step_ms"] > 0 and 0 < mode["products_ms"] and mode["products_tflops"] > 0
+    # part 7: the dense update in one launch against one parameter at a time, the same bits
+    update = data["dense_update"]
+    assert set(update["speedup"]) == {"sgd", "adam"} and update["same_bits"] == {"sgd": True,
+                                                                                 "adam": True}
+    assert "dense update: one launch" in last
     # every part ran: a part that raises is reported and the benchmark exits 1
     assert data["failed"] == {}
