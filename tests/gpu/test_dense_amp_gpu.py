@@ -133,6 +133,50 @@ def test_bias_act_cast_on_the_device(precision):
         np.testing.assert_array_equal(cupy.asnumpy(bits), want)
 
 
+@pytest.mark.parametrize("relu", [True, False])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_linear_backward_with_the_fused_cast_gives_the_bits_of_the_path_before(precision, relu,
+                                                                               monkeypatch):
+    """Linear's backward under fp16 / bf16 with dh written only as its 16-bit pattern
+    (``dense_ops.bias_act_backward_cast``, both products reading it: ``gemm.matmul`` of a uint16
+    operand and of its transposed view) against the path before (dh in fp32 from
+    ``bias_act_backward``, cast by each product): dx and the weight and bias gradients bit for
+    bit, and the kernel's bits and bias gradient against the unfused pair's. (The dry run's
+    arrays are numpy: both runs take the numpy path there.)"""
+    import cupy
+
+    from one_embedding.kernels import dense_ops, gemm, ops_for
+    from one_embedding.nn import Linear, linear
+
+    rng = np.random.default_rng(11)
+    batch, n_in, n_out = 2048, 96, 160
+    x = (rng.standard_normal((batch, n_in)) * 0.5).astype(np.float32)
+    dy = (rng.standard_normal((batch, n_out)) * 1e-2).astype(np.float32)
+    xp = cupy if not isinstance(cupy.asarray(x), np.ndarray) else np
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(linear, "FUSED_BACKWARD_CAST", fused)
+        layer = Linear(n_in, n_out, relu=relu, seed=5).to(xp)
+        with amp.autocast(precision):
+            layer.forward(xp.asarray(x))
+            dx = layer.backward(xp.asarray(dy))
+        results[fused] = [np.asarray(cupy.asnumpy(a)) for a in
+                          (dx, layer.weight.grad, layer.bias.grad)]
+    for got, want in zip(results[True], results[False]):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32))
+    if xp is np:
+        return
+    mask = None
+    if relu:
+        _, mask = ops_for(cupy).bias_act_forward(cupy.asarray(x[:, :1].repeat(n_out, 1)),
+                                                 cupy.zeros(n_out, cupy.float32), True)
+    bits, db = dense_ops.bias_act_backward_cast(cupy.asarray(dy), mask, precision)
+    dh, db_before = ops_for(cupy).bias_act_backward(cupy.asarray(dy), mask)
+    np.testing.assert_array_equal(cupy.asnumpy(bits), cupy.asnumpy(gemm.cast(dh, precision)[0]))
+    np.testing.assert_array_equal(cupy.asnumpy(db).view(np.uint32),
+                                  cupy.asnumpy(db_before).view(np.uint32))
+
+
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
 def test_interaction_layer_on_the_device_equals_numpy(precision):
     """DotInteraction on CuPy under AMP runs dense.cu's one-kernel path: same numerics as the

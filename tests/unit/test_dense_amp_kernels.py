@@ -71,6 +71,36 @@ def test_bias_act_cast_is_one_pass_of_the_reference(launch, precision):
             np.testing.assert_array_equal(bits, _bits(y_ref, precision))
 
 
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_bias_act_backward_cast_writes_the_pattern_of_dy_times_the_mask(launch, precision):
+    """Linear's backward under fp16 / bf16 in one pass: dh = dy * mask only as its 16-bit
+    pattern (the cast of numpy's dy * mask, bit for bit: NaN and inf pass as the multiply gives
+    them) and db its column sums, with and without a ReLU mask; bad input refused."""
+    from one_embedding.errors import InputError
+    from one_embedding.kernels import reference
+
+    rng = np.random.default_rng(7)
+    for rows, cols, relu in [(1, 1, True), (300, 45, True), (129, 70, False), (64, 33, True)]:
+        h = rng.standard_normal((rows, cols)).astype(np.float32)
+        _, mask_ref = reference.bias_act_forward(h.copy(), np.zeros(cols, np.float32), relu)
+        mask = cm.pack_mask(mask_ref) if relu else None
+        dy = (rng.standard_normal((rows, cols)) * np.exp2(rng.integers(-20, 8, (rows, cols))))
+        dy = dy.astype(np.float32)
+        dy.reshape(-1)[:3] = [np.nan, np.inf, -np.inf][:dy.size]
+        bits, db = dense_ops.bias_act_backward_cast(dy, mask, precision, launch=launch)
+        with np.errstate(invalid="ignore"):
+            dh = dy * mask_ref if relu else dy
+        np.testing.assert_array_equal(bits, _bits(dh, precision))
+        finite = np.isfinite(dh).all(axis=0)
+        _close(db[finite], dh[:, finite].astype(np.float64).sum(axis=0), "off", atol=1e-6 * rows)
+        assert not np.isfinite(db[~finite]).any()          # a NaN or inf reaches its column's sum
+    with pytest.raises(InputError, match="fp16 / bf16"):
+        dense_ops.bias_act_backward_cast(dy, None, "tf32", launch=launch)
+    with pytest.raises(InputError, match="mask has shape"):
+        dense_ops.bias_act_backward_cast(dy, np.zeros(2, np.uint32), precision, launch=launch)
+
+
 def _close(got, want, precision, atol):
     want = np.asarray(want, np.float64)
     assert np.all(np.abs(got - want) <= UNIT[precision] * np.abs(want) + atol), \

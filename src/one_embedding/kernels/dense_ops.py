@@ -10,7 +10,9 @@ accumulate in the arrays' float type; under fp16 / bf16 the interaction's dot pr
 input gradient leave rounded to the half type (nn.amp's contract; tf32 results stay fp32).
 
 - ``bias_act_cast_forward``: y = relu(h + b), its bit-packed mask, and the 16-bit copy of y
-  that the next layer's GEMM reads: the GEMM's epilogue as one pass.
+  that the next layer's GEMM reads: the GEMM's epilogue as one pass. ``bias_act_backward_cast``:
+  its backward, dh = dy * mask written only as the 16-bit pattern both backward GEMMs read, and
+  the bias gradient.
 - ``interaction_forward`` / ``interaction_backward``: the DLRM dot interaction, one kernel each
   way, reading the features as two parts in place ([bottom (B, F1, D), embeddings (B, F2, D)]):
   no concatenation, no batched GEMM, no (B, F, F) buffer. The ``_packed`` pair reads one
@@ -94,6 +96,36 @@ def bias_act_cast_forward(h, b, relu: bool, precision: str, launch=None):
                    (h, b, np.int64(rows), np.int32(cols), np.int32(bool(relu)), np.int32(kind),
                     h, mask, bits))
     return h, (mask if relu else None), (bits if cast else None)
+
+
+def bias_act_backward_cast(dy, mask, precision: str, launch=None):
+    """The backward of ``bias_act_cast_forward`` under fp16 / bf16, for a Linear layer's two
+    backward GEMMs: dy (B, N) float32; mask: its forward's bit-packed ReLU mask or None ->
+    (dh_bits (B, N) uint16, the fp16 / bf16 pattern of dh = dy * mask; db (N,), dh's column
+    sums). One pass (``dense_bias_act_backward_cast``); dh itself is never written. The same
+    bits as ``bias_act_backward`` then the cast of dh (``gemm.cast``), and db as its column
+    sums (the same chunks, the same block sums, summed alike)."""
+    launch = resolve(launch)
+    xp = launch.xp
+    dy = _float("dy", dy, 2)
+    kind = _kind(precision)
+    if kind not in (1, 2):
+        raise InputError(f"precision={precision!r}: bias_act_backward_cast writes fp16 / bf16 "
+                         "patterns; use fp16 or bf16")
+    rows, cols = dy.shape
+    if mask is not None and (mask.dtype != np.uint32 or mask.shape != (cm.mask_words(rows * cols),)):
+        raise InputError(f"mask has shape {tuple(mask.shape)} and dtype {mask.dtype}; expected "
+                         f"({cm.mask_words(rows * cols)},) uint32 from the forward of this shape")
+    n_chunks, rows_per_chunk = cm.column_chunks(rows, max(cols, 1), launch.n_sms)
+    bits = xp.empty((rows, cols), dtype=xp.uint16)
+    partial = xp.empty((n_chunks, max(cols, 1)), dtype=dy.dtype)
+    if cols:
+        launch.run("dense", "bias_act_backward_cast", dy.dtype,
+                   (-(-cols // 32), n_chunks), (32, cm.COLUMN_BLOCK_ROWS),
+                   (dy, xp.empty((1,), xp.uint32) if mask is None else mask,
+                    np.int32(mask is not None), np.int64(rows), np.int32(cols),
+                    np.int64(rows_per_chunk), np.int32(kind), bits, partial))
+    return bits, partial[:, :cols].sum(axis=0)
 
 
 # ---------------------------------------------------------------- dot interaction

@@ -142,9 +142,12 @@ def cast(x, precision: str, *, bits: bool = True, rounded: bool = False, launch=
 
 def _operand(x, precision, bits=None):
     """-> (device pointer owner, transposed, leading dim, batch stride) of one operand;
-    ``bits``: x's 16-bit pattern when already cast (x C-contiguous, same shape)."""
+    ``bits``: x's 16-bit pattern when already cast (x C-contiguous, same shape). A uint16 ``x``
+    under fp16 / bf16 is such a pattern itself (or a transposed view of one): taken as it is."""
     base, transposed = _layout(x)
-    if precision not in _FP32_OPERANDS:
+    if x.dtype == np.uint16:
+        pass
+    elif precision not in _FP32_OPERANDS:
         usable = (bits is not None and not transposed and bits.shape == base.shape
                   and bits.dtype == np.uint16 and bits.flags.c_contiguous)
         base = bits if usable else cast(base, precision)[0]
@@ -157,13 +160,20 @@ def matmul(a, b, precision: str, *, fp32_result: bool = False, a_bits=None, b_bi
     """``a @ b`` in ``precision`` ("fp32", "tf32", "fp16", "bf16"). a: (M, K) or (N, M, K);
     b: (K, N') or (N, K, N'), float32 cupy arrays -> float32 (..., M, N') (see the module
     docstring). ``a_bits`` / ``b_bits``: an operand's fp16 / bf16 bits when already cast (used
-    when they fit, else cast here). float64 operands (gradient checks): ``a @ b`` under fp32."""
+    when they fit, else cast here); under fp16 / bf16 an operand may also be such bits itself
+    (uint16, or the transposed view of them), e.g. Linear's backward, whose dh exists only as
+    bits (``dense_ops.bias_act_backward_cast``). float64 operands (gradient checks): ``a @ b``
+    under fp32."""
     import cupy
     from cupy.cuda import cublas, device
 
+    patterns = [x for x in (a, b) if x.dtype == np.uint16]
+    if patterns and precision not in ("fp16", "bf16"):
+        raise InputError(f"amp.matmul of a uint16 operand under {precision!r}: 16-bit patterns "
+                         "are operands of fp16 / bf16 products only")
     if precision == "fp32" and (a.dtype != np.float32 or b.dtype != np.float32):
         return a @ b
-    if a.dtype != np.float32 or b.dtype != np.float32:
+    if any(x.dtype not in (np.float32, np.uint16) for x in (a, b)):
         product = round_to(a, precision) @ round_to(b, precision)
         return product if precision == "tf32" or fp32_result else round_to(product, precision)
     if a.ndim not in (2, 3) or b.ndim != a.ndim or a.shape[-1] != b.shape[-2] \

@@ -1,7 +1,9 @@
 """Linear layers with fused bias + ReLU, dropout, and the MLP built from them.
 
 Each Linear computes ``y = act(x Wᵀ + b)``: a float BLAS matmul, then one fused kernel adds the
-bias and applies the ReLU in place and keeps the ReLU mask for backward.
+bias and applies the ReLU in place and keeps the ReLU mask for backward. Under fp16 / bf16 on
+CuPy the forward's epilogue also writes the output's 16-bit copy for the next layer's product, and
+the backward writes the bias + ReLU gradient only as the 16-bit pattern its two products read.
 
 On numpy arrays the matmuls read W and the saved input in place (``x @ Wᵀ``, ``dhᵀ @ x`` and
 ``dh @ W`` are sgemm calls with transpose flags, never copies), and the bias + ReLU passes are
@@ -19,6 +21,12 @@ from ..kernels import cpu_ops, ops_for
 from . import amp
 from .init import linear_weights, make_rng
 from .module import Module, Parameter, check_features, keeps_activations
+
+
+#: under fp16 / bf16 on CuPy, Linear's backward writes dh only as the 16-bit pattern its two
+#: products read (``dense_ops.bias_act_backward_cast``, one pass); False: bias_act_backward
+#: writes dh in fp32 and each product casts it (the path before; the same bits)
+FUSED_BACKWARD_CAST = True
 
 
 def _positive_int(name, value) -> int:
@@ -89,7 +97,16 @@ class Linear(Module):
         if amp.active() and xp is not np and self.out_features == 1 and not self.relu \
                 and dy.dtype == np.float32:
             return self._backward_last_fused(dy)
-        if amp.active():  # both products on tensor cores; the weight gradient keeps an fp32
+        if amp.active() and xp is not np and amp.current() in amp.HALF_PRECISIONS \
+                and dy.dtype == np.float32 and FUSED_BACKWARD_CAST:
+            # dh exists only as the fp16 / bf16 pattern both products read: one pass
+            from ..kernels import dense_ops
+
+            dh_bits, db = dense_ops.bias_act_backward_cast(xp.ascontiguousarray(dy), self._mask,
+                                                           amp.current())
+            self.weight.grad += amp.matmul(dh_bits.T, x, fp32_result=True, b_bits=self._x_bits)
+            dx = amp.matmul(dh_bits, w)
+        elif amp.active():  # both products on tensor cores; the weight gradient keeps an fp32
             # result (a sum over the batch: in fp16 it overflowed under the loss scale, nn.amp)
             dh, db = (cpu_ops if xp is np else ops_for(xp)).bias_act_backward(dy, self._mask)
             self.weight.grad += amp.matmul(dh.T, x, fp32_result=True, b_bits=self._x_bits)

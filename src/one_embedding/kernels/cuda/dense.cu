@@ -1,5 +1,6 @@
 // Fused dense kernels of the AMP path (nn.amp, kernels/dense_ops.py): the operand cast of the
-// tensor-core GEMMs, bias + activation + cast as one pass after a GEMM, the DLRM dot interaction
+// tensor-core GEMMs, bias + activation + cast as one pass after a GEMM (and its backward with the
+// cast of the gradient both backward GEMMs read), the DLRM dot interaction
 // as one kernel each way (no batched GEMM, no (B, F, F) buffer, no concatenation), and the BCE
 // loss fused with the gradient of the last (one-output) layer.
 //
@@ -104,6 +105,35 @@ __global__ void dense_bias_act_cast(const T* h, const T* b, oe::i64 rows, int co
       if (lane == 0) relu_mask[word] = bits;
     }
   }
+}
+
+// The backward of bias + ReLU with the cast of its result for the two GEMMs that read it: dh =
+// dy * mask (a multiply, as mlp_bias_act_backward: NaN and inf pass as numpy's dy * mask), written
+// only as its 16-bit pattern (kind 1 / 2) that both products take, and the per-chunk column sums
+// of dh in T for the bias gradient, in mlp_bias_act_backward's order (so the same db). One pass
+// where the unfused path wrote dh in T and cast it twice. Grid (ceil(cols / 32), n_chunks),
+// block (32, COLUMN_BLOCK_ROWS); chunk g covers rows [g * rows_per_chunk, ...). dy: (rows, cols);
+// relu_mask: bit-packed (read when has_mask); dh_bits: (rows, cols) u16; db_partial:
+// (n_chunks, cols).
+template <typename T>
+__global__ void dense_bias_act_backward_cast(const T* dy, const unsigned* relu_mask, int has_mask,
+                                             oe::i64 rows, int cols, oe::i64 rows_per_chunk,
+                                             int kind, unsigned short* dh_bits, T* db_partial) {
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  const oe::i64 row_begin = (oe::i64)blockIdx.y * rows_per_chunk;
+  const oe::i64 row_end = min(row_begin + rows_per_chunk, rows);
+  T acc = T(0);
+  if (col < cols) {
+    for (oe::i64 r = row_begin + threadIdx.y; r < row_end; r += blockDim.y) {
+      const oe::i64 i = r * cols + col;
+      T g = dy[i];
+      if (has_mask) g = g * T(oe::mask_bit(relu_mask, i));
+      dh_bits[i] = oe::precision::to_bits((float)g, kind);
+      acc += g;
+    }
+  }
+  const T total = oe::column_block_sum(acc);
+  if (threadIdx.y == 0 && col < cols) db_partial[(oe::i64)blockIdx.y * cols + col] = total;
 }
 
 // out (batch, width) = [concat | x_r . x_c for the pairs | zero padding], one thread per output
@@ -342,6 +372,7 @@ __global__ void dense_bce_last_layer(const T* logits, const T* labels, const T* 
 #ifdef ONE_EMBEDDING_INSTANTIATE
 ONE_EMBEDDING_KERNEL(dense_cast)
 ONE_EMBEDDING_KERNEL(dense_bias_act_cast)
+ONE_EMBEDDING_KERNEL(dense_bias_act_backward_cast)
 ONE_EMBEDDING_KERNEL(dense_interaction_forward)
 ONE_EMBEDDING_KERNEL(dense_interaction_backward)
 ONE_EMBEDDING_KERNEL(dense_interaction_forward_tile)
