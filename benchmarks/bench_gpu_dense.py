@@ -14,7 +14,9 @@ off``, ``tf32`` and ``bf16``:
   ``dhᵀ x``, at the layer shapes, through ``nn.amp.matmul`` as the layers call it), with their
   FLOP rate: the products' share of the step against the passes around them (casts, bias +
   ReLU, masks, the interaction);
-- the whole step (forward + loss + backward) as the baseline the stages add up to.
+- the whole step (forward + loss + backward) as the baseline the stages add up to; under bf16
+  also with ``nn.linear.FUSED_BACKWARD_CAST`` off (each Linear backward's dh in fp32, cast by
+  each of its two products: the path before the fused pass).
 
 Prints one table per precision; ``bench_gpu --skip dense`` leaves it out.
 """
@@ -51,7 +53,7 @@ def _linear_shapes(mlp, batch: int):
 
 def bench_dense_parts(dev, args) -> dict:
     """-> {"modes": {amp: {"rows": [...], "step_ms", "products_ms", "products_tflops"}}}."""
-    from one_embedding.nn import amp
+    from one_embedding.nn import amp, linear
 
     xp = dev.xp
     b = args.batch_size
@@ -118,6 +120,15 @@ def bench_dense_parts(dev, args) -> dict:
         tflops = product_flop / (products_ms / 1e3) / 1e12
         rows.append({"stage": "sum of the stages", "forward + backward ms": total})
         rows.append({"stage": "whole step (+ loss), the baseline", "forward + backward ms": step_ms})
+        if mode in ("fp16", "bf16"):    # the Linear backward's cast of dh fused or not
+            linear.FUSED_BACKWARD_CAST = False
+            try:
+                before_ms = seconds(step)
+            finally:
+                linear.FUSED_BACKWARD_CAST = True
+            rows.append({"stage": f"whole step, dh in fp32 and cast by each product (the path "
+                                  f"before): the fused pass is {before_ms / step_ms:.2f}x",
+                         "forward + backward ms": before_ms})
         rows.append({"stage": f"the MLPs' {3 * len(shapes)} products alone ({tflops:.3g} TFLOP/s)",
                      "forward + backward ms": products_ms})
         modes[mode] = {"rows": rows, "step_ms": step_ms, "products_ms": products_ms,
