@@ -63,6 +63,12 @@
    replaced), SGD and Adam, with their bits compared; a ``--dry-run`` without the emulator times
    the per-parameter path only.
 
+8. Where the CLI step's GPU time goes (``gpu_profile``): a short run of part 3 under ``--amp off``
+   and ``bf16`` inside PyTorch's profiler (CUPTI: every kernel of the process, graph replays
+   included): the device's busy share of the wall time, launches per step, time by launching
+   library (cuBLAS, the project's kernels, CuPy, copies) and the costliest kernels. Needs
+   PyTorch with CUDA; skipped elsewhere.
+
 The header names the GPU, CUDA, CuPy and torch; results go to ``benchmarks/results/bench_gpu.json``
 (or ``$ONE_EMBEDDING_BENCH_RESULTS``); the last line printed is a one-line summary.
 """
@@ -78,6 +84,8 @@ import numpy as np
 
 from .bench_gpu_dense import (bench_dense_parts, bench_dense_update, bench_fused_loss,
                               print_dense_parts, print_dense_update)
+from .gpu_profile import print_profile
+from .gpu_profile import profile as profile_kernels
 from .bench_gpu_lookup import (FIND_PART, FIND_SCALAR_PART, GATHER_PART, GATHER_SCALAR_PART,
                                bench_interaction_input, bench_lookup)
 from .common import markdown_table, print_header, save_result, zipf_ids
@@ -403,7 +411,8 @@ def main(argv=None):
     ap.add_argument("--amp-steps", type=int, default=5,
                     help="part 4: timed steps per --amp mode (after --warmup)")
     ap.add_argument("--skip", nargs="*", default=[], choices=["lookup", "dlrm", "cli", "amp",
-                                                              "fused", "dense", "update"])
+                                                              "fused", "dense", "update",
+                                                              "profile"])
     args = ap.parse_args(argv)
     if args.dry_run:
         args.batch_size, args.steps, args.warmup, args.batches = 256, 2, 1, 2
@@ -556,9 +565,21 @@ def main(argv=None):
         payload["dense_update"] = update
         summary.extend(print_dense_update(update))
 
+    def profile_part():
+        payload["profile"] = {}
+        for mode in ("off", "bf16"):
+            steps = args.warmup + args.amp_steps
+            table = profile_kernels(lambda: bench_cli(dev, args, amp=mode, steps=args.amp_steps),
+                                    steps)
+            if table is None:
+                print("\n## profile: needs PyTorch with CUDA (its profiler reads CUPTI); skipped")
+                return
+            payload["profile"][mode] = table
+            summary.append(print_profile(table, mode, steps))
+
     for name, fn in (("lookup", lookup_part), ("dlrm", dlrm_part), ("cli", cli_part),
                      ("amp", amp_part), ("fused", fused_part), ("dense", dense_part),
-                     ("update", update_part)):
+                     ("update", update_part), ("profile", profile_part)):
         part(name, fn)
     payload["failed"] = failed
     payload.get("dlrm", {}).pop("batches", None)

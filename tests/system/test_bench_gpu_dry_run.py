@@ -77,5 +77,9 @@ def test_bench_gpu_small_run_on_the_gpu(tmp_path):
     assert set(update["speedup"]) == {"sgd", "adam"} and update["same_bits"] == {"sgd": True,
                                                                                  "adam": True}
     assert "dense update: one launch" in last
+    # part 8: the CLI step's kernels as CUPTI recorded them (where PyTorch has CUDA)
+    for table in data["profile"].values():
+        assert table["per_step"]["launches"] > 0 and table["kernels"]
+        assert 0 < table["per_step"]["busy_share"] <= 1.0
     # every part ran: a part that raises is reported and the benchmark exits 1
     assert data["failed"] == {}
