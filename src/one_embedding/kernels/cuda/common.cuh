@@ -118,6 +118,34 @@ __device__ __forceinline__ unsigned mask_bit(const unsigned* mask, i64 i) {
   return (mask[i >> 5] >> (unsigned)(i & 31)) & 1u;
 }
 
+// The backward of bias + ReLU over one column chunk (mlp_bias_act_backward, and
+// dense_bias_act_backward_cast which stores its result as 16-bit patterns): each thread's column
+// of rows [blockIdx.y * rows_per_chunk, ...) strided by blockDim.y, g = dy * mask (a multiply, so
+// NaN and inf behave as numpy's dy * mask) handed to store(i, g), and the chunk's column sum of
+// g written to db_partial (n_chunks, cols) in column_block_sum's order. Grid (ceil(cols / 32),
+// n_chunks), block (32, COLUMN_BLOCK_ROWS); every thread of the block must call it.
+template <typename T, typename Store>
+__device__ __forceinline__ void bias_act_backward_chunk(const T* dy, const unsigned* relu_mask,
+                                                        int has_mask, i64 rows, int cols,
+                                                        i64 rows_per_chunk, const Store& store,
+                                                        T* db_partial) {
+  const int col = blockIdx.x * 32 + threadIdx.x;
+  const i64 row_begin = (i64)blockIdx.y * rows_per_chunk;
+  const i64 row_end = row_begin + rows_per_chunk < rows ? row_begin + rows_per_chunk : rows;
+  T acc = T(0);
+  if (col < cols) {
+    for (i64 r = row_begin + threadIdx.y; r < row_end; r += blockDim.y) {
+      const i64 i = r * cols + col;
+      T g = dy[i];
+      if (has_mask) g = g * T(mask_bit(relu_mask, i));
+      store(i, g);
+      acc += g;
+    }
+  }
+  const T total = column_block_sum(acc);
+  if (threadIdx.y == 0 && col < cols) db_partial[(i64)blockIdx.y * cols + col] = total;
+}
+
 // The sum of rows rows_by_segment[begin:end] of values (rows of stride dim) at column c, added in
 // row order from +0 in T (so the same float bit for bit as a plain loop). The adds are a chain, but
 // the loads are not: eight rows' indices and values are loaded before the first of their adds, so

@@ -107,33 +107,30 @@ __global__ void dense_bias_act_cast(const T* h, const T* b, oe::i64 rows, int co
   }
 }
 
+// The 16-bit pattern (kind 1 / 2) of g, stored at element i.
+struct StoreBits {
+  unsigned short* bits;
+  int kind;
+  template <typename V>
+  __device__ __forceinline__ void operator()(oe::i64 i, V g) const {
+    bits[i] = oe::precision::to_bits((float)g, kind);
+  }
+};
+
 // The backward of bias + ReLU with the cast of its result for the two GEMMs that read it: dh =
-// dy * mask (a multiply, as mlp_bias_act_backward: NaN and inf pass as numpy's dy * mask), written
-// only as its 16-bit pattern (kind 1 / 2) that both products take, and the per-chunk column sums
-// of dh in T for the bias gradient, in mlp_bias_act_backward's order (so the same db). One pass
-// where the unfused path wrote dh in T and cast it twice. Grid (ceil(cols / 32), n_chunks),
-// block (32, COLUMN_BLOCK_ROWS); chunk g covers rows [g * rows_per_chunk, ...). dy: (rows, cols);
-// relu_mask: bit-packed (read when has_mask); dh_bits: (rows, cols) u16; db_partial:
-// (n_chunks, cols).
+// dy * mask (oe::bias_act_backward_chunk, as mlp_bias_act_backward: NaN and inf pass as numpy's
+// dy * mask), written only as its 16-bit pattern (kind 1 / 2) that both products take, and the
+// per-chunk column sums of dh in T for the bias gradient, in mlp_bias_act_backward's order (so
+// the same db). One pass where the unfused path wrote dh in T and cast it twice. Grid
+// (ceil(cols / 32), n_chunks), block (32, COLUMN_BLOCK_ROWS); chunk g covers rows
+// [g * rows_per_chunk, ...). dy: (rows, cols); relu_mask: bit-packed (read when has_mask);
+// dh_bits: (rows, cols) u16; db_partial: (n_chunks, cols).
 template <typename T>
 __global__ void dense_bias_act_backward_cast(const T* dy, const unsigned* relu_mask, int has_mask,
                                              oe::i64 rows, int cols, oe::i64 rows_per_chunk,
                                              int kind, unsigned short* dh_bits, T* db_partial) {
-  const int col = blockIdx.x * 32 + threadIdx.x;
-  const oe::i64 row_begin = (oe::i64)blockIdx.y * rows_per_chunk;
-  const oe::i64 row_end = min(row_begin + rows_per_chunk, rows);
-  T acc = T(0);
-  if (col < cols) {
-    for (oe::i64 r = row_begin + threadIdx.y; r < row_end; r += blockDim.y) {
-      const oe::i64 i = r * cols + col;
-      T g = dy[i];
-      if (has_mask) g = g * T(oe::mask_bit(relu_mask, i));
-      dh_bits[i] = oe::precision::to_bits((float)g, kind);
-      acc += g;
-    }
-  }
-  const T total = oe::column_block_sum(acc);
-  if (threadIdx.y == 0 && col < cols) db_partial[(oe::i64)blockIdx.y * cols + col] = total;
+  oe::bias_act_backward_chunk(dy, relu_mask, has_mask, rows, cols, rows_per_chunk,
+                              StoreBits{dh_bits, kind}, db_partial);
 }
 
 // out (batch, width) = [concat | x_r . x_c for the pairs | zero padding], one thread per output

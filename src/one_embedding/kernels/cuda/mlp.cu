@@ -36,30 +36,23 @@ __global__ void mlp_bias_act_forward(const T* h, const T* b, oe::i64 rows, int c
   }
 }
 
-// dh = dy * mask (dy when has_mask == 0) and per-chunk column sums of dh.
-// Grid (ceil(cols / 32), n_chunks), block (32, COLUMN_BLOCK_ROWS); chunk g covers rows
-// [g * rows_per_chunk, min((g + 1) * rows_per_chunk, rows)).
+// dh[i] = g (oe::bias_act_backward_chunk's store).
+template <typename T>
+struct StoreDh {
+  T* dh;
+  __device__ __forceinline__ void operator()(oe::i64 i, T g) const { dh[i] = g; }
+};
+
+// dh = dy * mask (dy when has_mask == 0) and per-chunk column sums of dh
+// (oe::bias_act_backward_chunk). Grid (ceil(cols / 32), n_chunks), block (32, COLUMN_BLOCK_ROWS);
+// chunk g covers rows [g * rows_per_chunk, min((g + 1) * rows_per_chunk, rows)).
 // dy, dh: (rows, cols); relu_mask: bit-packed; db_partial: (n_chunks, cols), summed on the host side.
 template <typename T>
 __global__ void mlp_bias_act_backward(const T* dy, const unsigned* relu_mask, int has_mask,
                                       oe::i64 rows, int cols, oe::i64 rows_per_chunk, T* dh,
                                       T* db_partial) {
-  const int col = blockIdx.x * 32 + threadIdx.x;
-  const oe::i64 row_begin = (oe::i64)blockIdx.y * rows_per_chunk;
-  const oe::i64 row_end = min(row_begin + rows_per_chunk, rows);
-  T acc = T(0);
-  if (col < cols) {
-    for (oe::i64 r = row_begin + threadIdx.y; r < row_end; r += blockDim.y) {
-      const oe::i64 i = r * cols + col;
-      T g = dy[i];
-      // a multiply, not a select, so that NaN/inf behave as numpy's dy * mask
-      if (has_mask) g = g * T(oe::mask_bit(relu_mask, i));
-      dh[i] = g;
-      acc += g;
-    }
-  }
-  const T total = oe::column_block_sum(acc);
-  if (threadIdx.y == 0 && col < cols) db_partial[(oe::i64)blockIdx.y * cols + col] = total;
+  oe::bias_act_backward_chunk(dy, relu_mask, has_mask, rows, cols, rows_per_chunk,
+                              StoreDh<T>{dh}, db_partial);
 }
 
 // keep[i] = uniform01(counter_hash(seed, step, i, 0)) > rate; y = (x * keep) * scale with
