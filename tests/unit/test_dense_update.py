@@ -118,6 +118,9 @@ def test_the_layout_keeps_values_aligns_each_parameter_and_refuses_what_it_canno
     assert not flat.grads.any()
     assert dense_update.eligible(launch, params, 1)
     assert not dense_update.eligible(launch, params + [Parameter(np.zeros(3), "f64")], 1)
+    tied = Parameter(np.zeros(3, np.float32), "tied")
+    tied.data = params[2].data[:3]                              # shares a weight's memory
+    assert not dense_update.eligible(launch, params + [tied], 1)
     assert not dense_update.supported(oe.optim.SmartDecayAdam(lr=0.01))
     assert dense_update.supported(oe.optim.Ftrl(lr=0.1))
 

@@ -53,8 +53,9 @@ def supported(optimizer) -> bool:
 
 def eligible(launch: Launcher, params, n_states: int) -> bool:
     """Whether ``params`` (``nn.Parameter``) can share one ``FlatDense``: every weight and
-    gradient a float32 array of ``launch.xp`` with the same shape, and the flat line short enough
-    for the kernels' int indices."""
+    gradient a float32 array of ``launch.xp`` with the same shape, no two of them sharing memory
+    (tied weights stay tied on the per-parameter path), and the flat line short enough for the
+    kernels' int indices."""
     xp = launch.xp
     total = 0
     for p in params:
@@ -63,6 +64,11 @@ def eligible(launch: Launcher, params, n_states: int) -> bool:
                     or a.shape != p.data.shape:
                 return False
         total = _aligned(total) + p.data.size
+    # parameters that share memory (tied weights) would be untied by copies of their own
+    spans = sorted((device_ops.array_address(a), device_ops.array_address(a) + a.nbytes)
+                   for p in params for a in (p.data, p.grad))
+    if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
+        return False
     return bool(params) and (1 + n_states) * _aligned(total) <= MAX_FLAT
 
 
