@@ -177,6 +177,42 @@ def test_linear_backward_with_the_fused_cast_gives_the_bits_of_the_path_before(p
                                   cupy.asnumpy(db_before).view(np.uint32))
 
 
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mlp_backward_handing_unrounded_gradients_down_gives_the_bits_of_the_path_before(
+        precision, dropout, monkeypatch):
+    """An MLP's backward under fp16 / bf16 where each layer leaves its input gradient unrounded
+    for the layer below, which rounds it as it reads it (no dropout between them), against the
+    path before (every gradient rounded by its own pass, dh cast by each product), the loss fused
+    with the last layer or not: the input gradient and every parameter gradient bit for bit.
+    (The dry run's arrays are numpy: both runs take the numpy path there.)"""
+    import cupy
+
+    from one_embedding.nn import MLP, linear
+
+    rng = np.random.default_rng(12)
+    batch = 1024
+    dense = (rng.standard_normal((batch, 48)) * 0.5).astype(np.float32)
+    labels = (rng.random(batch) < 0.3).astype(np.float32)
+    xp = cupy if not isinstance(cupy.asarray(dense), np.ndarray) else np
+    results = {}
+    for fused in (True, False):
+        monkeypatch.setattr(linear, "FUSED_BACKWARD_CAST", fused)
+        out = []
+        for with_loss in (True, False):
+            mlp = MLP(48, [96, 64, 32, 1], last_relu=False, dropout=dropout, seed=4).to(xp)
+            with amp.autocast(precision):
+                logits = mlp.forward(xp.asarray(dense)).reshape(-1)
+                if with_loss:
+                    dx = mlp.loss_and_backward(logits, xp.asarray(labels), 1.0)[2]
+                else:
+                    dx = mlp.backward(xp.asarray(np.full((batch, 1), 1e-3, np.float32)))
+            out += [dx] + [p.grad for p in mlp.parameters()]
+        results[fused] = [np.asarray(cupy.asnumpy(a)) for a in out]
+    for i, (got, want) in enumerate(zip(results[True], results[False])):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(i))
+
+
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
 def test_interaction_layer_on_the_device_equals_numpy(precision):
     """DotInteraction on CuPy under AMP runs dense.cu's one-kernel path: same numerics as the

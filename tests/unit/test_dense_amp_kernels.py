@@ -101,6 +101,31 @@ def test_bias_act_backward_cast_writes_the_pattern_of_dy_times_the_mask(launch, 
         dense_ops.bias_act_backward_cast(dy, np.zeros(2, np.uint32), precision, launch=launch)
 
 
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_bias_act_backward_cast_rounds_an_unrounded_input_as_it_reads_it(launch, precision):
+    """round_input: dy the layer above left unrounded gives the bits and the bias gradient of
+    the same pass over dy rounded first (the pass the layer above skipped)."""
+    from one_embedding.kernels import reference
+
+    rng = np.random.default_rng(8)
+    rows, cols = 200, 37
+    _, mask_ref = reference.bias_act_forward(rng.standard_normal((rows, cols)).astype(np.float32),
+                                             np.zeros(cols, np.float32), True)
+    mask = cm.pack_mask(mask_ref)
+    dy = (rng.standard_normal((rows, cols)) * np.exp2(rng.integers(-20, 8, (rows, cols))))
+    dy = dy.astype(np.float32)
+    dy.reshape(-1)[:2] = [np.inf, 65519.0]             # 65519 rounds to inf under fp16
+    for m in (mask, None):
+        got = dense_ops.bias_act_backward_cast(dy, m, precision, launch=launch, round_input=True)
+        want = dense_ops.bias_act_backward_cast(amp.round_to(dy, precision), m, precision,
+                                                launch=launch)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
+        unrounded = dense_ops.bias_act_backward_cast(dy, m, precision, launch=launch)
+        assert not np.array_equal(unrounded[1], want[1])   # the sums see the rounding
+
+
 def _close(got, want, precision, atol):
     want = np.asarray(want, np.float64)
     assert np.all(np.abs(got - want) <= UNIT[precision] * np.abs(want) + atol), \

@@ -98,13 +98,16 @@ def bias_act_cast_forward(h, b, relu: bool, precision: str, launch=None):
     return h, (mask if relu else None), (bits if cast else None)
 
 
-def bias_act_backward_cast(dy, mask, precision: str, launch=None):
+def bias_act_backward_cast(dy, mask, precision: str, launch=None, round_input: bool = False):
     """The backward of ``bias_act_cast_forward`` under fp16 / bf16, for a Linear layer's two
     backward GEMMs: dy (B, N) float32; mask: its forward's bit-packed ReLU mask or None ->
     (dh_bits (B, N) uint16, the fp16 / bf16 pattern of dh = dy * mask; db (N,), dh's column
     sums). One pass (``dense_bias_act_backward_cast``); dh itself is never written. The same
     bits as ``bias_act_backward`` then the cast of dh (``gemm.cast``), and db as its column
-    sums (the same chunks, the same block sums, summed alike)."""
+    sums (the same chunks, the same block sums, summed alike). ``round_input``: dy is an input
+    gradient the layer above left unrounded (``Linear.backward(round_dx=False)``): each element
+    is rounded to ``precision`` as it is read, so the result equals this function of the
+    rounded dy, bit for bit."""
     launch = resolve(launch)
     xp = launch.xp
     dy = _float("dy", dy, 2)
@@ -124,7 +127,8 @@ def bias_act_backward_cast(dy, mask, precision: str, launch=None):
                    (-(-cols // 32), n_chunks), (32, cm.COLUMN_BLOCK_ROWS),
                    (dy, xp.empty((1,), xp.uint32) if mask is None else mask,
                     np.int32(mask is not None), np.int64(rows), np.int32(cols),
-                    np.int64(rows_per_chunk), np.int32(kind), bits, partial))
+                    np.int64(rows_per_chunk), np.int32(kind), np.int32(bool(round_input)), bits,
+                    partial))
     return bits, partial[:, :cols].sum(axis=0)
 
 

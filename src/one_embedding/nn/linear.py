@@ -87,25 +87,41 @@ class Linear(Module):
             self._x, self._mask, self._x_bits = x, mask, x_bits
         return y
 
-    def backward(self, dy):
-        """dy: (B, out_features) -> dx (B, in_features); adds to weight.grad and bias.grad."""
+    def fuses_backward_cast(self, dy) -> bool:
+        """Whether ``backward(dy)`` takes the one-pass path of fp16 / bf16 on CuPy
+        (``dense_ops.bias_act_backward_cast``), which can also round ``dy`` as it reads it."""
+        return (FUSED_BACKWARD_CAST and amp.active() and amp.current() in amp.HALF_PRECISIONS
+                and dy.dtype == np.float32 and array_namespace(dy) is not np
+                and not (self.out_features == 1 and not self.relu))
+
+    def backward(self, dy, *, dy_rounded: bool = True, round_dx: bool = True):
+        """dy: (B, out_features) -> dx (B, in_features); adds to weight.grad and bias.grad.
+
+        Under fp16 / bf16 the input gradient dx leaves rounded to the half type (nn.amp). Two
+        keywords let a stack of layers skip that rounding pass where the layer below rounds as it
+        reads (``MLP.backward``): ``round_dx=False`` returns dx unrounded when this layer takes
+        the one-pass path (``fuses_backward_cast``); ``dy_rounded=False`` says dy is such an
+        unrounded dx, rounded here first (as it is read on the one-pass path). Either way the
+        results are the bits of the rounded chain."""
         if self._x is None:
             raise InputError("Linear.backward() without a forward(): run forward first")
         check_features(dy, "Linear output gradient", 2, self.out_features, self.weight.data.dtype)
         w, x = self.weight.data, self._x
         xp = array_namespace(dy, w)
+        fused_cast = self.fuses_backward_cast(dy)
+        if not dy_rounded and not fused_cast and amp.current() in amp.HALF_PRECISIONS:
+            dy = amp.round_to(dy)
         if amp.active() and xp is not np and self.out_features == 1 and not self.relu \
                 and dy.dtype == np.float32:
             return self._backward_last_fused(dy)
-        if amp.active() and xp is not np and amp.current() in amp.HALF_PRECISIONS \
-                and dy.dtype == np.float32 and FUSED_BACKWARD_CAST:
+        if fused_cast:
             # dh exists only as the fp16 / bf16 pattern both products read: one pass
             from ..kernels import dense_ops
 
-            dh_bits, db = dense_ops.bias_act_backward_cast(xp.ascontiguousarray(dy), self._mask,
-                                                           amp.current())
+            dh_bits, db = dense_ops.bias_act_backward_cast(
+                xp.ascontiguousarray(dy), self._mask, amp.current(), round_input=not dy_rounded)
             self.weight.grad += amp.matmul(dh_bits.T, x, fp32_result=True, b_bits=self._x_bits)
-            dx = amp.matmul(dh_bits, w)
+            dx = amp.matmul(dh_bits, w, fp32_result=not round_dx)
         elif amp.active():  # both products on tensor cores; the weight gradient keeps an fp32
             # result (a sum over the batch: in fp16 it overflowed under the loss scale, nn.amp)
             dh, db = (cpu_ops if xp is np else ops_for(xp)).bias_act_backward(dy, self._mask)
@@ -279,10 +295,22 @@ class MLP(Module):
 
     def backward(self, dy):
         """dy: (B, sizes[-1]) -> dx (B, in_features)."""
-        for i in reversed(range(len(self.layers))):
+        return self._backward_below(len(self.layers), dy)
+
+    def _backward_below(self, top: int, dy):
+        """The backward of layers top-1 .. 0 from dy, the gradient of layer top-1's output
+        (after its dropout). Under fp16 / bf16 on CuPy a layer whose input gradient goes
+        straight (no dropout) into another layer's one-pass backward leaves it unrounded, and
+        that layer rounds it as it reads it: one pass over the gradient fewer, the same bits."""
+        rounded = True
+        for i in reversed(range(top)):
             if self.dropouts[i] is not None:
                 dy = self.dropouts[i].backward(dy)
-            dy = self.layers[i].backward(dy)
+            layer = self.layers[i]
+            handoff = (i > 0 and self.dropouts[i - 1] is None and layer.fuses_backward_cast(dy)
+                       and self.layers[i - 1].fuses_backward_cast(dy))
+            dy = layer.backward(dy, dy_rounded=rounded, round_dx=not handoff)
+            rounded = not handoff
         return dy
 
     def loss_and_backward(self, logits, labels, scale: float = 1.0, launch=None):
@@ -292,11 +320,7 @@ class MLP(Module):
         ``last_relu=False``: no dropout follows it)."""
         last = self.layers[-1]
         loss, dlogits, dy = last.loss_and_backward(logits, labels, scale, launch=launch)
-        for i in reversed(range(len(self.layers) - 1)):
-            if self.dropouts[i] is not None:
-                dy = self.dropouts[i].backward(dy)
-            dy = self.layers[i].backward(dy)
-        return loss, dlogits, dy
+        return loss, dlogits, self._backward_below(len(self.layers) - 1, dy)
 
 
 def _check_dtype(dtype):

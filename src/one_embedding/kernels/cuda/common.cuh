@@ -119,13 +119,14 @@ __device__ __forceinline__ unsigned mask_bit(const unsigned* mask, i64 i) {
 }
 
 // The backward of bias + ReLU over one column chunk (mlp_bias_act_backward, and
-// dense_bias_act_backward_cast which stores its result as 16-bit patterns): each thread's column
-// of rows [blockIdx.y * rows_per_chunk, ...) strided by blockDim.y, g = dy * mask (a multiply, so
-// NaN and inf behave as numpy's dy * mask) handed to store(i, g), and the chunk's column sum of
-// g written to db_partial (n_chunks, cols) in column_block_sum's order. Grid (ceil(cols / 32),
-// n_chunks), block (32, COLUMN_BLOCK_ROWS); every thread of the block must call it.
-template <typename T, typename Store>
-__device__ __forceinline__ void bias_act_backward_chunk(const T* dy, const unsigned* relu_mask,
+// dense_bias_act_backward_cast, which reads dy through a rounding and stores its result as 16-bit
+// patterns): each thread's column of rows [blockIdx.y * rows_per_chunk, ...) strided by
+// blockDim.y, g = load(i) * mask (a multiply, so NaN and inf behave as numpy's dy * mask) handed
+// to store(i, g), and the chunk's column sum of g written to db_partial (n_chunks, cols) in
+// column_block_sum's order. Grid (ceil(cols / 32), n_chunks), block (32, COLUMN_BLOCK_ROWS);
+// every thread of the block must call it.
+template <typename T, typename Load, typename Store>
+__device__ __forceinline__ void bias_act_backward_chunk(const Load& load, const unsigned* relu_mask,
                                                         int has_mask, i64 rows, int cols,
                                                         i64 rows_per_chunk, const Store& store,
                                                         T* db_partial) {
@@ -136,7 +137,7 @@ __device__ __forceinline__ void bias_act_backward_chunk(const T* dy, const unsig
   if (col < cols) {
     for (i64 r = row_begin + threadIdx.y; r < row_end; r += blockDim.y) {
       const i64 i = r * cols + col;
-      T g = dy[i];
+      T g = load(i);
       if (has_mask) g = g * T(mask_bit(relu_mask, i));
       store(i, g);
       acc += g;

@@ -107,6 +107,17 @@ __global__ void dense_bias_act_cast(const T* h, const T* b, oe::i64 rows, int co
   }
 }
 
+// dy[i], rounded to ``kind`` first when ``kind`` is not 0 (a gradient the layer above left
+// unrounded: the rounding its own pass would have made, made here on the read).
+template <typename T>
+struct LoadRounded {
+  const T* dy;
+  int kind;
+  __device__ __forceinline__ T operator()(oe::i64 i) const {
+    return oe::dense::rounded(dy[i], kind);
+  }
+};
+
 // The 16-bit pattern (kind 1 / 2) of g, stored at element i.
 struct StoreBits {
   unsigned short* bits;
@@ -121,16 +132,19 @@ struct StoreBits {
 // dy * mask (oe::bias_act_backward_chunk, as mlp_bias_act_backward: NaN and inf pass as numpy's
 // dy * mask), written only as its 16-bit pattern (kind 1 / 2) that both products take, and the
 // per-chunk column sums of dh in T for the bias gradient, in mlp_bias_act_backward's order (so
-// the same db). One pass where the unfused path wrote dh in T and cast it twice. Grid
-// (ceil(cols / 32), n_chunks), block (32, COLUMN_BLOCK_ROWS); chunk g covers rows
-// [g * rows_per_chunk, ...). dy: (rows, cols); relu_mask: bit-packed (read when has_mask);
-// dh_bits: (rows, cols) u16; db_partial: (n_chunks, cols).
+// the same db). One pass where the unfused path wrote dh in T and cast it twice. round_input:
+// dy is the layer above's input gradient left unrounded (its rounding pass skipped), rounded to
+// ``kind`` here as it is read, so the same dh and db. Grid (ceil(cols / 32), n_chunks), block
+// (32, COLUMN_BLOCK_ROWS); chunk g covers rows [g * rows_per_chunk, ...). dy: (rows, cols);
+// relu_mask: bit-packed (read when has_mask); dh_bits: (rows, cols) u16; db_partial:
+// (n_chunks, cols).
 template <typename T>
 __global__ void dense_bias_act_backward_cast(const T* dy, const unsigned* relu_mask, int has_mask,
                                              oe::i64 rows, int cols, oe::i64 rows_per_chunk,
-                                             int kind, unsigned short* dh_bits, T* db_partial) {
-  oe::bias_act_backward_chunk(dy, relu_mask, has_mask, rows, cols, rows_per_chunk,
-                              StoreBits{dh_bits, kind}, db_partial);
+                                             int kind, int round_input, unsigned short* dh_bits,
+                                             T* db_partial) {
+  oe::bias_act_backward_chunk(LoadRounded<T>{dy, round_input ? kind : 0}, relu_mask, has_mask,
+                              rows, cols, rows_per_chunk, StoreBits{dh_bits, kind}, db_partial);
 }
 
 // out (batch, width) = [concat | x_r . x_c for the pairs | zero padding], one thread per output

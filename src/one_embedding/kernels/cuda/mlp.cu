@@ -36,7 +36,13 @@ __global__ void mlp_bias_act_forward(const T* h, const T* b, oe::i64 rows, int c
   }
 }
 
-// dh[i] = g (oe::bias_act_backward_chunk's store).
+// dy[i] and dh[i] = g: oe::bias_act_backward_chunk's load and store.
+template <typename T>
+struct LoadDy {
+  const T* dy;
+  __device__ __forceinline__ T operator()(oe::i64 i) const { return dy[i]; }
+};
+
 template <typename T>
 struct StoreDh {
   T* dh;
@@ -51,7 +57,7 @@ template <typename T>
 __global__ void mlp_bias_act_backward(const T* dy, const unsigned* relu_mask, int has_mask,
                                       oe::i64 rows, int cols, oe::i64 rows_per_chunk, T* dh,
                                       T* db_partial) {
-  oe::bias_act_backward_chunk(dy, relu_mask, has_mask, rows, cols, rows_per_chunk,
+  oe::bias_act_backward_chunk(LoadDy<T>{dy}, relu_mask, has_mask, rows, cols, rows_per_chunk,
                               StoreDh<T>{dh}, db_partial);
 }
 
