@@ -122,7 +122,7 @@ def test_the_layout_keeps_values_aligns_each_parameter_and_refuses_what_it_canno
     tied.data = params[2].data[:3]                              # shares a weight's memory
     assert not dense_update.eligible(launch, params + [tied], 1)
     assert not dense_update.supported(oe.optim.SmartDecayAdam(lr=0.01))
-    assert dense_update.supported(oe.optim.Ftrl(lr=0.1))
+    assert dense_update.supported(oe.optim.Ftrl(lr=0.1, convention="oneflow"))
 
 
 def _device_dlrm(launch, make):
