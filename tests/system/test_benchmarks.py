@@ -127,3 +127,11 @@ def test_bench_serve_fronts_measures_rest_and_grpc_against_a_baseline(tmp_path):
         for f in ("REST", "gRPC", "gRPC aio client") for b in (1, 64)}
     bad = [r for r in rows if not (r["qps"] > 0 and r["server_cpu_ms"] > 0 and r["failed"] == 0)]
     assert not bad, (bad, out)
+
+
+def test_dense_update_ops_counts_the_per_parameter_path(tmp_path):
+    out = run_module(tmp_path, "benchmarks.dense_update_ops")
+    rows = [line.split("|")[1:-1] for line in out.splitlines() if line.startswith("| ")][1:]
+    counts = {r[0].strip(): int(r[1]) for r in rows}
+    assert set(counts) == {"sgd", "adagrad", "adam"}
+    assert 16 * 3 < counts["sgd"] < counts["adagrad"] < counts["adam"]   # several per parameter
