@@ -193,12 +193,12 @@ class Optimizer:
             params = [p for p in group.parameters if id(p) in index]
             if not params or group.clips:
                 continue
-            states = [self._dense_states[index[id(p)]] for p in params]
             known = next((f for f in self._flats if f.group is group), None)
             if known is not None and known.launch is launch and known.params == params \
-                    and known.intact(states):
+                    and known.intact():
                 flats.append(known)
             elif dense_update.eligible(launch, params, self.optimizer.n_states):
+                states = [self._dense_states[index[id(p)]] for p in params]
                 flat = dense_update.FlatDense(params, states, self.optimizer.n_states, launch)
                 flat.group = group
                 flats.append(flat)
@@ -305,10 +305,9 @@ class Optimizer:
     def zero_grad(self) -> None:
         for emb in self.embeddings:
             emb.zero_grad()
-        index = {id(p): i for i, p in enumerate(self.parameters)}
         done = set()
         for flat in self._flats:
-            if flat.intact([self._dense_states[index[id(p)]] for p in flat.params]):
+            if flat.intact():
                 flat.zero_grad()   # one fill for the group
                 done.update(id(p) for p in flat.params)
         for p in self.parameters:

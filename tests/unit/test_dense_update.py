@@ -110,9 +110,9 @@ def test_the_layout_keeps_values_aligns_each_parameter_and_refuses_what_it_canno
         assert np.shares_memory(p.data, flat.lines) and np.shares_memory(p.grad, flat.grads)
         assert np.shares_memory(own[0], flat.lines) and (own[0] == 0.5).all()
         assert device_ops.array_address(p.data) % 256 == device_ops.array_address(flat.lines) % 256
-    assert flat.intact(states)
+    assert flat.intact()
     states[2][0] = states[2][0].copy()                          # a caller rebinds a state
-    assert not flat.intact(states)
+    assert not flat.intact()
     params[0].grad[...] = 3.0
     flat.zero_grad()
     assert not flat.grads.any()
@@ -182,7 +182,7 @@ def test_the_optimizer_lays_the_group_out_once_and_trains_as_on_the_cpu(launch, 
         if device != "cpu":
             assert names.count("dense_adam") == 5 and names.count("dense_nonzero") == 5
             assert len(layouts) == 2                            # the first step, the rebound weight
-            assert len(opt._flats) == 1 and opt._flats[0].intact(opt._dense_states)
+            assert len(opt._flats) == 1 and opt._flats[0].intact()
             assert not opt._flats[0].grads.any()                # zero_grad: the one fill
         model.embedding.close()
     (cpu_losses, cpu_w, cpu_states), (dev_losses, dev_w, dev_states) = runs[True], runs[False]

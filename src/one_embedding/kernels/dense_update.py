@@ -66,8 +66,8 @@ def eligible(launch: Launcher, params, n_states: int) -> bool:
                 return False
         total = _aligned(total) + p.data.size
     # parameters that share memory (tied weights) would be untied by copies of their own
-    spans = sorted((device_ops.array_address(a), device_ops.array_address(a) + a.nbytes)
-                   for p in params for a in (p.data, p.grad))
+    spans = sorted((address, address + a.nbytes) for p in params for a in (p.data, p.grad)
+                   for address in (device_ops.array_address(a),))
     if any(start < end for (_, end), (start, _) in zip(spans, spans[1:])):
         return False
     return bool(params) and (1 + n_states) * _aligned(total) <= MAX_FLAT
@@ -80,9 +80,9 @@ def _aligned(n: int) -> int:
 class FlatDense:
     """The dense parameters of one group in flat buffers (see the module docstring).
 
-    params: the group's ``nn.Parameter`` list (eligible); states: per parameter, the list of its
-    ``n_states`` optimizer state arrays (shaped like it), whose items are replaced by views
-    here; launch: where the kernels run. Attributes: ``lines`` (1, (1 + n_states) * total)
+    params: the group's ``nn.Parameter`` list (eligible); states: per parameter, the optimizer's
+    list of its ``n_states`` state arrays (shaped like it), whose items are replaced by views
+    here (the lists are kept: ``intact`` reads them); launch: where the kernels run. Attributes: ``lines`` (1, (1 + n_states) * total)
     float32, ``grads`` (total,) float32, ``starts`` / ``sizes`` (count,) int64 device arrays,
     ``nonzero`` (count,) int32, the per-parameter flags of the last ``find_nonzero``."""
 
@@ -116,15 +116,16 @@ class FlatDense:
                 view = flat[block:block + size].reshape(shape)
                 view[...] = own[k]
                 own[k] = view
-        self.states = [list(s) for s in states]
-        self._views = [(p.data, p.grad, tuple(s)) for p, s in zip(self.params, self.states)]
+        self._state_lists = list(states)
+        self._views = [(p.data, p.grad, tuple(own)) for p, own in zip(self.params, states)]
 
-    def intact(self, states) -> bool:
-        """True while every parameter's data and grad, and every state array in ``states`` (the
-        optimizer's lists, as passed to the constructor), are still this object's views."""
+    def intact(self) -> bool:
+        """True while every parameter's data and grad, and every array in the optimizer's state
+        lists given to the constructor, are still this object's views."""
         return all(p.data is data and p.grad is grad and len(own) == len(views)
                    and all(a is b for a, b in zip(own, views))
-                   for p, own, (data, grad, views) in zip(self.params, states, self._views))
+                   for p, own, (data, grad, views) in zip(self.params, self._state_lists,
+                                                            self._views))
 
     def find_nonzero(self) -> None:
         """``nonzero[j]`` = 1 where parameter j's gradient holds a non-zero element, else 0
