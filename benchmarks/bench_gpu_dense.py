@@ -16,7 +16,10 @@ off``, ``tf32`` and ``bf16``:
   ReLU, masks, the interaction);
 - the whole step (forward + loss + backward) as the baseline the stages add up to; under bf16
   also with ``nn.linear.FUSED_BACKWARD_CAST`` off (each Linear backward's dh in fp32, cast by
-  each of its two products: the path before the fused pass).
+  each of its two products: the path before the fused pass);
+- under tf32 / bf16 the interaction's forward + backward again with
+  ``dense_ops.BLOCKED_BACKWARD`` off (the ``_tile`` backward kernel, a shared load per product,
+  as the baseline of the register-blocked one).
 
 Prints one table per precision; ``bench_gpu --skip dense`` leaves it out.
 """
@@ -53,6 +56,7 @@ def _linear_shapes(mlp, batch: int):
 
 def bench_dense_parts(dev, args) -> dict:
     """-> {"modes": {amp: {"rows": [...], "step_ms", "products_ms", "products_tflops"}}}."""
+    from one_embedding.kernels import dense_ops
     from one_embedding.nn import amp, linear
 
     xp = dev.xp
@@ -116,6 +120,17 @@ def bench_dense_parts(dev, args) -> dict:
             total += both_ms
             rows.append({"stage": name, "forward ms": fwd_ms, "backward ms": both_ms - fwd_ms,
                          "forward + backward ms": both_ms})
+        if mode != "off":   # the interaction's backward kernel, register-blocked or not
+            blocked_ms = next(r["forward + backward ms"] for r in rows
+                              if r["stage"] == "interaction")
+            dense_ops.BLOCKED_BACKWARD = False
+            try:
+                tiled_ms = seconds(interaction_both)
+            finally:
+                dense_ops.BLOCKED_BACKWARD = True
+            rows.append({"stage": f"interaction, the _tile backward (the kernel before): the "
+                                  f"blocked one is {tiled_ms / blocked_ms:.2f}x",
+                         "forward + backward ms": tiled_ms})
         step_ms, products_ms = seconds(step), seconds(products)
         tflops = product_flop / (products_ms / 1e3) / 1e12
         rows.append({"stage": "sum of the stages", "forward + backward ms": total})

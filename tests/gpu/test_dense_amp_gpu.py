@@ -71,7 +71,7 @@ def test_tensor_core_products_equal_the_emulation(precision, fp32_result):
 
 
 @pytest.mark.parametrize("precision", ["off", "tf32", "fp16", "bf16"])
-def test_interaction_and_loss_kernels_on_the_device_match_float64(precision):
+def test_interaction_and_loss_kernels_on_the_device_match_float64(monkeypatch, precision):
     import cupy
 
     from one_embedding.kernels import dense_ops
@@ -91,8 +91,13 @@ def test_interaction_and_loss_kernels_on_the_device_match_float64(precision):
     got = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision)
     other = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision,
                                            tile=False)
-    for g, o in zip(got, other):
+    monkeypatch.setattr(dense_ops, "BLOCKED_BACKWARD", False)     # the _tile backward
+    tiled = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision)
+    monkeypatch.undo()
+    assert dense_ops.fits_blocked(27, 64)    # the default ran the register-blocked backward
+    for g, o, t in zip(got, other, tiled):
         np.testing.assert_array_equal(cupy.asnumpy(g), cupy.asnumpy(o))
+        np.testing.assert_array_equal(cupy.asnumpy(g), cupy.asnumpy(t))
     want = dense_ops.interaction_backward_reference(dout, first, rest, 64, False, precision)
     for g, w in zip(got, want):
         _close(cupy.asnumpy(g), w, precision, atol=1e-4 * 27 * 4)

@@ -141,10 +141,16 @@ CASES = [  # (batch, F1, F2, D, self_interaction, with_concat, pad)
 
 
 @pytest.mark.stress_seeds
-@pytest.mark.parametrize("tile", [True, False])
+@pytest.mark.parametrize("tile", ["blocked", True, False])
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", CASES)
-def test_interaction_forward_and_backward_match_float64(launch, precision, case, tile):
+def test_interaction_forward_and_backward_match_float64(launch, monkeypatch, precision, case,
+                                                         tile):
+    """tile "blocked": the one-block-per-sample kernels with the register-blocked backward where
+    the sample fits it (dim a multiple of 4: the first and last cases), True: the same without
+    it (the _tile backward), False: one thread per output."""
+    monkeypatch.setattr(dense_ops, "BLOCKED_BACKWARD", tile == "blocked")
+    tile = bool(tile)
     batch, f1, f2, dim, self_interaction, with_concat, pad = case
     rng = np.random.default_rng(batch * 100 + dim)
     first = rng.standard_normal((batch, f1, dim)).astype(np.float32)
@@ -197,10 +203,59 @@ def test_the_two_interaction_kernels_agree_bit_for_bit(launch, precision):
     for a, b in zip(*grads):
         np.testing.assert_array_equal(a, b)
     source = cm.source_path("dense").read_text()
+    assert int(re.search(r"BLOCK_ROWS = (\d+);", source)[1]) == dense_ops.BLOCK_ROWS
     assert int(re.search(r"TILE_ELEMENTS = (\d+);", source)[1]) == dense_ops.TILE_ELEMENTS
     assert int(re.search(r"TILE_PAIRS = (\d+);", source)[1]) == dense_ops.TILE_PAIRS
     assert dense_ops.fits_tile(27, 128, False) and not dense_ops.fits_tile(27, 256, False)
     assert not dense_ops.fits_tile(46, 64, True)          # 1081 pairs
+
+
+BLOCKED_CASES = [  # (batch, F1, F2, D, self_interaction): DLRM's, and rows / groups that do not
+    # fill a block: a last group of rows past F, a warp over several groups, D = one vector
+    (3, 1, 26, 128, False), (4, 2, 3, 16, True), (5, 1, 4, 4, False), (2, 3, 6, 12, True),
+]
+
+
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("precision", PRECISIONS)
+@pytest.mark.parametrize("case", BLOCKED_CASES)
+def test_the_blocked_backward_is_the_tile_kernels_bit_for_bit(launch, monkeypatch, precision,
+                                                                case):
+    """The register-blocked backward adds each input gradient's products in the _tile kernel's
+    order (other features ascending, the diagonal skipped without self-interaction), so the same
+    bits, NaN, infinities and signed zeros included; and the one-thread-per-output kernel's."""
+    batch, f1, f2, dim, self_interaction = case
+    assert dense_ops.fits_blocked(f1 + f2, dim)
+    rng = np.random.default_rng(dim + f2)
+    first = rng.standard_normal((batch, f1, dim)).astype(np.float32)
+    rest = rng.standard_normal((batch, f2, dim)).astype(np.float32)
+    n_pairs = dense_ops._n_pairs(f1 + f2, self_interaction)
+    dout = rng.standard_normal((batch, dim + n_pairs + 3)).astype(np.float32)
+    rest[0, 0, :3] = [np.inf, -0.0, np.nan]
+    first[-1, 0, 1] = -np.inf
+    dout[1, dim:dim + 4] = [0.0, -0.0, 1e30, np.nan]
+    dout[-1, dim + n_pairs - 1] = 0.0                    # a zero gradient times inf: NaN
+    results = {}
+    for name, blocked, tile in [("blocked", True, True), ("tile", False, True),
+                                ("thread", False, False)]:
+        monkeypatch.setattr(dense_ops, "BLOCKED_BACKWARD", blocked)
+        results[name] = dense_ops.interaction_backward(dout, first, rest, dim, self_interaction,
+                                                       precision, launch=launch, tile=tile)
+    for name in ("tile", "thread"):
+        for got, want in zip(results["blocked"], results[name]):
+            np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
+                                          err_msg=f"blocked against {name}")
+    assert np.isnan(results["blocked"][1]).any() and np.isfinite(results["blocked"][1]).any()
+
+
+def test_the_blocked_backward_takes_the_samples_it_fits():
+    """A 16-byte vector of columns (4 float32, 2 float64), the features and the pair gradients
+    (rows rounded up to BLOCK_ROWS) in the tile kernels' shared memory; else the _tile kernel."""
+    assert dense_ops.fits_blocked(27, 128) and dense_ops.fits_blocked(27, 128, np.float64)
+    assert not dense_ops.fits_blocked(27, 130)                       # not a vector multiple
+    assert dense_ops.fits_blocked(27, 130, np.float64)               # 2 doubles a vector
+    assert not dense_ops.fits_blocked(27, 164)                       # 4428 > 4352 elements
+    assert dense_ops.fits_blocked(32, 128) and not dense_ops.fits_blocked(33, 64)  # 33 x 36 pairs
 
 
 def test_interaction_forward_in_fp32_equals_the_existing_reference(launch):
