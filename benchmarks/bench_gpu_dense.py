@@ -17,6 +17,8 @@ off``, ``tf32`` and ``bf16``:
 - the whole step (forward + loss + backward) as the baseline the stages add up to; under bf16
   also with ``nn.linear.FUSED_BACKWARD_CAST`` off (each Linear backward's dh in fp32, cast by
   each of its two products: the path before the fused pass);
+- the whole step with ``kernels.cuda_module.LOADS_AHEAD`` off (the bias + ReLU (+ cast)
+  kernels' loads one at a time, as before: the baseline of their loads ahead of the stores);
 - under tf32 / bf16 the interaction's forward + backward again with
   ``dense_ops.BLOCKED_BACKWARD`` off (the ``_tile`` backward kernel, a shared load per product,
   as the baseline of the register-blocked one).
@@ -56,6 +58,7 @@ def _linear_shapes(mlp, batch: int):
 
 def bench_dense_parts(dev, args) -> dict:
     """-> {"modes": {amp: {"rows": [...], "step_ms", "products_ms", "products_tflops"}}}."""
+    from one_embedding.kernels import cuda_module as cm
     from one_embedding.kernels import dense_ops
     from one_embedding.nn import amp, linear
 
@@ -144,6 +147,14 @@ def bench_dense_parts(dev, args) -> dict:
             rows.append({"stage": f"whole step, dh in fp32 and cast by each product (the path "
                                   f"before): the fused pass is {before_ms / step_ms:.2f}x",
                          "forward + backward ms": before_ms})
+        cm.LOADS_AHEAD = False          # the bias + ReLU kernels' loads one at a time
+        try:
+            one_at_a_time_ms = seconds(step)
+        finally:
+            cm.LOADS_AHEAD = True
+        rows.append({"stage": f"whole step, bias + ReLU loads one at a time (the kernels "
+                              f"before): loads ahead are {one_at_a_time_ms / step_ms:.2f}x",
+                     "forward + backward ms": one_at_a_time_ms})
         rows.append({"stage": f"the MLPs' {3 * len(shapes)} products alone ({tflops:.3g} TFLOP/s)",
                      "forward + backward ms": products_ms})
         modes[mode] = {"rows": rows, "step_ms": step_ms, "products_ms": products_ms,

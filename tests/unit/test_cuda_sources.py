@@ -166,6 +166,7 @@ struct HostDim { unsigned x, y, z; };
 static HostDim threadIdx, blockDim, blockIdx, gridDim;
 static void __syncthreads() {}
 template <typename T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
+static unsigned __ballot_sync(unsigned, bool) { return 0; }
 #include "common.cuh"
 int main(int argc, char** argv) {
   const unsigned long long seed = strtoull(argv[1], 0, 10), key = strtoull(argv[2], 0, 10);
@@ -330,24 +331,32 @@ def test_emulated_mlp_kernels_match_reference(emulate, dtype):
     from one_embedding.kernels import reference as ref
 
     rng = np.random.default_rng(1)
-    for rows, cols in [(1, 1), (37, 45), (300, 7), (129, 70)]:
+    # 300 x 70 and 1000 x 33: the forward's words and the backward's rows loaded ahead
+    # (FORWARD_AHEAD, BACKWARD_AHEAD in common.cuh), and the rests after them
+    for rows, cols in [(1, 1), (37, 45), (300, 7), (129, 70), (300, 70), (1000, 33)]:
         h = rng.standard_normal((rows, cols)).astype(dtype)
         b = rng.standard_normal(cols).astype(dtype)
         dy = rng.standard_normal((rows, cols)).astype(dtype)
         y_ref, mask_ref = ref.bias_act_forward(h.copy(), b, True)
-        y, words = h.copy(), np.full(cm.mask_words(h.size), 0xDEADBEEF, dtype=np.uint32)
-        emulate("mlp_bias_act_forward", dtype, *_warp_grid(words.size),
-                (y, b, np.int64(rows), np.int32(cols), np.int32(1), y, words))
-        np.testing.assert_array_equal(y, y_ref)
-        np.testing.assert_array_equal(words, cm.pack_mask(mask_ref))
-
-        grid, block, n_chunks, per_chunk = _column_grid(rows, cols)
-        dh, partial = np.empty_like(dy), np.full((n_chunks, cols), np.nan, dtype=dtype)
-        emulate("mlp_bias_act_backward", dtype, grid, block,
-                (dy, words, np.int32(1), np.int64(rows), np.int32(cols), np.int64(per_chunk), dh, partial))
         dh_ref, db_ref = ref.bias_act_backward(dy, mask_ref)
-        np.testing.assert_array_equal(dh, dh_ref)
-        close_at_dtype(partial.sum(axis=0), db_ref, dtype)
+        partials = []
+        for ahead in (1, 0):   # loads ahead of the stores (cuda_module.LOADS_AHEAD), and not
+            y, words = h.copy(), np.full(cm.mask_words(h.size), 0xDEADBEEF, dtype=np.uint32)
+            emulate("mlp_bias_act_forward", dtype, *_warp_grid(words.size),
+                    (y, b, np.int64(rows), np.int32(cols), np.int32(1), y, words,
+                     np.int32(ahead)))
+            np.testing.assert_array_equal(y, y_ref)
+            np.testing.assert_array_equal(words, cm.pack_mask(mask_ref))
+
+            grid, block, n_chunks, per_chunk = _column_grid(rows, cols)
+            dh, partial = np.empty_like(dy), np.full((n_chunks, cols), np.nan, dtype=dtype)
+            emulate("mlp_bias_act_backward", dtype, grid, block,
+                    (dy, words, np.int32(1), np.int64(rows), np.int32(cols), np.int64(per_chunk),
+                     dh, partial, np.int32(ahead)))
+            np.testing.assert_array_equal(dh, dh_ref)
+            close_at_dtype(partial.sum(axis=0), db_ref, dtype)
+            partials.append(partial)
+        np.testing.assert_array_equal(partials[0], partials[1])     # the same sums, bit for bit
 
         rate, seed, step = 0.3, 2**63 + 11, 5
         x = rng.standard_normal((rows, cols)).astype(dtype)

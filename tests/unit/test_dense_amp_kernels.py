@@ -55,7 +55,9 @@ def test_bias_act_cast_is_one_pass_of_the_reference(launch, precision):
     from one_embedding.kernels import reference
 
     rng = np.random.default_rng(1)
-    for rows, cols, relu in [(1, 1, True), (37, 45, True), (129, 70, False)]:
+    # 300 x 70: more mask words than four per warp of the grid (the words whose loads a warp
+    # issues ahead, common.cuh's FORWARD_AHEAD), and a rest taken one word at a time
+    for rows, cols, relu in [(1, 1, True), (37, 45, True), (129, 70, False), (300, 70, True)]:
         h = rng.standard_normal((rows, cols)).astype(np.float32)
         b = rng.standard_normal(cols).astype(np.float32)
         y_ref, mask_ref = reference.bias_act_forward(h.copy(), b, relu)
@@ -124,6 +126,34 @@ def test_bias_act_backward_cast_rounds_an_unrounded_input_as_it_reads_it(launch,
         np.testing.assert_array_equal(got[1].view(np.uint32), want[1].view(np.uint32))
         unrounded = dense_ops.bias_act_backward_cast(dy, m, precision, launch=launch)
         assert not np.array_equal(unrounded[1], want[1])   # the sums see the rounding
+
+
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("precision", ["off", "bf16"])
+def test_bias_act_kernels_load_ahead_with_the_same_bits(launch, monkeypatch, precision):
+    """The bias + ReLU (+ cast) kernels with their loads ahead of their stores
+    (``cuda_module.LOADS_AHEAD``, common.cuh's FORWARD_AHEAD / BACKWARD_AHEAD) and one element at
+    a time: the same y, mask, 16-bit copy, dh patterns and bias-gradient partial sums, over
+    sizes with batches of words / rows ahead and a rest (NaN, inf and -0.0 among the values)."""
+    rng = np.random.default_rng(11)
+    for rows, cols in [(300, 70), (1000, 33), (5, 3)]:
+        h = rng.standard_normal((rows, cols)).astype(np.float32)
+        h.reshape(-1)[:4] = [np.nan, np.inf, -0.0, -np.inf][:h.size]
+        b = rng.standard_normal(cols).astype(np.float32)
+        dy = rng.standard_normal((rows, cols)).astype(np.float32)
+        dy.reshape(-1)[-3:] = [np.nan, -0.0, np.inf]
+        results = []
+        for ahead in (True, False):
+            monkeypatch.setattr(cm, "LOADS_AHEAD", ahead)
+            y, mask, bits = dense_ops.bias_act_cast_forward(h.copy(), b, True, precision,
+                                                            launch=launch)
+            out = [y.view(np.uint32), mask] + ([bits] if bits is not None else [])
+            if precision == "bf16":
+                dh_bits, db = dense_ops.bias_act_backward_cast(dy, mask, precision, launch=launch)
+                out += [dh_bits, db.view(np.uint32)]
+            results.append(out)
+        for got, want in zip(*results):
+            np.testing.assert_array_equal(got, want)
 
 
 def _close(got, want, precision, atol):

@@ -53,6 +53,11 @@ BLOCKS_PER_SM = 8
 #: so that a thread sums enough rows to hide the latency of its loads.
 REDUCTION_BLOCKS_PER_SM = 4
 MIN_ROWS_PER_CHUNK = 64
+#: the bias + activation kernels (mlp.cu, dense.cu) load several mask words (forward) or rows
+#: (backward) ahead of their stores (common.cuh's FORWARD_AHEAD, BACKWARD_AHEAD): a warp keeps
+#: that many loads in flight where it had one. False: one at a time, the kernels before (a
+#: benchmark's baseline, bench_gpu part 6). The same bits either way
+LOADS_AHEAD = True
 MAX_GRID_Y = 65535
 
 _KERNEL_LINE = re.compile(r"^\s*ONE_EMBEDDING_KERNEL\((\w+)\)\s*$", re.MULTILINE)

@@ -128,7 +128,7 @@ def bias_act_forward(h, b, relu):
         # without relu the mask pointer is never dereferenced; h stands in for it
         _launch_warps("mlp", "bias_act_forward", h.dtype, words,
                       (h, b, np.int64(rows), np.int32(cols), np.int32(bool(relu)), h,
-                       mask if relu else h))
+                       mask if relu else h, np.int32(cm.LOADS_AHEAD)))
     return h, mask
 
 
@@ -146,7 +146,7 @@ def bias_act_backward(dy, mask):
         cm.get_kernel("mlp", "bias_act_backward", dy.dtype)(
             grid, block,
             (dy, dy if mask is None else mask, np.int32(mask is not None), np.int64(rows),
-             np.int32(cols), np.int64(rows_per_chunk), dh, partial))
+             np.int32(cols), np.int64(rows_per_chunk), dh, partial, np.int32(cm.LOADS_AHEAD)))
     return dh, partial.sum(axis=0)
 
 

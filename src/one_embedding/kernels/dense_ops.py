@@ -113,7 +113,7 @@ def bias_act_cast_forward(h, b, relu: bool, precision: str, launch=None):
         blocks = cm.warp_blocks(words, launch.n_sms, launch.block)
         launch.run("dense", "bias_act_cast", h.dtype, (blocks,), (launch.block,),
                    (h, b, np.int64(rows), np.int32(cols), np.int32(bool(relu)), np.int32(kind),
-                    h, mask, bits))
+                    h, mask, bits, np.int32(cm.LOADS_AHEAD)))
     return h, (mask if relu else None), (bits if cast else None)
 
 
@@ -147,7 +147,7 @@ def bias_act_backward_cast(dy, mask, precision: str, launch=None, round_input: b
                    (dy, xp.empty((1,), xp.uint32) if mask is None else mask,
                     np.int32(mask is not None), np.int64(rows), np.int32(cols),
                     np.int64(rows_per_chunk), np.int32(kind), np.int32(bool(round_input)), bits,
-                    partial))
+                    partial, np.int32(cm.LOADS_AHEAD)))
     return bits, partial[:, :cols].sum(axis=0)
 
 

@@ -80,6 +80,17 @@ __device__ T block_sum(T v) {
   return total;
 }
 
+// Full unrolling of a loop of constant count (register arrays stay in registers); the host
+// emulator's compiler has no such pragma.
+#ifdef __CUDACC__
+#define OE_UNROLL _Pragma("unroll")
+#else
+#define OE_UNROLL
+#endif
+
+// Rows whose loads bias_act_backward_chunk issues before the first of their stores.
+constexpr int BACKWARD_AHEAD = 8;
+
 // Column reductions use blocks of (32, COLUMN_BLOCK_ROWS) threads: threadIdx.x picks a column
 // among 32 neighbours (coalesced row reads), threadIdx.y strides over the rows of a chunk.
 constexpr int COLUMN_BLOCK_ROWS = 8;
@@ -118,6 +129,70 @@ __device__ __forceinline__ unsigned mask_bit(const unsigned* mask, i64 i) {
   return (mask[i >> 5] >> (unsigned)(i & 31)) & 1u;
 }
 
+// Words of bias_act_forward_words whose h and b loads a warp issues before the first store.
+constexpr int FORWARD_AHEAD = 4;
+
+// y = relu(h + b) (relu != 0) or h + b over the flat (rows, cols) array of n elements, handed to
+// store(i, y) (y may alias h), and the bit-packed ReLU mask (as mask_bit reads it) when relu:
+// grid-stride over the 32-element mask words with whole warps, lane k on element 32 word + k,
+// __ballot_sync assembling each word (no atomics). A warp takes FORWARD_AHEAD of its words at a
+// time and loads all their h and b before the first store (a word's store only follows its own
+// loads, so an aliased y is safe), keeping that many loads in flight where it had one. The same
+// values as one word at a time, bit for bit. mlp_bias_act_forward and dense_bias_act_cast (which
+// also stores y's 16-bit copy). ahead == 0: one word at a time throughout (the kernels before,
+// kept as a benchmark's baseline: cuda_module.LOADS_AHEAD). Every thread of the grid must call it
+// (the ballots).
+template <typename T, typename Store>
+__device__ __forceinline__ void bias_act_forward_words(const T* h, const T* b, i64 n, int cols,
+                                                       int relu, const Store& store,
+                                                       unsigned* relu_mask, int ahead) {
+  const i64 n_words = (n + 31) >> 5;
+  const int lane = threadIdx.x & 31;
+  const i64 stride = grid_warps();
+  i64 word = grid_warp();
+  for (; ahead && word + (FORWARD_AHEAD - 1) * stride < n_words; word += FORWARD_AHEAD * stride) {
+    T v[FORWARD_AHEAD];
+    OE_UNROLL
+    for (int k = 0; k < FORWARD_AHEAD; ++k) {
+      const i64 i = ((word + k * stride) << 5) + lane;
+      v[k] = i < n ? h[i] + b[i % cols] : T(0);
+    }
+    OE_UNROLL
+    for (int k = 0; k < FORWARD_AHEAD; ++k) {
+      const i64 i = ((word + k * stride) << 5) + lane;
+      bool positive = false;
+      if (i < n) {
+        T x = v[k];
+        if (relu) {
+          x = x < T(0) ? T(0) : x;  // numpy.maximum(x, 0): NaN and -0.0 pass through
+          positive = x > T(0);
+        }
+        store(i, x);
+      }
+      if (relu) {
+        const unsigned bits = __ballot_sync(FULL_WARP, positive);
+        if (lane == 0) relu_mask[word + k * stride] = bits;
+      }
+    }
+  }
+  for (; word < n_words; word += stride) {  // the loop bound is the warp's: every lane ballots
+    const i64 i = (word << 5) + lane;
+    bool positive = false;
+    if (i < n) {
+      T x = h[i] + b[i % cols];
+      if (relu) {
+        x = x < T(0) ? T(0) : x;
+        positive = x > T(0);
+      }
+      store(i, x);
+    }
+    if (relu) {
+      const unsigned bits = __ballot_sync(FULL_WARP, positive);
+      if (lane == 0) relu_mask[word] = bits;
+    }
+  }
+}
+
 // The backward of bias + ReLU over one column chunk (mlp_bias_act_backward, and
 // dense_bias_act_backward_cast, which reads dy through a rounding and stores its result as 16-bit
 // patterns): each thread's column of rows [blockIdx.y * rows_per_chunk, ...) strided by
@@ -129,13 +204,38 @@ template <typename T, typename Load, typename Store>
 __device__ __forceinline__ void bias_act_backward_chunk(const Load& load, const unsigned* relu_mask,
                                                         int has_mask, i64 rows, int cols,
                                                         i64 rows_per_chunk, const Store& store,
-                                                        T* db_partial) {
+                                                        T* db_partial, int ahead) {
   const int col = blockIdx.x * 32 + threadIdx.x;
   const i64 row_begin = (i64)blockIdx.y * rows_per_chunk;
   const i64 row_end = row_begin + rows_per_chunk < rows ? row_begin + rows_per_chunk : rows;
   T acc = T(0);
   if (col < cols) {
-    for (i64 r = row_begin + threadIdx.y; r < row_end; r += blockDim.y) {
+    // BACKWARD_AHEAD rows' dy and mask words are loaded before the first of them is stored:
+    // a store (which may alias dy: the compiler keeps the order) no longer waits out each row's
+    // load, so a warp has that many loads in flight instead of one. The same rows, in the same
+    // order, so the same values, stores and sum. ahead == 0: one row at a time (the kernels
+    // before, a benchmark's baseline: cuda_module.LOADS_AHEAD).
+    const i64 step = blockDim.y;
+    i64 r = row_begin + threadIdx.y;
+    for (; ahead && r + (BACKWARD_AHEAD - 1) * step < row_end; r += BACKWARD_AHEAD * step) {
+      T v[BACKWARD_AHEAD];
+      unsigned words[BACKWARD_AHEAD];
+      OE_UNROLL
+      for (int k = 0; k < BACKWARD_AHEAD; ++k) {
+        const i64 i = (r + k * step) * cols + col;
+        v[k] = load(i);
+        words[k] = has_mask ? relu_mask[i >> 5] : 0u;
+      }
+      OE_UNROLL
+      for (int k = 0; k < BACKWARD_AHEAD; ++k) {
+        const i64 i = (r + k * step) * cols + col;
+        T g = v[k];
+        if (has_mask) g = g * T((words[k] >> (unsigned)(i & 31)) & 1u);
+        store(i, g);
+        acc += g;
+      }
+    }
+    for (; r < row_end; r += step) {
       const i64 i = r * cols + col;
       T g = load(i);
       if (has_mask) g = g * T(mask_bit(relu_mask, i));

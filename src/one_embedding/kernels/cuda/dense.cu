@@ -13,14 +13,6 @@
 #include "precision.cuh"
 #include "vector.cuh"
 
-// Full unrolling of the constant-count loops of the register-blocked kernels (their accumulators
-// stay in registers); the host emulator's compiler has no such pragma.
-#ifdef __CUDACC__
-#define OE_UNROLL _Pragma("unroll")
-#else
-#define OE_UNROLL
-#endif
-
 namespace oe {
 namespace dense {
 
@@ -72,6 +64,44 @@ __device__ __forceinline__ T load(const T* first, const T* rest, const unsigned 
   return rounded(x[d], kind);
 }
 
+// Global loads of a sample's features a thread of the one-block-per-sample kernels issues before
+// the first of their shared-memory stores.
+constexpr int STAGE_AHEAD = 8;
+
+// Copies sample s's features, rounded to ``kind`` (``load``), into shared memory: item k of the
+// (F, dim / G) groups of G consecutive values of a row goes to put(k, values) (G values of T),
+// threadIdx.x, + blockDim.x, ... of the block taking them. A thread loads STAGE_AHEAD values (of
+// STAGE_AHEAD / G items) before it stores the first, so that many loads are in flight per thread
+// where a load-then-store loop had one, most of the kernels' time per sample (the dots read
+// shared memory). dim % G == 0. Every value lands where it did one at a time.
+template <int G, typename T, typename Put>
+__device__ __forceinline__ void stage_features(const T* first, const T* rest,
+                                               const unsigned short* bits, int packed, i64 s,
+                                               int f1, int f2, int dim, int kind, const Put& put) {
+  constexpr int ITEMS = STAGE_AHEAD / G;
+  const int groups = dim / G;
+  const int n = (f1 + f2) * groups;
+  for (int base = threadIdx.x; base < n; base += ITEMS * blockDim.x) {
+    T values[ITEMS][G];
+    OE_UNROLL
+    for (int a = 0; a < ITEMS; ++a) {
+      const int k = base + a * blockDim.x;
+      const int row = k / groups;
+      const int d = (k - row * groups) * G;
+      OE_UNROLL
+      for (int j = 0; j < G; ++j) {
+        values[a][j] = k < n ? load(first, rest, bits, packed, s, row, d + j, f1, f2, dim, kind)
+                             : T(0);
+      }
+    }
+    OE_UNROLL
+    for (int a = 0; a < ITEMS; ++a) {
+      const int k = base + a * blockDim.x;
+      if (k < n) put(k, values[a]);
+    }
+  }
+}
+
 }  // namespace dense
 }  // namespace oe
 
@@ -87,34 +117,31 @@ __global__ void dense_cast(const T* x, oe::i64 n, int kind, int want_bits, unsig
   }
 }
 
+// y[i] = v and, with kind 1 / 2, its 16-bit pattern: oe::bias_act_forward_words' store.
+template <typename T>
+struct StoreCast {
+  T* y;
+  unsigned short* y_bits;
+  int kind;
+  __device__ __forceinline__ void operator()(oe::i64 i, T v) const {
+    y[i] = v;
+    if (kind == oe::precision::FP16 || kind == oe::precision::BF16) {
+      y_bits[i] = oe::precision::to_bits((float)v, kind);
+    }
+  }
+};
+
 // y = relu(h + b) (or h + b) in T, its bit-packed ReLU mask (as mlp_bias_act_forward), and with
 // kind 1 / 2 the 16-bit copy of y that the next layer's GEMM reads: one pass after the GEMM.
 // h, y: (rows, cols), y may alias h; b: (cols,); relu_mask: (ceil(rows * cols / 32),) when relu;
-// y_bits: (rows, cols) u16 when kind is 1 or 2. Grid-stride over mask words, whole warps.
+// y_bits: (rows, cols) u16 when kind is 1 or 2. Grid-stride over mask words, whole warps
+// (oe::bias_act_forward_words).
 template <typename T>
 __global__ void dense_bias_act_cast(const T* h, const T* b, oe::i64 rows, int cols, int relu,
-                                    int kind, T* y, unsigned* relu_mask, unsigned short* y_bits) {
-  const oe::i64 n = rows * (oe::i64)cols;
-  const oe::i64 n_words = (n + 31) >> 5;
-  const int lane = threadIdx.x & 31;
-  const bool cast = kind == oe::precision::FP16 || kind == oe::precision::BF16;
-  for (oe::i64 word = oe::grid_warp(); word < n_words; word += oe::grid_warps()) {
-    const oe::i64 i = (word << 5) + lane;
-    bool positive = false;
-    if (i < n) {
-      T v = h[i] + b[i % cols];
-      if (relu) {
-        v = v < T(0) ? T(0) : v;  // numpy.maximum(v, 0): NaN and -0.0 pass through
-        positive = v > T(0);
-      }
-      y[i] = v;
-      if (cast) y_bits[i] = oe::precision::to_bits((float)v, kind);
-    }
-    if (relu) {
-      const unsigned bits = __ballot_sync(oe::FULL_WARP, positive);
-      if (lane == 0) relu_mask[word] = bits;
-    }
-  }
+                                    int kind, T* y, unsigned* relu_mask, unsigned short* y_bits,
+                                    int ahead) {
+  oe::bias_act_forward_words(h, b, rows * (oe::i64)cols, cols, relu,
+                             StoreCast<T>{y, y_bits, kind}, relu_mask, ahead);
 }
 
 // dy[i], rounded to ``kind`` first when ``kind`` is not 0 (a gradient the layer above left
@@ -152,9 +179,10 @@ template <typename T>
 __global__ void dense_bias_act_backward_cast(const T* dy, const unsigned* relu_mask, int has_mask,
                                              oe::i64 rows, int cols, oe::i64 rows_per_chunk,
                                              int kind, int round_input, unsigned short* dh_bits,
-                                             T* db_partial) {
+                                             T* db_partial, int ahead) {
   oe::bias_act_backward_chunk(LoadRounded<T>{dy, round_input ? kind : 0}, relu_mask, has_mask,
-                              rows, cols, rows_per_chunk, StoreBits{dh_bits, kind}, db_partial);
+                              rows, cols, rows_per_chunk, StoreBits{dh_bits, kind}, db_partial,
+                              ahead);
 }
 
 // out (batch, width) = [concat | x_r . x_c for the pairs | zero padding], one thread per output
@@ -252,16 +280,14 @@ __global__ void dense_interaction_forward_tile(const T* first, const T* rest,
                                                int self_interaction, int kind, int n_concat,
                                                int n_pairs, int width, T* out) {
   __shared__ T xs[oe::dense::TILE_ELEMENTS];
-  const int f = f1 + f2;
   const int stride = dim + 1;
   const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
   for (oe::i64 s = blockIdx.x; s < batch; s += gridDim.x) {
-    for (int k = threadIdx.x; k < f * dim; k += blockDim.x) {
-      const int row = k / dim;
-      const int d = k - row * dim;
-      xs[row * stride + d] =
-          oe::dense::load(first, rest, bits, packed, s, row, d, f1, f2, dim, kind);
-    }
+    oe::dense::stage_features<1>(first, rest, bits, packed, s, f1, f2, dim, kind,
+                                 [&](int k, const T* values) {
+                                   const int row = k / dim;
+                                   xs[row * stride + (k - row * dim)] = values[0];
+                                 });
     __syncthreads();
     for (int j = threadIdx.x; j < width; j += blockDim.x) {
       T v = T(0);
@@ -369,17 +395,13 @@ __global__ void dense_interaction_backward_blocked(const T* dout, const T* first
   const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
   for (oe::i64 s = blockIdx.x; s < batch; s += gridDim.x) {
     const T* g = dout + s * width;
-    for (int k = threadIdx.x; k < f * groups; k += blockDim.x) {
-      const int row = k / groups;
-      const int d = (k - row * groups) * LANES;
-      V v;
-      T* values = reinterpret_cast<T*>(&v);
-OE_UNROLL
-      for (int j = 0; j < LANES; ++j) {
-        values[j] = oe::dense::load(first, rest, bits, packed, s, row, d + j, f1, f2, dim, kind);
-      }
-      xs[k] = v;
-    }
+    oe::dense::stage_features<LANES>(first, rest, bits, packed, s, f1, f2, dim, kind,
+                                     [&](int k, const T* values) {
+                                       V v;
+                                       T* lanes = reinterpret_cast<T*>(&v);
+                                       for (int j = 0; j < LANES; ++j) lanes[j] = values[j];
+                                       xs[k] = v;
+                                     });
     for (int k = threadIdx.x; k < f * g_stride; k += blockDim.x) {
       const int other = k / g_stride;
       const int row = k - other * g_stride;
@@ -398,29 +420,29 @@ OE_UNROLL
       const int row0 = item / groups * ROWS;
       const int group = item - row0 / ROWS * groups;
       T acc[ROWS][LANES];
-OE_UNROLL
+      OE_UNROLL
       for (int i = 0; i < ROWS; ++i) {
-OE_UNROLL
+        OE_UNROLL
         for (int j = 0; j < LANES; ++j) acc[i][j] = T(0);
       }
       for (int other = 0; other < f; ++other) {
         const V loaded = xs[other * groups + group];
         const T* x = reinterpret_cast<const T*>(&loaded);
-OE_UNROLL
+        OE_UNROLL
         for (int i = 0; i < ROWS; ++i) {
           if (other == row0 + i && !self_interaction) continue;
           const T grad = gt[other * g_stride + row0 + i];
-OE_UNROLL
+          OE_UNROLL
           for (int j = 0; j < LANES; ++j) acc[i][j] += grad * x[j];
         }
       }
-OE_UNROLL
+      OE_UNROLL
       for (int i = 0; i < ROWS; ++i) {
         const int row = row0 + i;
         if (row >= f) break;
         T* out = row < f1 ? dfirst + (s * f1 + row) * (oe::i64)dim
                           : drest + (s * f2 + (row - f1)) * (oe::i64)dim;
-OE_UNROLL
+        OE_UNROLL
         for (int j = 0; j < LANES; ++j) {
           out[group * LANES + j] = oe::dense::rounded(acc[i][j], out_kind);
         }

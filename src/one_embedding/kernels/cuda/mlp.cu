@@ -5,35 +5,21 @@
 // and __ballot_sync assembles the word, so no atomics and no read-modify-write are needed.
 #include "common.cuh"
 
-// y = relu(h + b) or h + b, elementwise over (rows, cols); y may alias h.
-// Grid-stride over mask words; blockDim.x must be a multiple of 32.
+// y[i] = v: oe::bias_act_forward_words' store.
+template <typename T>
+struct StoreY {
+  T* y;
+  __device__ __forceinline__ void operator()(oe::i64 i, T v) const { y[i] = v; }
+};
+
+// y = relu(h + b) or h + b, elementwise over (rows, cols); y may alias h
+// (oe::bias_act_forward_words). Grid-stride over mask words; blockDim.x must be a multiple of 32.
 // h, y: (rows, cols); b: (cols,); relu_mask: (ceil(rows * cols / 32),), written when relu != 0.
 template <typename T>
 __global__ void mlp_bias_act_forward(const T* h, const T* b, oe::i64 rows, int cols, int relu,
-                                     T* y, unsigned* relu_mask) {
-  const oe::i64 n = rows * (oe::i64)cols;
-  const oe::i64 n_words = (n + 31) >> 5;
-  const int lane = threadIdx.x & 31;
-  const oe::i64 first_warp = ((oe::i64)blockIdx.x * blockDim.x + threadIdx.x) >> 5;
-  const oe::i64 n_warps = ((oe::i64)gridDim.x * blockDim.x) >> 5;
-  for (oe::i64 word = first_warp; word < n_words; word += n_warps) {
-    const oe::i64 i = (word << 5) + lane;
-    bool positive = false;
-    if (i < n) {
-      T v = h[i] + b[i % cols];
-      if (relu) {
-        // like numpy.maximum(v, 0): NaN and -0.0 pass through unchanged
-        v = v < T(0) ? T(0) : v;
-        positive = v > T(0);
-      }
-      y[i] = v;
-    }
-    if (relu) {
-      // the loop bound is the same for the whole warp, so every lane reaches the ballot
-      const unsigned bits = __ballot_sync(oe::FULL_WARP, positive);
-      if (lane == 0) relu_mask[word] = bits;
-    }
-  }
+                                     T* y, unsigned* relu_mask, int ahead) {
+  oe::bias_act_forward_words(h, b, rows * (oe::i64)cols, cols, relu, StoreY<T>{y}, relu_mask,
+                             ahead);
 }
 
 // dy[i] and dh[i] = g: oe::bias_act_backward_chunk's load and store.
@@ -56,9 +42,9 @@ struct StoreDh {
 template <typename T>
 __global__ void mlp_bias_act_backward(const T* dy, const unsigned* relu_mask, int has_mask,
                                       oe::i64 rows, int cols, oe::i64 rows_per_chunk, T* dh,
-                                      T* db_partial) {
+                                      T* db_partial, int ahead) {
   oe::bias_act_backward_chunk(LoadDy<T>{dy}, relu_mask, has_mask, rows, cols, rows_per_chunk,
-                              StoreDh<T>{dh}, db_partial);
+                              StoreDh<T>{dh}, db_partial, ahead);
 }
 
 // keep[i] = uniform01(counter_hash(seed, step, i, 0)) > rate; y = (x * keep) * scale with
