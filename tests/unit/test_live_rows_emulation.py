@@ -14,10 +14,14 @@ from one_embedding.kernels import live_rows
 pytestmark = pytest.mark.stress_seeds
 
 N, L = 37, 11
+#: line sizes of the warp-per-row kernels (nonfinite_rows, patch_rows): 11 values (a value per
+#: lane), 40 (16 bytes per lane: device_ops.line_vector) and 260 (65 vectors: lanes that take a
+#: second and a third)
+LINE_SIZES = [11, 40, 260]
 
 
-def _lines(rng):
-    lines = rng.standard_normal((N, L)).astype(np.float32)
+def _lines(rng, line_size=L):
+    lines = rng.standard_normal((N, line_size)).astype(np.float32)
     lines[-5:] = np.nan                       # placeholder rows past the count below
     return lines
 
@@ -36,13 +40,15 @@ def test_fill_missing_resets_the_new_rows_below_the_count(launch, count):
     np.testing.assert_array_equal(lines.view(np.int32), want.view(np.int32))
 
 
+@pytest.mark.parametrize("line_size", LINE_SIZES)
 @pytest.mark.parametrize("count", [0, 1, 32, N])
-def test_nonfinite_rows_below_the_count_only(launch, count):
+def test_nonfinite_rows_below_the_count_only(launch, count, line_size):
     rng = np.random.default_rng(count + 10)
-    lines = _lines(rng)
+    lines = _lines(rng, line_size)
     lines[2, 7] = np.inf
     lines[4, 0] = -np.inf
     lines[5, 10] = np.nan
+    lines[6, line_size - 1] = np.inf            # a line's last value (the last lane's vector)
     bad = live_rows.nonfinite_rows(lines, np.array([count], np.int64), launch)
     want = ~np.isfinite(lines).all(axis=1)
     want[count:] = False
@@ -50,11 +56,12 @@ def test_nonfinite_rows_below_the_count_only(launch, count):
     np.testing.assert_array_equal(bad, want)
 
 
+@pytest.mark.parametrize("line_size", LINE_SIZES)
 @pytest.mark.parametrize("count", [0, 1, 32, N])
-def test_patch_rows_copies_the_sources_below_the_count(launch, count):
+def test_patch_rows_copies_the_sources_below_the_count(launch, count, line_size):
     rng = np.random.default_rng(count + 20)
-    lines = _lines(rng)
-    put = rng.standard_normal((9, L)).astype(np.float32)
+    lines = _lines(rng, line_size)
+    put = rng.standard_normal((9, line_size)).astype(np.float32)
     source = rng.integers(-1, 9, N).astype(np.int64)
     want = lines.copy()
     for i in range(count):

@@ -3,15 +3,16 @@ whose first ``live`` are real, ``live`` a (1,) int64 count that stays on the dev
 launch covers the n rows, and its threads past the count return at once without reading or
 writing, so the placeholder rows cost idle threads, not memory traffic (a CuPy expression over
 the whole array would read and write all n rows: 4.3x the live ones at 1.70 M ids for 393 k
-unique keys). Kernels: ``cuda/embedding.cu`` (``embedding_fill_missing``,
-``embedding_nonfinite_rows``, ``embedding_patch_rows``).
+unique keys). Kernels: ``cuda/embedding.cu`` (``embedding_fill_missing``, a thread per
+element; ``embedding_nonfinite_rows`` and ``embedding_patch_rows``, a warp per row, 16 bytes
+per lane where ``device_ops.line_vector`` allows).
 """
 from __future__ import annotations
 
 import numpy as np
 
 from ..errors import InputError
-from .device_ops import Launcher, device_array, launch_threads, resolve
+from .device_ops import Launcher, device_array, launch_threads, launch_warps, line_vector, resolve
 
 
 def _lines_and_live(launch, lines, live):
@@ -50,8 +51,9 @@ def nonfinite_rows(lines, live, launch: Launcher | None = None):
     lines, live = _lines_and_live(launch, lines, live)
     n, line_size = lines.shape
     bad = xp.zeros(n, dtype=xp.uint8)
-    launch_threads(launch, "embedding", "nonfinite_rows", np.float32, n * line_size,
-                   (lines, np.int32(line_size), np.int64(n), live, bad))
+    launch_warps(launch, "embedding", "nonfinite_rows", np.float32, n if line_size else 0,
+                 (lines, np.int32(line_size), np.int64(n), live, bad,
+                  line_vector(np.float32, line_size, (lines,))))
     return bad.view(xp.bool_)
 
 
@@ -67,5 +69,6 @@ def patch_rows(lines, source, put_lines, live, launch: Launcher | None = None) -
     if source.shape[0] != n or put_lines.shape[1] != line_size:
         raise InputError(f"source {tuple(source.shape)} / put_lines {tuple(put_lines.shape)} do "
                          f"not fit lines {tuple(lines.shape)}")
-    launch_threads(launch, "embedding", "patch_rows", np.float32, n * line_size,
-                   (lines, np.int32(line_size), source, put_lines, np.int64(n), live))
+    launch_warps(launch, "embedding", "patch_rows", np.float32, n if line_size else 0,
+                 (lines, np.int32(line_size), source, put_lines, np.int64(n), live,
+                  line_vector(np.float32, line_size, (lines, put_lines))))

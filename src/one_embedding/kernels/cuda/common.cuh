@@ -80,12 +80,12 @@ __device__ T block_sum(T v) {
   return total;
 }
 
-// Full unrolling of a loop of constant count (register arrays stay in registers); the host
-// emulator's compiler has no such pragma.
+// Unrolled loops of constant count (over a vector's lanes, a line's blocks, the loads a thread
+// issues ahead): their arrays stay in registers (the host emulator's g++ knows no such pragma).
 #ifdef __CUDACC__
-#define OE_UNROLL _Pragma("unroll")
+#define ONE_EMBEDDING_UNROLL _Pragma("unroll")
 #else
-#define OE_UNROLL
+#define ONE_EMBEDDING_UNROLL
 #endif
 
 // Rows whose loads bias_act_backward_chunk issues before the first of their stores.
@@ -152,12 +152,12 @@ __device__ __forceinline__ void bias_act_forward_words(const T* h, const T* b, i
   i64 word = grid_warp();
   for (; ahead && word + (FORWARD_AHEAD - 1) * stride < n_words; word += FORWARD_AHEAD * stride) {
     T v[FORWARD_AHEAD];
-    OE_UNROLL
+    ONE_EMBEDDING_UNROLL
     for (int k = 0; k < FORWARD_AHEAD; ++k) {
       const i64 i = ((word + k * stride) << 5) + lane;
       v[k] = i < n ? h[i] + b[i % cols] : T(0);
     }
-    OE_UNROLL
+    ONE_EMBEDDING_UNROLL
     for (int k = 0; k < FORWARD_AHEAD; ++k) {
       const i64 i = ((word + k * stride) << 5) + lane;
       bool positive = false;
@@ -220,13 +220,13 @@ __device__ __forceinline__ void bias_act_backward_chunk(const Load& load, const 
     for (; ahead && r + (BACKWARD_AHEAD - 1) * step < row_end; r += BACKWARD_AHEAD * step) {
       T v[BACKWARD_AHEAD];
       unsigned words[BACKWARD_AHEAD];
-      OE_UNROLL
+      ONE_EMBEDDING_UNROLL
       for (int k = 0; k < BACKWARD_AHEAD; ++k) {
         const i64 i = (r + k * step) * cols + col;
         v[k] = load(i);
         words[k] = has_mask ? relu_mask[i >> 5] : 0u;
       }
-      OE_UNROLL
+      ONE_EMBEDDING_UNROLL
       for (int k = 0; k < BACKWARD_AHEAD; ++k) {
         const i64 i = (r + k * step) * cols + col;
         T g = v[k];
@@ -260,13 +260,9 @@ __device__ __forceinline__ T ordered_row_sum(const T* values, int dim, const i64
   i64 k = begin;
   for (; k + kAhead <= end; k += kAhead) {
     T v[kAhead];
-#ifdef __CUDACC__
-#pragma unroll
-#endif
+    ONE_EMBEDDING_UNROLL
     for (int j = 0; j < kAhead; ++j) v[j] = values[rows_by_segment[k + j] * dim + c];
-#ifdef __CUDACC__
-#pragma unroll
-#endif
+    ONE_EMBEDDING_UNROLL
     for (int j = 0; j < kAhead; ++j) acc += v[j];
   }
   for (; k < end; ++k) acc += values[rows_by_segment[k] * dim + c];

@@ -83,18 +83,18 @@ __device__ __forceinline__ void stage_features(const T* first, const T* rest,
   const int n = (f1 + f2) * groups;
   for (int base = threadIdx.x; base < n; base += ITEMS * blockDim.x) {
     T values[ITEMS][G];
-    OE_UNROLL
+    ONE_EMBEDDING_UNROLL
     for (int a = 0; a < ITEMS; ++a) {
       const int k = base + a * blockDim.x;
       const int row = k / groups;
       const int d = (k - row * groups) * G;
-      OE_UNROLL
+      ONE_EMBEDDING_UNROLL
       for (int j = 0; j < G; ++j) {
         values[a][j] = k < n ? load(first, rest, bits, packed, s, row, d + j, f1, f2, dim, kind)
                              : T(0);
       }
     }
-    OE_UNROLL
+    ONE_EMBEDDING_UNROLL
     for (int a = 0; a < ITEMS; ++a) {
       const int k = base + a * blockDim.x;
       if (k < n) put(k, values[a]);
@@ -420,29 +420,29 @@ __global__ void dense_interaction_backward_blocked(const T* dout, const T* first
       const int row0 = item / groups * ROWS;
       const int group = item - row0 / ROWS * groups;
       T acc[ROWS][LANES];
-      OE_UNROLL
+      ONE_EMBEDDING_UNROLL
       for (int i = 0; i < ROWS; ++i) {
-        OE_UNROLL
+        ONE_EMBEDDING_UNROLL
         for (int j = 0; j < LANES; ++j) acc[i][j] = T(0);
       }
       for (int other = 0; other < f; ++other) {
         const V loaded = xs[other * groups + group];
         const T* x = reinterpret_cast<const T*>(&loaded);
-        OE_UNROLL
+        ONE_EMBEDDING_UNROLL
         for (int i = 0; i < ROWS; ++i) {
           if (other == row0 + i && !self_interaction) continue;
           const T grad = gt[other * g_stride + row0 + i];
-          OE_UNROLL
+          ONE_EMBEDDING_UNROLL
           for (int j = 0; j < LANES; ++j) acc[i][j] += grad * x[j];
         }
       }
-      OE_UNROLL
+      ONE_EMBEDDING_UNROLL
       for (int i = 0; i < ROWS; ++i) {
         const int row = row0 + i;
         if (row >= f) break;
         T* out = row < f1 ? dfirst + (s * f1 + row) * (oe::i64)dim
                           : drest + (s * f2 + (row - f1)) * (oe::i64)dim;
-        OE_UNROLL
+        ONE_EMBEDDING_UNROLL
         for (int j = 0; j < LANES; ++j) {
           out[group * LANES + j] = oe::dense::rounded(acc[i][j], out_kind);
         }

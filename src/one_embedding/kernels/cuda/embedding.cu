@@ -521,29 +521,52 @@ __global__ void embedding_fill_missing(T* lines, int line_size, const unsigned c
 }
 
 // bad[i] = 1 for every row i below the live count holding an inf or NaN (bad: (n,) u8, zeroed
-// before; rows from live[0] on are not read). lines: (n, line_size); live: (1,) i64. One thread
-// per element; the threads of one row all write 1, so their order does not matter.
+// before; rows from live[0] on are not read). lines: (n, line_size); live: (1,) i64. One warp
+// per row: its lanes read the line (16 bytes each per step when ``vector``, the host's
+// device_ops.line_vector: line_size a multiple of the vector's values, lines 16-byte aligned;
+// else a value each) and lane 0 writes the flag. A thread per element before made a load wait
+// on the one before (a store between them) and a 64-bit division per element.
 template <typename T>
 __global__ void embedding_nonfinite_rows(const T* lines, int line_size, oe::i64 n,
-                                         const oe::i64* live, unsigned char* bad) {
-  const oe::i64 total = oe::rows::live_rows(live, n) * line_size;
-  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
-    if (oe::rows::non_finite(lines[t])) bad[t / line_size] = 1;
+                                         const oe::i64* live, unsigned char* bad, int vector) {
+  typedef typename oe::Vector16<T>::type V;
+  constexpr int LANES = oe::Vector16<T>::LANES;
+  const oe::i64 rows = oe::rows::live_rows(live, n);
+  const int lane = threadIdx.x & 31;
+  for (oe::i64 i = oe::grid_warp(); i < rows; i += oe::grid_warps()) {
+    const T* line = lines + i * line_size;
+    bool found = false;
+    if (vector) {
+      const V* groups = oe::as_vectors<const V>(line);
+      for (int g = lane; g < line_size / LANES; g += 32) {
+        const V v = groups[g];
+        const T* values = reinterpret_cast<const T*>(&v);
+        for (int c = 0; c < LANES; ++c) found = found || oe::rows::non_finite(values[c]);
+      }
+    } else {
+      for (int c = lane; c < line_size; c += 32) found = found || oe::rows::non_finite(line[c]);
+    }
+    if (__ballot_sync(oe::FULL_WARP, found) != 0u && lane == 0) bad[i] = 1;
   }
 }
 
 // lines[i] = put_lines[source[i]] for every row i below the live count with source[i] >= 0
 // (the write-log patch of a refresh: the rows whose key a later put wrote); the others are not
 // touched. lines: (n, line_size); source: (n,) i64; put_lines: (m, line_size); live: (1,) i64.
-// One thread per element.
+// One warp per row: it reads source[i] once and skips the row or copies the line
+// (oe::copy_line, 16 bytes per lane when ``vector``: device_ops.line_vector of both arrays).
+// A thread per element before read source[i] for each of the row's values.
 template <typename T>
 __global__ void embedding_patch_rows(T* lines, int line_size, const oe::i64* source,
-                                     const T* put_lines, oe::i64 n, const oe::i64* live) {
-  const oe::i64 total = oe::rows::live_rows(live, n) * line_size;
-  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
-    const oe::i64 i = t / line_size;
+                                     const T* put_lines, oe::i64 n, const oe::i64* live,
+                                     int vector) {
+  const oe::i64 rows = oe::rows::live_rows(live, n);
+  const int lane = threadIdx.x & 31;
+  for (oe::i64 i = oe::grid_warp(); i < rows; i += oe::grid_warps()) {
     const oe::i64 from = source[i];
-    if (from >= 0) lines[t] = put_lines[from * line_size + (t - i * line_size)];
+    if (from >= 0) {
+      oe::copy_line(lines + i * line_size, put_lines + from * line_size, line_size, vector, lane);
+    }
   }
 }
 

@@ -7,13 +7,6 @@
 #include "common.cuh"
 #include "vector.cuh"
 
-// Unrolled loops over a vector's lanes and a line's blocks: their arrays stay in registers (the
-// host emulator's g++ knows no such pragma).
-#ifdef __CUDACC__
-#define ONE_EMBEDDING_UNROLL _Pragma("unroll")
-#else
-#define ONE_EMBEDDING_UNROLL
-#endif
 
 namespace oe {
 namespace optim {
