@@ -74,8 +74,10 @@ def test_vector_gather_equals_the_scalar_gather_and_the_reference(launch, dim, d
     lanes = 16 // np.dtype(dtype).itemsize
     for stride in (dim, dim + 4):
         src = _values(rng, (40, stride), dtype)
-        for index in [_index(rng, 40, (5, 26)), np.array([39, -1, 0], np.int64),
-                      np.empty(0, np.int64)]:
+        # (40, 26) ids of 128 columns: more 16-byte groups than a grid's threads take in one
+        # step of gather::AHEAD (emulated: 2048 threads x 4), and a short last step
+        for index in [_index(rng, 40, (5, 26)), _index(rng, 40, (40, 26)),
+                      np.array([39, -1, 0], np.int64), np.empty(0, np.int64)]:
             columns = None if stride == dim else dim
             want = reference.gather_rows(np.ascontiguousarray(src[:, :dim]), index)
             got, kernels = _gather(launch, src, index, columns, True)
@@ -163,12 +165,12 @@ def test_vector_gather_into_equals_the_scalar_one_and_the_twin(launch, dim, prec
     layout allows it, the scalar one, and the numpy twin write the same bits, and only their
     slots."""
     rng = np.random.default_rng(100 + dim)
-    for stride in (dim, dim + 4):
-        rows = _values(rng, (20, stride), np.float32)
-        index = _index(rng, 20, (6, 5))
+    for stride, batch in ((dim, 6), (dim + 4, 6), (dim, 300)):   # 300 x 5 rows: several steps
+        rows = _values(rng, (20, stride), np.float32)            # of gather::AHEAD items
+        index = _index(rng, 20, (batch, 5))
         columns = None if stride == dim else dim
         storage = layout_ops.storage_dtype(precision)
-        twin = layout_ops.InteractionInput(np.full((6, 7, dim), 7, storage), precision, 1)
+        twin = layout_ops.InteractionInput(np.full((batch, 7, dim), 7, storage), precision, 1)
         with np.errstate(over="ignore", invalid="ignore"):
             layout_ops.gather_into(rows, index, twin, 1, None, columns)
         got, kernels = _gather_into(launch, rows, index, precision, columns, True)

@@ -294,6 +294,10 @@ __global__ void embedding_gather_into(const T* src, int dim, int src_stride,
 namespace oe {
 namespace gather {
 
+// Items (16-byte groups of a row) a thread of the vector gathers takes at a time: their index
+// and row loads are all issued before the first store, so a thread has that many in flight.
+constexpr int AHEAD = 4;
+
 // Row r = t / groups of item t, and its group t - r * groups, in 32-bit arithmetic when narrow.
 __device__ __forceinline__ i64 row_of(i64 t, int groups, bool narrow) {
   return narrow ? (i64)((unsigned)t / (unsigned)groups) : t / groups;
@@ -329,13 +333,26 @@ __global__ void embedding_gather_vector(const T* src, int groups, int src_groups
   const V* from = oe::as_vectors<const V>(src);
   V* to = oe::as_vectors<V>(out);
   const bool narrow = total <= 0x7fffffffll;
-  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
-    const oe::i64 r = oe::gather::row_of(t, groups, narrow);
-    const oe::i64 source = index[r];
-    if (source >= 0) {
-      to[t] = from[source * src_groups + (t - r * groups)];
-    } else {
-      to[t] = V{};  // +0 in every lane, as T(0)
+  const oe::i64 stride = oe::grid_threads();
+  // gather::AHEAD items at a time: their indices, then their rows, are loaded before the first
+  // store (an item's row waits on its index; the items do not wait on each other)
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::gather::AHEAD * stride) {
+    oe::i64 at[oe::gather::AHEAD];
+    V v[oe::gather::AHEAD];
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k < oe::gather::AHEAD; ++k) {
+      const oe::i64 item = t + k * stride;
+      const oe::i64 r = oe::gather::row_of(item < total ? item : 0, groups, narrow);
+      const oe::i64 source = item < total ? index[r] : -1;
+      at[k] = source >= 0 ? source * src_groups + (item - r * groups) : -1;
+    }
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k < oe::gather::AHEAD; ++k) {
+      v[k] = at[k] >= 0 ? from[at[k]] : V{};  // +0 in every lane, as T(0)
+    }
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k < oe::gather::AHEAD; ++k) {
+      if (t + k * stride < total) to[t + k * stride] = v[k];
     }
   }
 }
@@ -360,18 +377,35 @@ __global__ void embedding_gather_into_vector(const T* src, int groups, int src_g
   V* to = half ? nullptr : oe::as_vectors<V>(out);
   B* to_bits = half ? oe::as_vectors<B>(out_bits) : nullptr;
   const bool narrow = total <= 0x7fffffffll;
-  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
-    const oe::i64 r = oe::gather::row_of(t, groups, narrow);
-    const int g = (int)(t - r * groups);
-    const oe::i64 source = has_index ? index[r] : r;
-    const V v = source >= 0 ? from[source * src_groups + g] : V{};
-    const oe::i64 sample = narrow ? (oe::i64)((unsigned)r / (unsigned)per_sample) : r / per_sample;
-    const int feature = (int)(r - sample * per_sample);
-    const oe::i64 at = (sample * slots + first_slot + feature) * (oe::i64)groups + g;
-    if (half) {
-      to_bits[at] = oe::gather::to_bits(v, kind);
-    } else {
-      to[at] = v;
+  const oe::i64 stride = oe::grid_threads();
+  // gather::AHEAD items at a time, as embedding_gather_vector
+  for (oe::i64 t = oe::grid_thread(); t < total; t += oe::gather::AHEAD * stride) {
+    oe::i64 from_at[oe::gather::AHEAD];
+    oe::i64 to_at[oe::gather::AHEAD];
+    V v[oe::gather::AHEAD];
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k < oe::gather::AHEAD; ++k) {
+      const oe::i64 item = t + k * stride;
+      const bool inside = item < total;
+      const oe::i64 r = oe::gather::row_of(inside ? item : 0, groups, narrow);
+      const int g = (int)((inside ? item : 0) - r * groups);
+      const oe::i64 source = !inside ? -1 : has_index ? index[r] : r;
+      from_at[k] = source >= 0 ? source * src_groups + g : -1;
+      const oe::i64 sample = narrow ? (oe::i64)((unsigned)r / (unsigned)per_sample)
+                                    : r / per_sample;
+      const int feature = (int)(r - sample * per_sample);
+      to_at[k] = inside ? (sample * slots + first_slot + feature) * (oe::i64)groups + g : -1;
+    }
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k < oe::gather::AHEAD; ++k) v[k] = from_at[k] >= 0 ? from[from_at[k]] : V{};
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k < oe::gather::AHEAD; ++k) {
+      if (to_at[k] < 0) continue;
+      if (half) {
+        to_bits[to_at[k]] = oe::gather::to_bits(v[k], kind);
+      } else {
+        to[to_at[k]] = v[k];
+      }
     }
   }
 }
