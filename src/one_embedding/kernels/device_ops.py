@@ -472,14 +472,17 @@ def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = N
 
 
 def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher, variant: str,
-               grad_args: tuple, live=None, vector_reads: tuple = ()) -> None:
+               grad_args: tuple, live=None, vector_reads: tuple = (),
+               group_reads: tuple = ()) -> None:
     """The launches of ``update_lines`` for a gradient of ``grad_shape`` (n, E) that kernel
     ``optim_<variant><rule>`` reads from ``grad_args`` (``update_lines``: the (n, E) rows;
     ``fused_update``: a backward's rows, their grouping and the live count, summed in the
     kernel). live: a fixed-capacity batch's (1,) int64 device count (the rows' last steps are
     checked below it only). vector_reads: the arrays of grad_args the kernel reads 16 bytes at a
     time on its vector path (``row_update_vector``: ``update_lines``' gradient rows; none for
-    the summed kernels, which sum per element)."""
+    the summed kernels, which sum per element). group_reads: arrays the summed kernels' vector
+    path reads a row's group of columns of as one 16-byte vector where every one is 16-byte
+    aligned (the ``vector`` argument's bit 1; else they sum column by column: the same bits)."""
     t = _check_step(step)
     lr = optimizer._current_lr()
     lines = device_array(launch, "lines", lines, np.float32, ndim=2, writable=True)
@@ -493,6 +496,8 @@ def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher,
     head = (lines, np.int32(lines.shape[1]), *grad_args, np.int64(n), np.int32(dim))
     vector = row_update_vector(dim, lines.shape[1], (lines, *vector_reads))
     threads = n * dim // 4 if vector else n * dim      # a thread per 4 columns on the vector path
+    if vector and group_reads and all(array_address(a) % VECTOR_BYTES == 0 for a in group_reads):
+        vector = np.int32(vector | 2)
     if not optimizer.row_columns:
         launch_threads(launch, "optim", variant + name, np.float32, threads,
                        head + scalars + (vector,))

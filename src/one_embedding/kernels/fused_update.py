@@ -110,6 +110,7 @@ def update_lines_summed(optimizer, lines, grads: SummedGradients, step: int,
     live = grads.live if live is None else live
     count = launch.xp.full(1, grads.n_keys, dtype=launch.xp.int64) if live is None else live
     rows_by_segment, offsets = grads.order()
+    long_totals = grads.long_totals()
     device_ops.run_update(optimizer, lines, grads.shape, step, launch, "summed_",
-                          (grads.values, rows_by_segment, offsets, grads.long_totals(), count),
-                          live)
+                          (grads.values, rows_by_segment, offsets, long_totals, count),
+                          live, group_reads=(grads.values, long_totals))

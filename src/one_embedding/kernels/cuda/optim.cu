@@ -88,17 +88,21 @@ __global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, 
 // the other rows of it are not read). live: (1,) i64 on
 // the device, the lines to update: n, or the count of a fixed-capacity batch
 // (device_unique.unique_ids_fixed), whose lines from it on are placeholders left untouched
-// (their threads find nothing to do). vector: as for optim_<rule> (lines alone are read as
-// vectors; each column's gradient is summed per element as with vector = 0).
+// (their threads find nothing to do). vector: bit 0 as optim_<rule>'s vector (the lines read as
+// vectors); bit 1 (with bit 0; values and long_totals 16-byte aligned, device_ops.run_update's
+// group_reads) each row's group of columns also summed from 16-byte reads of values
+// (oe::optim::ordered_row_sum_group: the same sums, a quarter of the loads), else column by
+// column.
 template <typename T>
 __global__ void optim_summed_sgd(T* lines, int line_size, const T* values,
                                  const oe::i64* rows_by_segment, const oe::i64* offsets,
                                  const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
                                  double factor, double lr, double wd, int vector) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
+                                        vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Sgd rule{factor, lr, wd};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
 }
 
 template <typename T>
@@ -107,10 +111,11 @@ __global__ void optim_summed_momentum(T* lines, int line_size, const T* values,
                                       const T* long_totals, const oe::i64* live, oe::i64 n,
                                       int dim, double factor, double l2, double lr, double beta,
                                       double keep, int nesterov, double lr_wd, int vector) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
+                                        vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Momentum rule{factor, l2, lr, beta, keep, nesterov, lr_wd};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
 }
 
 template <typename T>
@@ -119,10 +124,11 @@ __global__ void optim_summed_adagrad(T* lines, int line_size, const T* values,
                                      const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
                                      double factor, double l2, double clr, double eps,
                                      double clr_wd, int vector) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
+                                        vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Adagrad rule{factor, l2, clr, eps, clr_wd};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
 }
 
 template <typename T>
@@ -132,10 +138,11 @@ __global__ void optim_summed_adam(T* lines, int line_size, const T* values,
                                   double factor, double l2, double b1, double b2, double step_size,
                                   double inv_sqrt_bc2, double eps, double lr_wd, int amsgrad,
                                   int vector) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
+                                        vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Adam rule{factor, l2, b1, b2, step_size, inv_sqrt_bc2, eps, lr_wd, amsgrad};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
 }
 
 template <typename T>
@@ -145,10 +152,11 @@ __global__ void optim_summed_ftrl(T* lines, int line_size, const T* values,
                                   double factor, double l2, double inv_lr, double power, double l1,
                                   double quad_l2, double beta, int closed, double lr_wd,
                                   int vector) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
+                                        vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Ftrl rule{factor, l2, inv_lr, power, l1, quad_l2, beta, closed, lr_wd};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
 }
 
 template <typename T>
@@ -159,11 +167,12 @@ __global__ void optim_summed_smart_decay_adam(T* lines, int line_size, const T* 
                                               double factor, double l2, double b1, double b2,
                                               double lr, double eps, oe::i64 t, int step_col,
                                               int vector) {
-  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim};
+  const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
+                                        vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::SmartDecayAdam<T> rule{lines, line_size, factor, l2, b1, b2, lr, eps, t,
                                           step_col};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
 }
 
 // out (dim,) T = the summed gradient of line segment[0] alone, as optim_summed_<rule> sums it
