@@ -17,6 +17,8 @@ off``, ``tf32`` and ``bf16``:
 - the whole step (forward + loss + backward) as the baseline the stages add up to; under bf16
   also with ``nn.linear.FUSED_BACKWARD_CAST`` off (each Linear backward's dh in fp32, cast by
   each of its two products: the path before the fused pass);
+- the whole step replayed as the trainer's CUDA graph: the device's time alone (the uncaptured
+  step also pays Python's launches, a few hundred a step);
 - the whole step with ``kernels.cuda_module.LOADS_AHEAD`` off (the bias + ReLU (+ cast)
   kernels' loads one at a time, as before: the baseline of their loads ahead of the stores);
 - under tf32 / bf16 the interaction's forward + backward again with
@@ -147,6 +149,12 @@ def bench_dense_parts(dev, args) -> dict:
             rows.append({"stage": f"whole step, dh in fp32 and cast by each product (the path "
                                   f"before): the fused pass is {before_ms / step_ms:.2f}x",
                          "forward + backward ms": before_ms})
+        graph_ms, graph_status = _captured_step_ms(dev, model, mode, dense, labels, embedded,
+                                                   seconds)
+        rows.append({"stage": f"whole step replayed as a CUDA graph (the CLI's way: the device's "
+                              f"time without Python's launches; {graph_status}): "
+                              f"{step_ms / graph_ms:.2f}x the uncaptured step",
+                     "forward + backward ms": graph_ms})
         cm.LOADS_AHEAD = False          # the bias + ReLU kernels' loads one at a time
         try:
             one_at_a_time_ms = seconds(step)
@@ -161,6 +169,35 @@ def bench_dense_parts(dev, args) -> dict:
                        "products_tflops": tflops, "products_share": products_ms / step_ms}
     emb.close()
     return {"modes": modes, "product_tflop": product_flop / 1e12}
+
+
+def _captured_step_ms(dev, model, mode, dense, labels, embedded, seconds) -> tuple[float, str]:
+    """ms per dense step (forward, loss, backward to the embeddings; the gradients zeroed after
+    each, as ``seconds`` does) replayed as the trainer's CUDA graph (``cuda_graph.StepGraph``,
+    the dense parameters as its persistent arrays, the deferred checks as the trainer defers
+    them), warmed up and captured before the timing -> (ms, the graph's status)."""
+    from one_embedding import host_sync
+    from one_embedding.cuda_graph import StepGraph
+    from one_embedding.nn import amp
+
+    params = list(model.parameters())
+
+    def dense_step(d, y, e):
+        with amp.autocast(mode):
+            out = model.forward_from_embeddings(d, e)
+            loss, _, de = model.loss_and_backward_to_embeddings(out, y)
+        return loss, de
+
+    graph = StepGraph(dense_step, dev.xp, name="bench_gpu's dense step",
+                      persistent=lambda: [p.data for p in params] + [p.grad for p in params])
+    checks = host_sync.DeferredChecks()
+    with host_sync.deferring(checks):
+        for _ in range(graph.warmup + 2):        # the uncaptured calls, the capture, a replay
+            graph(dense, labels, embedded)
+            model.zero_grad()
+        ms = seconds(lambda: graph(dense, labels, embedded))
+    checks.read(dev.xp, reason="bench_gpu: the dense step's checks")
+    return ms, graph.status
 
 
 def print_dense_parts(result: dict, args) -> list[str]:

@@ -72,6 +72,9 @@ def test_bench_gpu_small_run_on_the_gpu(tmp_path):
         assert {"bottom MLP", "interaction", "top MLP"} <= set(stages)
         assert all(stages[s]["forward ms"] > 0 for s in ("bottom MLP", "interaction", "top MLP"))
         assert mode["step_ms"] > 0 and 0 < mode["products_ms"] and mode["products_tflops"] > 0
+        # the step replayed as the trainer's graph, and the bias + ReLU loads one at a time
+        assert any("CUDA graph" in s and "replaying" in s for s in stages), list(stages)
+        assert any("loads one at a time" in s for s in stages)
     # part 7: the dense update in one launch against one parameter at a time, the same bits
     update = data["dense_update"]
     assert set(update["speedup"]) == {"sgd", "adam"} and update["same_bits"] == {"sgd": True,
