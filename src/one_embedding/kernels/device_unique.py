@@ -254,7 +254,8 @@ def segment_order(xp, inverse, n_segments: int):
     n = inverse.shape[0]
     # (segment, row) packed into one distinct int64 per row, so any sort groups each segment's
     # rows in ascending order (n**2 < 2**63 for n below 3e9)
-    rows_by_segment = xp.argsort(inverse * n + xp.arange(n, dtype=xp.int64)).astype(xp.int64)
+    rows_by_segment = xp.argsort(inverse * n + xp.arange(n, dtype=xp.int64)).astype(
+        xp.int64, copy=False)                          # argsort's own int64: no copy of it
     return rows_by_segment, segment_offsets(xp, inverse[rows_by_segment], n_segments)
 
 

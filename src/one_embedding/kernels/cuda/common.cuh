@@ -149,48 +149,35 @@ __device__ __forceinline__ void bias_act_forward_words(const T* h, const T* b, i
   const i64 n_words = (n + 31) >> 5;
   const int lane = threadIdx.x & 31;
   const i64 stride = grid_warps();
-  i64 word = grid_warp();
-  for (; ahead && word + (FORWARD_AHEAD - 1) * stride < n_words; word += FORWARD_AHEAD * stride) {
-    T v[FORWARD_AHEAD];
-    ONE_EMBEDDING_UNROLL
-    for (int k = 0; k < FORWARD_AHEAD; ++k) {
-      const i64 i = ((word + k * stride) << 5) + lane;
-      v[k] = i < n ? h[i] + b[i % cols] : T(0);
-    }
-    ONE_EMBEDDING_UNROLL
-    for (int k = 0; k < FORWARD_AHEAD; ++k) {
-      const i64 i = ((word + k * stride) << 5) + lane;
-      bool positive = false;
-      if (i < n) {
-        T x = v[k];
-        if (relu) {
-          x = x < T(0) ? T(0) : x;  // numpy.maximum(x, 0): NaN and -0.0 pass through
-          positive = x > T(0);
-        }
-        store(i, x);
-      }
-      if (relu) {
-        const unsigned bits = __ballot_sync(FULL_WARP, positive);
-        if (lane == 0) relu_mask[word + k * stride] = bits;
-      }
-    }
-  }
-  for (; word < n_words; word += stride) {  // the loop bound is the warp's: every lane ballots
+  // h + b of this lane's element of a word (0 past n), and the rest of the word's work
+  const auto loaded = [&](i64 word) -> T {
+    const i64 i = (word << 5) + lane;
+    return i < n ? h[i] + b[i % cols] : T(0);
+  };
+  const auto finish = [&](i64 word, T x) {
     const i64 i = (word << 5) + lane;
     bool positive = false;
     if (i < n) {
-      T x = h[i] + b[i % cols];
       if (relu) {
-        x = x < T(0) ? T(0) : x;
+        x = x < T(0) ? T(0) : x;  // numpy.maximum(x, 0): NaN and -0.0 pass through
         positive = x > T(0);
       }
       store(i, x);
     }
-    if (relu) {
+    if (relu) {  // the loop bounds are the warp's: every lane reaches the ballot
       const unsigned bits = __ballot_sync(FULL_WARP, positive);
       if (lane == 0) relu_mask[word] = bits;
     }
+  };
+  i64 word = grid_warp();
+  for (; ahead && word + (FORWARD_AHEAD - 1) * stride < n_words; word += FORWARD_AHEAD * stride) {
+    T v[FORWARD_AHEAD];
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k < FORWARD_AHEAD; ++k) v[k] = loaded(word + k * stride);
+    ONE_EMBEDDING_UNROLL
+    for (int k = 0; k < FORWARD_AHEAD; ++k) finish(word + k * stride, v[k]);
   }
+  for (; word < n_words; word += stride) finish(word, loaded(word));
 }
 
 // The backward of bias + ReLU over one column chunk (mlp_bias_act_backward, and
@@ -216,6 +203,13 @@ __device__ __forceinline__ void bias_act_backward_chunk(const Load& load, const 
     // order, so the same values, stores and sum. ahead == 0: one row at a time (the kernels
     // before, a benchmark's baseline: cuda_module.LOADS_AHEAD).
     const i64 step = blockDim.y;
+    // row r's element: dy (through load) and its mask word, then g = dy * mask stored and added
+    const auto word_of = [&](i64 i) { return has_mask ? relu_mask[i >> 5] : 0u; };
+    const auto finish = [&](i64 i, T g, unsigned word) {
+      if (has_mask) g = g * T((word >> (unsigned)(i & 31)) & 1u);
+      store(i, g);
+      acc += g;
+    };
     i64 r = row_begin + threadIdx.y;
     for (; ahead && r + (BACKWARD_AHEAD - 1) * step < row_end; r += BACKWARD_AHEAD * step) {
       T v[BACKWARD_AHEAD];
@@ -224,23 +218,14 @@ __device__ __forceinline__ void bias_act_backward_chunk(const Load& load, const 
       for (int k = 0; k < BACKWARD_AHEAD; ++k) {
         const i64 i = (r + k * step) * cols + col;
         v[k] = load(i);
-        words[k] = has_mask ? relu_mask[i >> 5] : 0u;
+        words[k] = word_of(i);
       }
       ONE_EMBEDDING_UNROLL
-      for (int k = 0; k < BACKWARD_AHEAD; ++k) {
-        const i64 i = (r + k * step) * cols + col;
-        T g = v[k];
-        if (has_mask) g = g * T((words[k] >> (unsigned)(i & 31)) & 1u);
-        store(i, g);
-        acc += g;
-      }
+      for (int k = 0; k < BACKWARD_AHEAD; ++k) finish((r + k * step) * cols + col, v[k], words[k]);
     }
     for (; r < row_end; r += step) {
       const i64 i = r * cols + col;
-      T g = load(i);
-      if (has_mask) g = g * T(mask_bit(relu_mask, i));
-      store(i, g);
-      acc += g;
+      finish(i, load(i), word_of(i));
     }
   }
   const T total = column_block_sum(acc);
