@@ -128,11 +128,7 @@ def bench_dense_parts(dev, args) -> dict:
         if mode != "off":   # the interaction's backward kernel, register-blocked or not
             blocked_ms = next(r["forward + backward ms"] for r in rows
                               if r["stage"] == "interaction")
-            dense_ops.BLOCKED_BACKWARD = False
-            try:
-                tiled_ms = seconds(interaction_both)
-            finally:
-                dense_ops.BLOCKED_BACKWARD = True
+            tiled_ms = _switched_off(dense_ops, "BLOCKED_BACKWARD", seconds, interaction_both)
             rows.append({"stage": f"interaction, the _tile backward (the kernel before): the "
                                   f"blocked one is {tiled_ms / blocked_ms:.2f}x",
                          "forward + backward ms": tiled_ms})
@@ -141,11 +137,7 @@ def bench_dense_parts(dev, args) -> dict:
         rows.append({"stage": "sum of the stages", "forward + backward ms": total})
         rows.append({"stage": "whole step (+ loss), the baseline", "forward + backward ms": step_ms})
         if mode in ("fp16", "bf16"):    # the Linear backward's cast of dh fused or not
-            linear.FUSED_BACKWARD_CAST = False
-            try:
-                before_ms = seconds(step)
-            finally:
-                linear.FUSED_BACKWARD_CAST = True
+            before_ms = _switched_off(linear, "FUSED_BACKWARD_CAST", seconds, step)
             rows.append({"stage": f"whole step, dh in fp32 and cast by each product (the path "
                                   f"before): the fused pass is {before_ms / step_ms:.2f}x",
                          "forward + backward ms": before_ms})
@@ -155,11 +147,8 @@ def bench_dense_parts(dev, args) -> dict:
                               f"time without Python's launches; {graph_status}): "
                               f"{step_ms / graph_ms:.2f}x the uncaptured step",
                      "forward + backward ms": graph_ms})
-        cm.LOADS_AHEAD = False          # the bias + ReLU kernels' loads one at a time
-        try:
-            one_at_a_time_ms = seconds(step)
-        finally:
-            cm.LOADS_AHEAD = True
+        # the bias + ReLU kernels' loads one at a time
+        one_at_a_time_ms = _switched_off(cm, "LOADS_AHEAD", seconds, step)
         rows.append({"stage": f"whole step, bias + ReLU loads one at a time (the kernels "
                               f"before): loads ahead are {one_at_a_time_ms / step_ms:.2f}x",
                      "forward + backward ms": one_at_a_time_ms})
@@ -169,6 +158,16 @@ def bench_dense_parts(dev, args) -> dict:
                        "products_tflops": tflops, "products_share": products_ms / step_ms}
     emb.close()
     return {"modes": modes, "product_tflop": product_flop / 1e12}
+
+
+def _switched_off(module, switch: str, seconds, fn) -> float:
+    """``seconds(fn)`` with ``module.<switch>`` (a True-by-default path switch) False: the path
+    before, timed as a baseline in the same run; the switch is True again afterwards."""
+    setattr(module, switch, False)
+    try:
+        return seconds(fn)
+    finally:
+        setattr(module, switch, True)
 
 
 def _captured_step_ms(dev, model, mode, dense, labels, embedded, seconds) -> tuple[float, str]:

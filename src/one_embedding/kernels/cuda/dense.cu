@@ -369,8 +369,9 @@ __global__ void dense_interaction_backward_tile(const T* dout, const T* first, c
 // 7 row groups x 32 column groups x 27 features x 5 = 30,240 (one vector, 4 broadcasts). Each output still adds the same products in the same order (other = 0, 1, ..., F - 1,
 // the diagonal skipped without self_interaction), so the bits of the two kernels above.
 // Shared memory: xs (F, dim / LANES) 16-byte groups of the rounded features, unpadded (the
-// lanes of a warp read consecutive groups of one row); gt (F, round4(F)): gt[other, row] = G[row, other], rows padded
-// with zeros (never used). Arguments as dense_interaction_backward_tile.
+// lanes of a warp read consecutive groups of one row); gt (F, round4(F)): gt[other, row] =
+// G[row, other], rows padded with zeros (never used). Arguments as
+// dense_interaction_backward_tile.
 namespace oe {
 namespace dense {
 constexpr int BLOCK_ROWS = 4;
