@@ -4,6 +4,8 @@ references the emulator tests use, and the tensor-core products of kernels/gemm.
 bf16; transposed operands read in place; batched) against nn.amp's numpy emulation."""
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -136,6 +138,36 @@ def test_bias_act_cast_on_the_device(precision):
     elif precision == "bf16":
         want = (amp.round_to(y_ref, "bf16").view(np.uint32) >> 16).astype(np.uint16)
         np.testing.assert_array_equal(cupy.asnumpy(bits), want)
+
+
+@pytest.mark.parametrize("precision", ["off", "bf16"])
+def test_bias_act_kernels_with_loads_ahead_give_the_bits_of_one_at_a_time(monkeypatch,
+                                                                           precision):
+    """On the GPU (real concurrency, nvcc's scheduling): bias + ReLU (+ cast) forward and, under
+    bf16, its backward with the loads ahead of the stores (``cuda_module.LOADS_AHEAD``) and one
+    at a time: the same y, mask, patterns, dh and bias-gradient partial sums."""
+    import cupy
+
+    from one_embedding.kernels import dense_ops
+
+    rng = np.random.default_rng(4)
+    rows = 2048 if os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") else 65_536  # the emulator's pace
+    h = rng.standard_normal((rows, 257)).astype(np.float32)
+    h.reshape(-1)[:3] = [np.nan, -0.0, np.inf]
+    b = rng.standard_normal(257).astype(np.float32)
+    dy = rng.standard_normal(h.shape).astype(np.float32)
+    results = []
+    for ahead in (True, False):
+        monkeypatch.setattr(cm, "LOADS_AHEAD", ahead)
+        y, mask, bits = dense_ops.bias_act_cast_forward(cupy.array(h), cupy.asarray(b), True,
+                                                        precision)      # y overwrites h's copy
+        out = [y.view(cupy.uint32), mask] + ([bits] if bits is not None else [])
+        if precision == "bf16":
+            dh_bits, db = dense_ops.bias_act_backward_cast(cupy.asarray(dy), mask, precision)
+            out += [dh_bits, db.view(cupy.uint32)]
+        results.append([cupy.asnumpy(a) for a in out])
+    for got, want in zip(*results):
+        np.testing.assert_array_equal(got, want)
 
 
 @pytest.mark.parametrize("relu", [True, False])
