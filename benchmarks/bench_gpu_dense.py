@@ -22,8 +22,8 @@ off``, ``tf32`` and ``bf16``:
 - the whole step with ``kernels.cuda_module.LOADS_AHEAD`` off (the bias + ReLU (+ cast)
   kernels' loads one at a time, as before: the baseline of their loads ahead of the stores);
 - under tf32 / bf16 the interaction's forward + backward again with
-  ``dense_ops.BLOCKED_BACKWARD`` off (the ``_tile`` backward kernel, a shared load per product,
-  as the baseline of the register-blocked one).
+  ``dense_ops.BLOCKED_INTERACTION`` off (the ``_tile`` kernels, a shared load per product, as
+  the baseline of the 16-byte-vector forward and the register-blocked backward).
 
 Prints one table per precision; ``bench_gpu --skip dense`` leaves it out.
 """
@@ -125,12 +125,12 @@ def bench_dense_parts(dev, args) -> dict:
             total += both_ms
             rows.append({"stage": name, "forward ms": fwd_ms, "backward ms": both_ms - fwd_ms,
                          "forward + backward ms": both_ms})
-        if mode != "off":   # the interaction's backward kernel, register-blocked or not
+        if mode != "off":   # the interaction's kernels, blocked or the tile ones
             blocked_ms = next(r["forward + backward ms"] for r in rows
                               if r["stage"] == "interaction")
-            tiled_ms = _switched_off(dense_ops, "BLOCKED_BACKWARD", seconds, interaction_both)
-            rows.append({"stage": f"interaction, the _tile backward (the kernel before): the "
-                                  f"blocked one is {tiled_ms / blocked_ms:.2f}x",
+            tiled_ms = _switched_off(dense_ops, "BLOCKED_INTERACTION", seconds, interaction_both)
+            rows.append({"stage": f"interaction, the _tile kernels (before): the vector "
+                                  f"forward and blocked backward are {tiled_ms / blocked_ms:.2f}x",
                          "forward + backward ms": tiled_ms})
         step_ms, products_ms = seconds(step), seconds(products)
         tflops = product_flop / (products_ms / 1e3) / 1e12

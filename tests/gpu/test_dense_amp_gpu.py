@@ -93,10 +93,12 @@ def test_interaction_and_loss_kernels_on_the_device_match_float64(monkeypatch, p
     got = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision)
     other = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision,
                                            tile=False)
-    monkeypatch.setattr(dense_ops, "BLOCKED_BACKWARD", False)     # the _tile backward
+    monkeypatch.setattr(dense_ops, "BLOCKED_INTERACTION", False)     # the _tile kernels
+    tiled_out = cupy.asnumpy(dense_ops.interaction_forward(*d, False, 1, precision))
     tiled = dense_ops.interaction_backward(cupy.asarray(dout), d[0], d[1], 64, False, precision)
     monkeypatch.undo()
-    assert dense_ops.fits_blocked(27, 64)    # the default ran the register-blocked backward
+    assert dense_ops.fits_blocked(27, 64)    # the default ran the _vector / _blocked kernels
+    np.testing.assert_array_equal(out, tiled_out)
     for g, o, t in zip(got, other, tiled):
         np.testing.assert_array_equal(cupy.asnumpy(g), cupy.asnumpy(o))
         np.testing.assert_array_equal(cupy.asnumpy(g), cupy.asnumpy(t))

@@ -179,7 +179,7 @@ def test_interaction_forward_and_backward_match_float64(launch, monkeypatch, pre
     """tile "blocked": the one-block-per-sample kernels with the register-blocked backward where
     the sample fits it (dim a multiple of 4: the first and last cases), True: the same without
     it (the _tile backward), False: one thread per output."""
-    monkeypatch.setattr(dense_ops, "BLOCKED_BACKWARD", tile == "blocked")
+    monkeypatch.setattr(dense_ops, "BLOCKED_INTERACTION", tile == "blocked")
     tile = bool(tile)
     batch, f1, f2, dim, self_interaction, with_concat, pad = case
     rng = np.random.default_rng(batch * 100 + dim)
@@ -249,11 +249,12 @@ BLOCKED_CASES = [  # (batch, F1, F2, D, self_interaction): DLRM's, and rows / gr
 @pytest.mark.stress_seeds
 @pytest.mark.parametrize("precision", PRECISIONS)
 @pytest.mark.parametrize("case", BLOCKED_CASES)
-def test_the_blocked_backward_is_the_tile_kernels_bit_for_bit(launch, monkeypatch, precision,
-                                                                case):
-    """The register-blocked backward adds each input gradient's products in the _tile kernel's
-    order (other features ascending, the diagonal skipped without self-interaction), so the same
-    bits, NaN, infinities and signed zeros included; and the one-thread-per-output kernel's."""
+def test_the_blocked_kernels_are_the_tile_kernels_bit_for_bit(launch, monkeypatch, precision,
+                                                               case):
+    """The forward's 16-byte-vector kernel adds each dot's products in the _tile kernel's order
+    (d ascending), the register-blocked backward each input gradient's (other features
+    ascending, the diagonal skipped without self-interaction): the same bits, NaN, infinities
+    and signed zeros included; and the one-thread-per-output kernels'."""
     batch, f1, f2, dim, self_interaction = case
     assert dense_ops.fits_blocked(f1 + f2, dim)
     rng = np.random.default_rng(dim + f2)
@@ -265,22 +266,27 @@ def test_the_blocked_backward_is_the_tile_kernels_bit_for_bit(launch, monkeypatc
     first[-1, 0, 1] = -np.inf
     dout[1, dim:dim + 4] = [0.0, -0.0, 1e30, np.nan]
     dout[-1, dim + n_pairs - 1] = 0.0                    # a zero gradient times inf: NaN
+    concat = np.ascontiguousarray(first[:, 0])
     results = {}
     for name, blocked, tile in [("blocked", True, True), ("tile", False, True),
                                 ("thread", False, False)]:
-        monkeypatch.setattr(dense_ops, "BLOCKED_BACKWARD", blocked)
-        results[name] = dense_ops.interaction_backward(dout, first, rest, dim, self_interaction,
-                                                       precision, launch=launch, tile=tile)
+        monkeypatch.setattr(dense_ops, "BLOCKED_INTERACTION", blocked)
+        out = dense_ops.interaction_forward(first, rest, concat, self_interaction, 3, precision,
+                                            launch=launch, tile=tile)
+        results[name] = (out, *dense_ops.interaction_backward(
+            dout, first, rest, dim, self_interaction, precision, launch=launch, tile=tile))
     for name in ("tile", "thread"):
         for got, want in zip(results["blocked"], results[name]):
             np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32),
                                           err_msg=f"blocked against {name}")
-    assert np.isnan(results["blocked"][1]).any() and np.isfinite(results["blocked"][1]).any()
+    out, _, drest, _ = results["blocked"]
+    assert np.isnan(out).any() and np.isnan(drest).any() and np.isfinite(drest).any()
 
 
-def test_the_blocked_backward_takes_the_samples_it_fits():
-    """A 16-byte vector of columns (4 float32, 2 float64), the features and the pair gradients
-    (rows rounded up to BLOCK_ROWS) in the tile kernels' shared memory; else the _tile kernel."""
+def test_the_blocked_kernels_take_the_samples_they_fit():
+    """A 16-byte vector of columns (4 float32, 2 float64), the features (rows of dim + one
+    vector) and the pair gradients (rows rounded up to BLOCK_ROWS) in the tile kernels' shared
+    memory; else the _tile kernels."""
     assert dense_ops.fits_blocked(27, 128) and dense_ops.fits_blocked(27, 128, np.float64)
     assert not dense_ops.fits_blocked(27, 130)                       # not a vector multiple
     assert dense_ops.fits_blocked(27, 130, np.float64)               # 2 doubles a vector

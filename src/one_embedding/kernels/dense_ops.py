@@ -48,23 +48,26 @@ def fits_tile(f: int, dim: int, self_interaction: bool) -> bool:
     return f * (dim + 1) <= TILE_ELEMENTS and _n_pairs(f, self_interaction) <= TILE_PAIRS
 
 
-#: the backward's one-block-per-sample kernel: register-blocked (``_blocked``: each thread 4 rows
-#: x one 16-byte group of columns, a shared load per 16 products) where the sample fits
-#: ``fits_blocked``; False: the ``_tile`` kernel (a shared load per product). The same bits
-BLOCKED_BACKWARD = True
+#: the one-block-per-sample interaction kernels where the sample fits ``fits_blocked``: the
+#: forward's features as 16-byte vectors in shared memory (``_vector``: a shared load per 4
+#: products of a dot) and the backward register-blocked (``_blocked``: each thread 4 rows x one
+#: 16-byte group of columns, a shared load per 16 products); False: the ``_tile`` kernels (a
+#: shared load per product). The same bits
+BLOCKED_INTERACTION = True
 #: dense.cu's oe::dense::BLOCK_ROWS: the rows of G (the pair gradients) each thread of the
 #: blocked backward owns
 BLOCK_ROWS = 4
 
 
 def fits_blocked(f: int, dim: int, dtype=np.float32) -> bool:
-    """True when the blocked backward takes one sample of F features of ``dim`` of ``dtype``:
-    ``dim`` a multiple of a 16-byte vector's values (4 float32, 2 float64), the features (F, D)
-    and the pair gradients (F, F rounded up to BLOCK_ROWS) within the tile kernels' shared
-    memory."""
+    """True when the ``_vector`` forward and the ``_blocked`` backward take one sample of F
+    features of ``dim`` of ``dtype``: ``dim`` a multiple of a 16-byte vector's values (4 float32,
+    2 float64), and in the tile kernels' shared memory the features (F rows of dim + one vector)
+    and the pair gradients (F x F rounded up to BLOCK_ROWS)."""
     lanes = 16 // np.dtype(dtype).itemsize
     rows = -(-f // BLOCK_ROWS) * BLOCK_ROWS
-    return dim % lanes == 0 and f * dim <= TILE_ELEMENTS and f * rows <= TILE_PAIRS
+    return (dim % lanes == 0 and f * (dim + lanes) <= TILE_ELEMENTS
+            and f * rows <= TILE_PAIRS)
 
 
 def _pick_tile(tile, f, dim, self_interaction) -> bool:
@@ -232,8 +235,10 @@ def _forward(launch, first, rest, bits, packed, batch, f1, f2, dim, concat, self
     if out.size:
         blocks = cm.grid_stride_blocks(batch * launch.block if tile else out.size,
                                        launch.n_sms, launch.block)
-        launch.run("dense", "interaction_forward_tile" if tile else "interaction_forward",
-                   first.dtype, (blocks,), (launch.block,),
+        name = ("interaction_forward" if not tile else "interaction_forward_vector"
+                if BLOCKED_INTERACTION and fits_blocked(f1 + f2, dim, first.dtype)
+                else "interaction_forward_tile")
+        launch.run("dense", name, first.dtype, (blocks,), (launch.block,),
                    (first, rest, bits, np.int32(packed), first if concat is None else concat,
                     np.int64(batch), np.int32(f1), np.int32(f2), np.int32(dim),
                     np.int32(bool(self_interaction)), np.int32(_kind(precision)),
@@ -288,7 +293,7 @@ def _backward(launch, dout, first, rest, bits, packed, batch, f1, f2, dim, n_con
         blocks = cm.grid_stride_blocks(batch * launch.block if tile else n, launch.n_sms,
                                        launch.block)
         name = ("interaction_backward" if not tile else "interaction_backward_blocked"
-                if BLOCKED_BACKWARD and fits_blocked(f1 + f2, dim, dtype)
+                if BLOCKED_INTERACTION and fits_blocked(f1 + f2, dim, dtype)
                 else "interaction_backward_tile")
         launch.run("dense", name, dtype, (blocks,), (launch.block,),
                    (dout, first, rest, bits, np.int32(packed), np.int64(batch), np.int32(f1),

@@ -102,6 +102,27 @@ __device__ __forceinline__ void stage_features(const T* first, const T* rest,
   }
 }
 
+// Sample s's output row out[s] = [concat | dot(r, c) over the pairs (pair_table's order), rounded
+// to out_kind | zero padding], element j by thread threadIdx.x, + blockDim.x, ... of the block.
+// dot(r, c): the sample's x_r . x_c from the staged features.
+template <typename T, typename Dot>
+__device__ __forceinline__ void write_outputs(const T* concat, i64 s, int n_concat, int n_pairs,
+                                              int width, int self_interaction, int out_kind,
+                                              T* out, const Dot& dot) {
+  for (int j = threadIdx.x; j < width; j += blockDim.x) {
+    T v = T(0);
+    if (j < n_concat) {
+      v = concat[s * n_concat + j];
+    } else if (j < n_concat + n_pairs) {
+      const int p = j - n_concat;
+      int r = 0;
+      while (pair_index(r + 1, 0, self_interaction) <= p) ++r;
+      v = rounded(dot(r, p - pair_index(r, 0, self_interaction)), out_kind);
+    }
+    out[s * (i64)width + j] = v;
+  }
+}
+
 }  // namespace dense
 }  // namespace oe
 
@@ -289,21 +310,61 @@ __global__ void dense_interaction_forward_tile(const T* first, const T* rest,
                                    xs[row * stride + (k - row * dim)] = values[0];
                                  });
     __syncthreads();
-    for (int j = threadIdx.x; j < width; j += blockDim.x) {
-      T v = T(0);
-      if (j < n_concat) {
-        v = concat[s * n_concat + j];
-      } else if (j < n_concat + n_pairs) {
-        const int p = j - n_concat;
-        int r = 0;
-        while (oe::dense::pair_index(r + 1, 0, self_interaction) <= p) ++r;
-        const int c = p - oe::dense::pair_index(r, 0, self_interaction);
-        T acc = T(0);
-        for (int d = 0; d < dim; ++d) acc += xs[r * stride + d] * xs[c * stride + d];
-        v = oe::dense::rounded(acc, out_kind);
-      }
-      out[s * (oe::i64)width + j] = v;
-    }
+    oe::dense::write_outputs(concat, s, n_concat, n_pairs, width, self_interaction, out_kind, out,
+                             [&](int r, int c) {
+                               T acc = T(0);
+                               for (int d = 0; d < dim; ++d) {
+                                 acc += xs[r * stride + d] * xs[c * stride + d];
+                               }
+                               return acc;
+                             });
+    __syncthreads();  // the next sample overwrites xs
+  }
+}
+
+// dense_interaction_forward_tile with the sample's features as 16-byte vectors in shared memory
+// (LANES = 4 floats / 2 doubles; rows of dim / LANES vectors padded by one, so the lanes of a
+// warp reading one group of different rows hit different banks): a dot reads a vector of each
+// row per LANES products, where the tile kernel read a value of each per product (DLRM: 256
+// shared loads a dot there, 64 here; x_r's mostly broadcasts). Each dot adds the same products
+// in the same order (d = 0, 1, ...): the same bits. For a sample with dim a multiple of LANES
+// and F (dim + LANES) <= TILE_ELEMENTS (kernels/dense_ops.fits_blocked). Arguments as the tile
+// kernel's.
+template <typename T>
+__global__ void dense_interaction_forward_vector(const T* first, const T* rest,
+                                                 const unsigned short* bits, int packed,
+                                                 const T* concat, oe::i64 batch, int f1, int f2,
+                                                 int dim, int self_interaction, int kind,
+                                                 int n_concat, int n_pairs, int width, T* out) {
+  typedef typename oe::Vector16<T>::type V;
+  constexpr int LANES = oe::Vector16<T>::LANES;
+  __shared__ V xs[oe::dense::TILE_ELEMENTS / LANES];
+  const int groups = dim / LANES;
+  const int stride = groups + 1;
+  const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
+  for (oe::i64 s = blockIdx.x; s < batch; s += gridDim.x) {
+    oe::dense::stage_features<LANES>(first, rest, bits, packed, s, f1, f2, dim, kind,
+                                     [&](int k, const T* values) {
+                                       V v;
+                                       T* lanes = reinterpret_cast<T*>(&v);
+                                       for (int j = 0; j < LANES; ++j) lanes[j] = values[j];
+                                       const int row = k / groups;
+                                       xs[row * stride + (k - row * groups)] = v;
+                                     });
+    __syncthreads();
+    oe::dense::write_outputs(concat, s, n_concat, n_pairs, width, self_interaction, out_kind, out,
+                             [&](int r, int c) {
+                               T acc = T(0);
+                               for (int g = 0; g < groups; ++g) {
+                                 const V a = xs[r * stride + g];
+                                 const V b = xs[c * stride + g];
+                                 const T* x = reinterpret_cast<const T*>(&a);
+                                 const T* y = reinterpret_cast<const T*>(&b);
+                                 ONE_EMBEDDING_UNROLL
+                                 for (int l = 0; l < LANES; ++l) acc += x[l] * y[l];
+                               }
+                               return acc;
+                             });
     __syncthreads();  // the next sample overwrites xs
   }
 }
@@ -520,6 +581,7 @@ ONE_EMBEDDING_KERNEL(dense_bias_act_backward_cast)
 ONE_EMBEDDING_KERNEL(dense_interaction_forward)
 ONE_EMBEDDING_KERNEL(dense_interaction_backward)
 ONE_EMBEDDING_KERNEL(dense_interaction_forward_tile)
+ONE_EMBEDDING_KERNEL(dense_interaction_forward_vector)
 ONE_EMBEDDING_KERNEL(dense_interaction_backward_tile)
 ONE_EMBEDDING_KERNEL(dense_interaction_backward_blocked)
 ONE_EMBEDDING_KERNEL(dense_bce_last_layer)
