@@ -136,7 +136,7 @@ def test_bias_act_kernels_load_ahead_with_the_same_bits(launch, monkeypatch, pre
     a time: the same y, mask, 16-bit copy, dh patterns and bias-gradient partial sums, over
     sizes with batches of words / rows ahead and a rest (NaN, inf and -0.0 among the values)."""
     rng = np.random.default_rng(11)
-    for rows, cols in [(300, 70), (1000, 33), (5, 3)]:
+    for rows, cols in [(300, 70), (5, 3)]:
         h = rng.standard_normal((rows, cols)).astype(np.float32)
         h.reshape(-1)[:4] = [np.nan, np.inf, -0.0, -np.inf][:h.size]
         b = rng.standard_normal(cols).astype(np.float32)
