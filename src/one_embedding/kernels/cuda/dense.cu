@@ -102,24 +102,29 @@ __device__ __forceinline__ void stage_features(const T* first, const T* rest,
   }
 }
 
-// Sample s's output row out[s] = [concat | dot(r, c) over the pairs (pair_table's order), rounded
-// to out_kind | zero padding], element j by thread threadIdx.x, + blockDim.x, ... of the block.
-// dot(r, c): the sample's x_r . x_c from the staged features.
+// Element j of sample s's output row [concat | dot(r, c) over the pairs (pair_table's order),
+// rounded to out_kind | zero padding]; dot(r, c): the sample's x_r . x_c.
+template <typename T, typename Dot>
+__device__ __forceinline__ T output_value(const T* concat, i64 s, int j, int n_concat,
+                                          int n_pairs, int self_interaction, int out_kind,
+                                          const Dot& dot) {
+  if (j < n_concat) return concat[s * n_concat + j];
+  if (j >= n_concat + n_pairs) return T(0);
+  const int p = j - n_concat;
+  int r = 0;  // invert pair_index: the row r whose pairs hold p
+  while (pair_index(r + 1, 0, self_interaction) <= p) ++r;
+  return rounded(dot(r, p - pair_index(r, 0, self_interaction)), out_kind);
+}
+
+// Sample s's output row out[s] (output_value), element j by thread threadIdx.x, + blockDim.x,
+// ... of the block; dot(r, c) from the staged features.
 template <typename T, typename Dot>
 __device__ __forceinline__ void write_outputs(const T* concat, i64 s, int n_concat, int n_pairs,
                                               int width, int self_interaction, int out_kind,
                                               T* out, const Dot& dot) {
   for (int j = threadIdx.x; j < width; j += blockDim.x) {
-    T v = T(0);
-    if (j < n_concat) {
-      v = concat[s * n_concat + j];
-    } else if (j < n_concat + n_pairs) {
-      const int p = j - n_concat;
-      int r = 0;
-      while (pair_index(r + 1, 0, self_interaction) <= p) ++r;
-      v = rounded(dot(r, p - pair_index(r, 0, self_interaction)), out_kind);
-    }
-    out[s * (i64)width + j] = v;
+    out[s * (i64)width + j] =
+        output_value(concat, s, j, n_concat, n_pairs, self_interaction, out_kind, dot);
   }
 }
 
@@ -220,24 +225,16 @@ __global__ void dense_interaction_forward(const T* first, const T* rest,
   const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
   for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
     const oe::i64 s = i / width;
-    const int j = (int)(i - s * width);
-    T v = T(0);
-    if (j < n_concat) {
-      v = concat[s * n_concat + j];
-    } else if (j < n_concat + n_pairs) {
-      // invert pair_index: the row r whose pairs hold p
-      const int p = j - n_concat;
-      int r = 0;
-      while (oe::dense::pair_index(r + 1, 0, self_interaction) <= p) ++r;
-      const int c = p - oe::dense::pair_index(r, 0, self_interaction);
-      T acc = T(0);
-      for (int d = 0; d < dim; ++d) {
-        acc += oe::dense::load(first, rest, bits, packed, s, r, d, f1, f2, dim, kind) *
-               oe::dense::load(first, rest, bits, packed, s, c, d, f1, f2, dim, kind);
-      }
-      v = oe::dense::rounded(acc, out_kind);
-    }
-    out[i] = v;
+    out[i] = oe::dense::output_value(
+        concat, s, (int)(i - s * width), n_concat, n_pairs, self_interaction, out_kind,
+        [&](int r, int c) {
+          T acc = T(0);
+          for (int d = 0; d < dim; ++d) {
+            acc += oe::dense::load(first, rest, bits, packed, s, r, d, f1, f2, dim, kind) *
+                   oe::dense::load(first, rest, bits, packed, s, c, d, f1, f2, dim, kind);
+          }
+          return acc;
+        });
   }
 }
 

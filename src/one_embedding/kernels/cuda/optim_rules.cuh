@@ -7,7 +7,6 @@
 #include "common.cuh"
 #include "vector.cuh"
 
-
 namespace oe {
 namespace optim {
 
