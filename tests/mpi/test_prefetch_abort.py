@@ -3,6 +3,7 @@ comes to the ID shuffle its thread waits in, ends the job in bounded time with a
 (issue 34, item 5). Before, both jobs hung until killed."""
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -31,12 +32,18 @@ def run_job(tmp_path, script):
            + os.environ.get("PYTHONPATH", "")}
     env.pop("ONE_EMBEDDING_ABORT_ON_ERROR", None)
     t0 = time.monotonic()
-    try:
-        proc = subprocess.run([mpiexec(), "-n", "2", sys.executable, str(path)],
-                              capture_output=True, text=True, timeout=BOUND, env=env)
-    except subprocess.TimeoutExpired:
-        pytest.fail(f"the 2-rank job hung: still running after {BOUND} s")
-    return proc, time.monotonic() - t0
+    # its own session, so that a hang is ended rank and launcher together (none left behind)
+    with subprocess.Popen([mpiexec(), "-n", "2", sys.executable, str(path)], env=env,
+                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          start_new_session=True) as proc:
+        try:
+            out, err = proc.communicate(timeout=BOUND)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out, err = proc.communicate()
+            pytest.fail(f"the 2-rank job hung: still running after {BOUND} s; what it printed:\n"
+                        f"{out[-2000:]}\n{err[-4000:]}")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err), time.monotonic() - t0
 
 
 RAISES_MID_STEP = """

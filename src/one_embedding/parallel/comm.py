@@ -185,6 +185,15 @@ class MpiComm(Communicator):
         return MpiComm(self._comm.Dup())
 
     def abort(self, code: int = 1) -> None:
+        """MPI_Abort, with a watchdog: should it neither return nor end this process within
+        ``ABORT_GRACE_S`` seconds (MPI_Abort can wait on a lock another thread of this process
+        holds while it spins in a collective whose peers are gone), every thread's traceback is
+        printed and the process exits with code 1 (``faulthandler``: a C thread, no GIL
+        needed), which the launcher takes as a failed rank and ends the job."""
+        import faulthandler
+        import sys
+
+        faulthandler.dump_traceback_later(ABORT_GRACE_S, exit=True, file=sys.stderr)
         self._comm.Abort(code)
 
 
@@ -308,6 +317,8 @@ _DEFAULT: Communicator | None = None
 #: set ONE_EMBEDDING_ABORT_ON_ERROR=0 to keep Python's default: an uncaught exception on one
 #: rank then ends that rank only, and the others wait in their next collective
 ABORT_ENV = "ONE_EMBEDDING_ABORT_ON_ERROR"
+#: seconds ``MpiComm.abort`` gives MPI_Abort before its watchdog ends this process itself
+ABORT_GRACE_S = 10.0
 _HOOKED: list = []
 
 
