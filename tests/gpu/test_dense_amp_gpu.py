@@ -252,6 +252,39 @@ def test_mlp_backward_handing_unrounded_gradients_down_gives_the_bits_of_the_pat
         np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(i))
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_mlp_hidden_outputs_as_16_bit_copies_alone_give_the_bits_of_the_fp32_path(
+        precision, monkeypatch):
+    """An MLP under fp16 / bf16 with its hidden outputs written only as the 16-bit copies the
+    next layer's products read, against the path that also writes them in fp32
+    (``linear.HIDDEN_OUTPUTS_AS_BITS`` off): output, input gradient and parameter gradients bit
+    for bit, and no fp32 hidden activation kept for the backward. (The dry run's arrays are
+    numpy: both runs take the numpy path there.)"""
+    import cupy
+
+    from one_embedding.nn import MLP, linear
+
+    rng = np.random.default_rng(13)
+    batch = 1024
+    dense = (rng.standard_normal((batch, 48)) * 0.5).astype(np.float32)
+    labels = (rng.random(batch) < 0.3).astype(np.float32)
+    xp = cupy if not isinstance(cupy.asarray(dense), np.ndarray) else np
+    results, kept = {}, {}
+    for as_bits in (True, False):
+        monkeypatch.setattr(linear, "HIDDEN_OUTPUTS_AS_BITS", as_bits)
+        mlp = MLP(48, [96, 64, 32, 1], last_relu=False, seed=4).to(xp)
+        with amp.autocast(precision):
+            logits = mlp.forward(xp.asarray(dense)).reshape(-1)
+            kept[as_bits] = [layer._x is not None for layer in mlp.layers]
+            dx = mlp.loss_and_backward(logits, xp.asarray(labels), 1.0)[2]
+        results[as_bits] = [np.asarray(cupy.asnumpy(a)) for a in
+                            [logits, dx] + [p.grad for p in mlp.parameters()]]
+    for i, (got, want) in enumerate(zip(results[True], results[False])):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(i))
+    if xp is not np:
+        assert kept == {True: [True, False, False, True], False: [True] * 4}
+
+
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
 def test_interaction_layer_on_the_device_equals_numpy(precision):
     """DotInteraction on CuPy under AMP runs dense.cu's one-kernel path: same numerics as the

@@ -97,9 +97,11 @@ def _float(name, a, ndim, like=None):
 # ---------------------------------------------------------------- bias + activation + cast
 
 
-def bias_act_cast_forward(h, b, relu: bool, precision: str, launch=None):
+def bias_act_cast_forward(h, b, relu: bool, precision: str, launch=None, write_y: bool = True):
     """h: (B, N) GEMM output, overwritten by y; b: (N,) -> (y (B, N), mask (ceil(B N / 32),)
-    uint32 bit-packed y > 0 or None, y_bits (B, N) uint16 of y in fp16 / bf16 or None)."""
+    uint32 bit-packed y > 0 or None, y_bits (B, N) uint16 of y in fp16 / bf16 or None).
+    ``write_y=False`` (fp16 / bf16 only): y exists only as y_bits, h is left as it was and None
+    is returned in y's place (a hidden output that only the next layer's GEMM reads)."""
     launch = resolve(launch)
     xp = launch.xp
     h = _float("h", h, 2)
@@ -109,6 +111,9 @@ def bias_act_cast_forward(h, b, relu: bool, precision: str, launch=None):
         raise InputError(f"b has shape {tuple(b.shape)}, expected ({cols},)")
     kind = _kind(precision)
     cast = kind in (1, 2)
+    if not write_y and not cast:
+        raise InputError(f"bias_act_cast_forward(write_y=False) under precision={precision!r}: "
+                         "only fp16 / bf16 have the 16-bit copy that stands in for y")
     words = cm.mask_words(rows * cols)
     mask = xp.empty((words,), dtype=xp.uint32) if relu else xp.empty((1,), xp.uint32)
     bits = xp.empty((rows, cols), dtype=xp.uint16) if cast else xp.empty((1,), xp.uint16)
@@ -116,8 +121,8 @@ def bias_act_cast_forward(h, b, relu: bool, precision: str, launch=None):
         blocks = cm.warp_blocks(words, launch.n_sms, launch.block)
         launch.run("dense", "bias_act_cast", h.dtype, (blocks,), (launch.block,),
                    (h, b, np.int64(rows), np.int32(cols), np.int32(bool(relu)), np.int32(kind),
-                    h, mask, bits, np.int32(cm.LOADS_AHEAD)))
-    return h, (mask if relu else None), (bits if cast else None)
+                    h, mask, bits, np.int32(bool(write_y)), np.int32(cm.LOADS_AHEAD)))
+    return (h if write_y else None), (mask if relu else None), (bits if cast else None)
 
 
 def bias_act_backward_cast(dy, mask, precision: str, launch=None, round_input: bool = False):

@@ -48,3 +48,17 @@ def round_to(x, precision: str):
             return x.astype(xp.float16).astype(x.dtype)
     # bf16: the top 16 bits of the float32; tf32: the top 19 (sign, 8 exponent, 10 mantissa)
     return _round_bits(x, xp, 16 if precision == "bf16" else 13)
+
+
+def from_bits(bits, precision: str):
+    """uint16 patterns of fp16 / bf16 values (numpy or CuPy, any shape) -> those values as
+    float32, exactly (every fp16 and bf16 value is a float32 value)."""
+    if precision not in HALF_PRECISIONS:
+        raise ConfigError(f"from_bits under precision={precision!r}: 16-bit patterns are fp16 "
+                          "or bf16 values")
+    xp = array_namespace(bits)
+    if bits.dtype != np.uint16:
+        raise ConfigError(f"from_bits of a {bits.dtype} array: pass the uint16 patterns")
+    if precision == "fp16":
+        return bits.view(xp.float16).astype(xp.float32)
+    return (bits.astype(xp.uint32) << xp.uint32(16)).view(xp.float32)

@@ -48,6 +48,7 @@ import numpy as np
 
 from ..backend import array_namespace
 from ..kernels.precision import HALF_PRECISIONS, PRECISIONS, check_precision  # noqa: F401
+from ..kernels.precision import from_bits as _from_bits
 from ..kernels.precision import round_to as _round_to
 
 _current = contextvars.ContextVar("one_embedding_amp", default="off")
@@ -78,6 +79,12 @@ def round_to(x, precision: str | None = None):
     return _round_to(x, current() if precision is None else precision)
 
 
+def from_bits(bits, precision: str | None = None):
+    """``kernels.precision.from_bits``: fp16 / bf16 patterns (uint16) -> their float32 values,
+    in ``precision``, by default the one in effect here."""
+    return _from_bits(bits, current() if precision is None else precision)
+
+
 def matmul(a, b, *, fp32_result: bool = False, a_bits=None, b_bits=None):
     """``a @ b`` with the current precision's operands and result (see the module docstring);
     the float32 / float64 ``a @ b`` when AMP is off (on CuPy float32 operands go through
@@ -90,7 +97,9 @@ def matmul(a, b, *, fp32_result: bool = False, a_bits=None, b_bits=None):
     overflow fp16; Linear's forward, whose fp32 result goes straight into bias + ReLU). tf32
     results are always fp32. ``a_bits`` / ``b_bits``: on CuPy under fp16 / bf16, an operand
     already cast to its 16-bit pattern (uint16, the shape of the C-contiguous operand), e.g.
-    the previous layer's ``out_bits``; ignored elsewhere."""
+    the previous layer's ``out_bits``; ignored elsewhere. Under fp16 / bf16 ``a`` or ``b`` may
+    also be such a uint16 pattern itself, on numpy too (its values are exact in float32; the
+    result is then float32)."""
     precision = current()
     xp = array_namespace(a, b)
     if precision == "off" and (xp is np or a.dtype != np.float32 or b.dtype != np.float32):
@@ -101,6 +110,8 @@ def matmul(a, b, *, fp32_result: bool = False, a_bits=None, b_bits=None):
         return gemm.matmul(a, b, "fp32" if precision == "off" else precision,
                            fp32_result=fp32_result, a_bits=a_bits,
                            b_bits=b_bits)
+    # a uint16 operand is its fp16 / bf16 pattern, as on CuPy (kernels.gemm)
+    a, b = (from_bits(x, precision) if x.dtype == np.uint16 else x for x in (a, b))
     product = round_to(a, precision) @ round_to(b, precision)
     if precision == "tf32" or fp32_result:
         return product

@@ -2,8 +2,9 @@
 
 Each Linear computes ``y = act(x Wᵀ + b)``: a float BLAS matmul, then one fused kernel adds the
 bias and applies the ReLU in place and keeps the ReLU mask for backward. Under fp16 / bf16 on
-CuPy the forward's epilogue also writes the output's 16-bit copy for the next layer's product, and
-the backward writes the bias + ReLU gradient only as the 16-bit pattern its two products read.
+CuPy the forward's epilogue also writes the output's 16-bit copy for the next layer's product (in
+an MLP, a hidden output only that product reads is written as the copy alone), and the backward
+writes the bias + ReLU gradient only as the 16-bit pattern its two products read.
 
 On numpy arrays the matmuls read W and the saved input in place (``x @ Wᵀ``, ``dhᵀ @ x`` and
 ``dh @ W`` are sgemm calls with transpose flags, never copies), and the bias + ReLU passes are
@@ -27,6 +28,10 @@ from .module import Module, Parameter, check_features, keeps_activations
 #: products read (``dense_ops.bias_act_backward_cast``, one pass); False: bias_act_backward
 #: writes dh in fp32 and each product casts it (the path before; the same bits)
 FUSED_BACKWARD_CAST = True
+#: under fp16 / bf16 on CuPy, an MLP's hidden output that only the next layer's products read is
+#: written only as its 16-bit copy (``MLP._output_in_fp32``); False: also in fp32 (the path
+#: before; the same bits)
+HIDDEN_OUTPUTS_AS_BITS = True
 
 
 def _positive_int(name, value) -> int:
@@ -53,7 +58,7 @@ class Linear(Module):
         self.bias = Parameter(b, f"{name}.bias")
         self._x = self._mask = self._x_bits = self.out_bits = None
 
-    def forward(self, x, x_bits=None):
+    def forward(self, x, x_bits=None, *, fp32_output: bool = True):
         """x: (B, in_features) -> (B, out_features).
 
         Under AMP the product takes x and W rounded to the precision and keeps its fp32
@@ -61,18 +66,33 @@ class Linear(Module):
         CuPy with fp16 / bf16 the GEMM's epilogue is one pass (``dense_ops.bias_act_cast_forward``)
         that also writes y's 16-bit copy, kept as ``out_bits`` for the next layer's GEMM
         (``x_bits``: this layer's input as such bits, from the layer before; then x is not cast
-        again, neither here nor for the weight gradient)."""
-        check_features(x, "Linear input", 2, self.in_features, self.weight.data.dtype)
+        again, neither here nor for the weight gradient).
+
+        A hidden layer whose output only the next layer's products read (``MLP``) needs no fp32
+        copy of it: on that path ``fp32_output=False`` writes the output only as ``out_bits``
+        and returns None, and the next layer takes ``x=None`` with those ``x_bits`` (B,
+        in_features) uint16. Elsewhere (numpy, fp32, tf32) y is returned as always."""
         w = self.weight.data
-        xp = array_namespace(x, w)
+        if x is None:
+            if not self._takes_bits(x_bits, w):
+                raise InputError("Linear.forward(x=None) needs x_bits, the (B, in_features) "
+                                 "uint16 output of a layer before it under fp16 / bf16 on CuPy "
+                                 f"(amp {amp.current()!r}, x_bits "
+                                 f"{getattr(x_bits, 'shape', None)} {getattr(x_bits, 'dtype', '')})")
+            check_features(x_bits, "Linear input bits", 2, self.in_features, np.uint16)
+            xp = array_namespace(x_bits, w)
+        else:
+            check_features(x, "Linear input", 2, self.in_features, w.dtype)
+            xp = array_namespace(x, w)
         self.out_bits = None
-        if amp.active() and xp is not np and amp.current() in amp.HALF_PRECISIONS \
-                and x.dtype == np.float32:
+        if x is None or (amp.active() and xp is not np and amp.current() in amp.HALF_PRECISIONS
+                         and x.dtype == np.float32):
             from ..kernels import dense_ops
 
-            h = amp.matmul(x, w.T, fp32_result=True, a_bits=x_bits)
+            # a uint16 operand is its own 16-bit pattern (kernels.gemm)
+            h = amp.matmul(x_bits if x is None else x, w.T, fp32_result=True, a_bits=x_bits)
             y, mask, self.out_bits = dense_ops.bias_act_cast_forward(
-                h, self.bias.data, self.relu, amp.current())
+                h, self.bias.data, self.relu, amp.current(), write_y=fp32_output)
         elif amp.active():  # the product on tensor cores (nn.amp), bias + ReLU in fp32
             ops = cpu_ops if xp is np else ops_for(xp)
             y, mask = ops.bias_act_forward(amp.matmul(x, w.T, fp32_result=True),
@@ -86,6 +106,24 @@ class Linear(Module):
         if keeps_activations():  # for backward (an inference forward keeps nothing: nn.inference)
             self._x, self._mask, self._x_bits = x, mask, x_bits
         return y
+
+    @staticmethod
+    def _takes_bits(x_bits, w) -> bool:
+        """Whether a forward may take its input as 16-bit patterns alone: fp16 / bf16 on CuPy."""
+        return (x_bits is not None and amp.active() and amp.current() in amp.HALF_PRECISIONS
+                and w.dtype == np.float32 and array_namespace(x_bits, w) is not np)
+
+    def _input(self):
+        """The saved input as a product's operand: x, or its 16-bit patterns where the layer
+        below wrote no fp32 copy (``forward(fp32_output=False)``)."""
+        return self._x if self._x is not None else self._x_bits
+
+    def _input_fp32(self):
+        """The saved input in fp32 (decoded from its 16-bit patterns where it exists only as
+        them: exact, they are its rounded values), for the one-pass last-layer kernels."""
+        if self._x is not None:
+            return self._x
+        return amp.from_bits(self._x_bits)
 
     def fuses_backward_cast(self, dy) -> bool:
         """Whether ``backward(dy)`` takes the one-pass path of fp16 / bf16 on CuPy
@@ -103,10 +141,10 @@ class Linear(Module):
         the one-pass path (``fuses_backward_cast``); ``dy_rounded=False`` says dy is such an
         unrounded dx, rounded here first (as it is read on the one-pass path). Either way the
         results are the bits of the rounded chain."""
-        if self._x is None:
+        if self._x is None and self._x_bits is None:
             raise InputError("Linear.backward() without a forward(): run forward first")
         check_features(dy, "Linear output gradient", 2, self.out_features, self.weight.data.dtype)
-        w, x = self.weight.data, self._x
+        w, x = self.weight.data, self._input()
         xp = array_namespace(dy, w)
         fused_cast = self.fuses_backward_cast(dy)
         if not dy_rounded and not fused_cast and amp.current() in amp.HALF_PRECISIONS:
@@ -153,7 +191,7 @@ class Linear(Module):
 
         xp = array_namespace(dy)
         dx, dw, db = dense_ops.last_layer_backward(
-            xp.ascontiguousarray(dy.reshape(-1)), xp.ascontiguousarray(self._x),
+            xp.ascontiguousarray(dy.reshape(-1)), xp.ascontiguousarray(self._input_fp32()),
             xp.ascontiguousarray(self.weight.data[0]), amp.current())
         self.weight.grad[0] += dw
         self.bias.grad += db
@@ -192,11 +230,12 @@ class Linear(Module):
             raise InputError(f"{self.weight.name[:-len('.weight')] or 'Linear'}: the loss fuses "
                              f"only with a one-output layer without ReLU (this one has "
                              f"{self.out_features} outputs, relu={self.relu})")
-        if self._x is None:
+        if self._x is None and self._x_bits is None:
             raise InputError("Linear.loss_and_backward() without a forward(): run forward first")
         labels = checked_labels(logits, labels)
-        xp = array_namespace(self._x)
-        x = xp.ascontiguousarray(self._x)
+        x = self._input_fp32()
+        xp = array_namespace(x)
+        x = xp.ascontiguousarray(x)
         loss, dlogits, dx, dw, db = dense_ops.bce_last_layer(
             xp.ascontiguousarray(logits), xp.ascontiguousarray(labels), x,
             xp.ascontiguousarray(self.weight.data[0]), scale, amp.current(), launch=launch)
@@ -283,15 +322,26 @@ class MLP(Module):
         yield from (d for d in self.dropouts if d is not None)
 
     def forward(self, x):
-        """x: (B, in_features) -> (B, sizes[-1])."""
+        """x: (B, in_features) -> (B, sizes[-1]).
+
+        Under fp16 / bf16 on CuPy a hidden layer's output that goes straight (no dropout) into
+        a layer with several outputs exists only as the 16-bit copy that layer's products read
+        (``Linear.forward(fp32_output=False)``): no fp32 write, no fp32 array kept for the
+        backward. The input of a logit layer stays fp32 (its one-pass backward reads it)."""
         bits = None
         for i, layer in enumerate(self.layers):
-            x = layer.forward(x, x_bits=bits)
+            x = layer.forward(x, x_bits=bits, fp32_output=self._output_in_fp32(i))
             bits, layer.out_bits = getattr(layer, "out_bits", None), None  # the next layer's now
             if self.dropouts[i] is not None:
                 bits = None  # dropout changes x: the next layer casts it itself
                 x = self.dropouts[i].forward(x)
         return x
+
+    def _output_in_fp32(self, i: int) -> bool:
+        """Whether layer i's output is needed in fp32, not only as its 16-bit copy: the MLP's
+        output, a dropout's input, or a logit layer's input."""
+        return (not HIDDEN_OUTPUTS_AS_BITS or i == len(self.layers) - 1
+                or self.dropouts[i] is not None or self.layers[i + 1].is_logit_layer)
 
     def backward(self, dy):
         """dy: (B, sizes[-1]) -> dx (B, in_features)."""

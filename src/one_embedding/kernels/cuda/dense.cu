@@ -143,14 +143,16 @@ __global__ void dense_cast(const T* x, oe::i64 n, int kind, int want_bits, unsig
   }
 }
 
-// y[i] = v and, with kind 1 / 2, its 16-bit pattern: oe::bias_act_forward_words' store.
+// y[i] = v (unless write_y is 0) and, with kind 1 / 2, its 16-bit pattern:
+// oe::bias_act_forward_words' store.
 template <typename T>
 struct StoreCast {
   T* y;
   unsigned short* y_bits;
   int kind;
+  int write_y;
   __device__ __forceinline__ void operator()(oe::i64 i, T v) const {
-    y[i] = v;
+    if (write_y) y[i] = v;
     if (kind == oe::precision::FP16 || kind == oe::precision::BF16) {
       y_bits[i] = oe::precision::to_bits((float)v, kind);
     }
@@ -160,14 +162,16 @@ struct StoreCast {
 // y = relu(h + b) (or h + b) in T, its bit-packed ReLU mask (as mlp_bias_act_forward), and with
 // kind 1 / 2 the 16-bit copy of y that the next layer's GEMM reads: one pass after the GEMM.
 // h, y: (rows, cols), y may alias h; b: (cols,); relu_mask: (ceil(rows * cols / 32),) when relu;
-// y_bits: (rows, cols) u16 when kind is 1 or 2. Grid-stride over mask words, whole warps
-// (oe::bias_act_forward_words).
+// y_bits: (rows, cols) u16 when kind is 1 or 2. write_y == 0 (kind 1 / 2 only): y is not
+// written, a hidden layer's output that only the next GEMM reads, as y_bits (4 of the 10 bytes
+// an element costs this pass, and the fp32 array its backward would have kept). Grid-stride over
+// mask words, whole warps (oe::bias_act_forward_words).
 template <typename T>
 __global__ void dense_bias_act_cast(const T* h, const T* b, oe::i64 rows, int cols, int relu,
                                     int kind, T* y, unsigned* relu_mask, unsigned short* y_bits,
-                                    int ahead) {
+                                    int write_y, int ahead) {
   oe::bias_act_forward_words(h, b, rows * (oe::i64)cols, cols, relu,
-                             StoreCast<T>{y, y_bits, kind}, relu_mask, ahead);
+                             StoreCast<T>{y, y_bits, kind, write_y}, relu_mask, ahead);
 }
 
 // dy[i], rounded to ``kind`` first when ``kind`` is not 0 (a gradient the layer above left
