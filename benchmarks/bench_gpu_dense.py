@@ -17,8 +17,8 @@ off``, ``tf32`` and ``bf16``:
 - the whole step (forward + loss + backward) as the baseline the stages add up to; under bf16
   also with ``nn.linear.FUSED_BACKWARD_CAST`` off (each Linear backward's dh in fp32, cast by
   each of its two products: the path before the fused pass), and with
-  ``nn.linear.HIDDEN_OUTPUTS_AS_BITS`` off (every hidden output also written, and kept, in fp32:
-  the path before its 16-bit copy stood alone);
+  ``nn.linear.HIDDEN_OUTPUTS_AS_BITS`` off (every hidden output, and the interaction's, also
+  written, and kept, in fp32: the path before their 16-bit copies stood alone);
 - the whole step replayed as the trainer's CUDA graph: the device's time alone (the uncaptured
   step also pays Python's launches, a few hundred a step);
 - the whole step with ``kernels.cuda_module.LOADS_AHEAD`` off (the bias + ReLU (+ cast)
@@ -144,8 +144,8 @@ def bench_dense_parts(dev, args) -> dict:
                                   f"before): the fused pass is {before_ms / step_ms:.2f}x",
                          "forward + backward ms": before_ms})
             fp32_hidden_ms = _switched_off(linear, "HIDDEN_OUTPUTS_AS_BITS", seconds, step)
-            rows.append({"stage": f"whole step, hidden outputs also written in fp32 (the path "
-                                  f"before): 16-bit copies alone are "
+            rows.append({"stage": f"whole step, hidden and interaction outputs also written in "
+                                  f"fp32 (the path before): 16-bit copies alone are "
                                   f"{fp32_hidden_ms / step_ms:.2f}x",
                          "forward + backward ms": fp32_hidden_ms})
         graph_ms, graph_status = _captured_step_ms(dev, model, mode, dense, labels, embedded,

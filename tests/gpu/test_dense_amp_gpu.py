@@ -285,6 +285,44 @@ def test_mlp_hidden_outputs_as_16_bit_copies_alone_give_the_bits_of_the_fp32_pat
         assert kept == {True: [True, False, False, True], False: [True] * 4}
 
 
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_the_interaction_hands_the_top_mlp_16_bit_patterns_alone_with_the_same_bits(
+        precision, monkeypatch):
+    """DLRM's interaction -> top MLP with the interaction's output written only as the 16-bit
+    patterns the first product reads, against writing it in fp32 (``HIDDEN_OUTPUTS_AS_BITS``
+    off): logits, input gradients and parameter gradients bit for bit. (The dry run's arrays
+    are numpy: both runs take the numpy path there.)"""
+    import cupy
+
+    from one_embedding.nn import MLP, DotInteraction, linear
+
+    rng = np.random.default_rng(17)
+    batch, tables, dim = 512, 26, 128
+    bottom = (rng.standard_normal((batch, dim)) * 0.5).astype(np.float32)
+    emb = (rng.standard_normal((batch, tables, dim)) * 0.5).astype(np.float32)
+    labels = (rng.random(batch) < 0.3).astype(np.float32)
+    xp = cupy if not isinstance(cupy.asarray(bottom), np.ndarray) else np
+    width = dim + tables * (tables + 1) // 2 + 1
+    results, returned = {}, {}
+    for as_bits in (True, False):
+        monkeypatch.setattr(linear, "HIDDEN_OUTPUTS_AS_BITS", as_bits)
+        inter = DotInteraction(output_padding=1)
+        top = MLP(width, [256, 64, 1], last_relu=False, seed=2).to(xp)
+        b_d, e_d = xp.asarray(bottom), xp.asarray(emb)
+        with amp.autocast(precision):
+            out = inter.forward([b_d, e_d], b_d, fp32_output=not top.takes_input_bits())
+            returned[as_bits] = out is not None
+            logits = top.forward(out, inter.out_bits).reshape(-1)
+            dinter = top.loss_and_backward(logits, xp.asarray(labels), 1.0)[2]
+            (gb, ge), gc = inter.backward(dinter)
+        results[as_bits] = [np.asarray(cupy.asnumpy(a)) for a in
+                            [logits, dinter, gb, ge, gc] + [p.grad for p in top.parameters()]]
+    for i, (got, want) in enumerate(zip(results[True], results[False])):
+        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(i))
+    if xp is not np:
+        assert returned == {True: False, False: True}
+
+
 @pytest.mark.parametrize("precision", ["tf32", "fp16", "bf16"])
 def test_interaction_layer_on_the_device_equals_numpy(precision):
     """DotInteraction on CuPy under AMP runs dense.cu's one-kernel path: same numerics as the

@@ -296,6 +296,39 @@ def test_the_blocked_kernels_are_the_tile_kernels_bit_for_bit(launch, monkeypatc
     assert np.isnan(out).any() and np.isnan(drest).any() and np.isfinite(drest).any()
 
 
+@pytest.mark.stress_seeds
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_interaction_output_as_16_bit_patterns_alone_is_the_cast_of_the_float_output(
+        launch, monkeypatch, precision):
+    """``bits_only``: each forward kernel (vector, tile, one thread per output; split and packed
+    inputs) writes the output row only as the 16-bit patterns ``gemm.cast`` gives of the float
+    output, bit for bit (concat columns, NaN and infinities included); fp32 / tf32 refuse it."""
+
+    rng = np.random.default_rng(8)
+    first = rng.standard_normal((5, 1, 16)).astype(np.float32)
+    rest = rng.standard_normal((5, 6, 16)).astype(np.float32)
+    rest[0, 0, :2] = [np.inf, np.nan]
+    concat = np.ascontiguousarray(first[:, 0] * 1e3)        # rounded by the patterns
+    for blocked, tile in [(True, True), (False, True), (False, False)]:
+        monkeypatch.setattr(dense_ops, "BLOCKED_INTERACTION", blocked)
+        out = dense_ops.interaction_forward(first, rest, concat, False, 3, precision,
+                                            launch=launch, tile=tile)
+        bits = dense_ops.interaction_forward(first, rest, concat, False, 3, precision,
+                                             launch=launch, tile=tile, bits_only=True)
+        assert bits.dtype == np.uint16 and bits.shape == out.shape
+        np.testing.assert_array_equal(bits, gemm.cast(out, precision, launch=launch)[0],
+                                      err_msg=f"blocked={blocked} tile={tile}")
+        packed = np.ascontiguousarray(np.concatenate([first, rest], axis=1))
+        packed_bits = dense_ops.interaction_forward_packed(packed, 1, concat, False, 3, precision,
+                                                           launch=launch, tile=tile,
+                                                           bits_only=True)
+        np.testing.assert_array_equal(packed_bits, bits)
+    for precision in ("off", "tf32"):
+        with pytest.raises(InputError, match="bits_only=True.*fp16 or bf16"):
+            dense_ops.interaction_forward(first, rest, concat, False, 3, precision,
+                                          launch=launch, bits_only=True)
+
+
 def test_the_blocked_kernels_take_the_samples_they_fit():
     """A 16-byte vector of columns (4 float32, 2 float64), the features (rows of dim + one
     vector) and the pair gradients (rows rounded up to BLOCK_ROWS) in the tile kernels' shared
@@ -446,62 +479,3 @@ def test_last_layer_backward_in_one_pass_equals_linear_backward(launch, monkeypa
     np.testing.assert_allclose(fused_layer.bias.grad, numpy_layer.bias.grad, rtol=1e-5)
     assert fused_layer._x is None
 
-
-class _DeviceNumpy:
-    """numpy under another name: the namespace Linear takes for a device's (its CuPy path) while
-    the arrays stay numpy, the kernels run on the emulator (``dense_ops.resolve``) and the
-    products are nn.amp's numpy emulation."""
-
-    def __getattr__(self, name):
-        return getattr(np, name)
-
-
-@pytest.mark.parametrize("precision", ["fp16", "bf16"])
-@pytest.mark.parametrize("sizes, last_relu", [([96, 64, 32, 1], False), ([96, 64, 32], True)])
-def test_mlp_hidden_outputs_as_16_bit_copies_alone_give_the_bits_of_the_fp32_path(
-        launch, monkeypatch, precision, sizes, last_relu):
-    """An MLP's CuPy fp16 / bf16 path through the layers' own glue, on the emulator: with the
-    hidden outputs that only the next layer's products read written as their 16-bit copies
-    alone (no fp32 array written or kept), against the path that also writes them in fp32
-    (``linear.HIDDEN_OUTPUTS_AS_BITS`` off): the output, the input gradient and every parameter
-    gradient bit for bit, the loss fused with the last layer or not."""
-    from one_embedding.nn import MLP, linear
-
-    device = _DeviceNumpy()
-    monkeypatch.setattr(dense_ops, "resolve", lambda _: launch)
-    monkeypatch.setattr(linear, "array_namespace", lambda *arrays: device)
-    rng = np.random.default_rng(21)
-    x = (rng.standard_normal((70, 48)) * 0.5).astype(np.float32)
-    labels = (rng.random(70) < 0.3).astype(np.float32)
-    results, kept = {}, {}
-    for as_bits in (True, False):
-        monkeypatch.setattr(linear, "HIDDEN_OUTPUTS_AS_BITS", as_bits)
-        out = []
-        for with_loss in (True, False) if not last_relu else (False,):
-            mlp = MLP(48, sizes, last_relu=last_relu, seed=4)
-            with amp.autocast(precision):
-                y = mlp.forward(x)
-                kept[as_bits] = [layer._x is not None for layer in mlp.layers]
-                if with_loss:
-                    dx = mlp.loss_and_backward(y.reshape(-1), labels, 1.0)[2]
-                else:
-                    dx = mlp.backward(np.full(y.shape, 1e-3, np.float32))
-            out += [y, dx] + [p.grad for p in mlp.parameters()]
-        results[as_bits] = out
-    for i, (got, want) in enumerate(zip(results[True], results[False], strict=True)):
-        np.testing.assert_array_equal(got.view(np.uint32), want.view(np.uint32), err_msg=str(i))
-    assert kept[False] == [True] * len(sizes)
-    # layer 0 reads the MLP's input; a logit layer's input stays fp32 for its one-pass backward
-    want_kept = [True] + [False] * (len(sizes) - 1)
-    if not last_relu:
-        want_kept[-1] = True
-    assert kept[True] == want_kept
-
-
-def test_a_linear_layer_without_its_input_bits_names_the_path_that_takes_them():
-    from one_embedding.nn import Linear
-
-    with pytest.raises(InputError, match="x=None.*x_bits.*fp16 / bf16 on CuPy"):
-        Linear(4, 3)(None)
-    with amp.autocast("bf16"), pytest.raises(InputError, match=r"x=None\) needs x_bits.*amp .bf16., x_bits \(2, 4\) uint16"):
-        Linear(4, 3).forward(None, x_bits=np.zeros((2, 4), np.uint16))   # numpy: no such path

@@ -172,21 +172,25 @@ def _parts(first, rest):
 
 
 def interaction_forward(first, rest, concat, self_interaction: bool, pad: int, precision: str,
-                        launch=None, tile: bool | None = None):
+                        launch=None, tile: bool | None = None, bits_only: bool = False):
     """first: (B, F1, D), rest: (B, F2, D) (the features, F = F1 + F2, read in place); concat:
     (B, C) or None -> out (B, C + P + pad) = [concat | x_r . x_c over pair_table(F) | zeros].
 
     ``tile``: the one-block-per-sample kernel (features in shared memory) or the one-thread-per-
-    output one; None picks the first where the sample fits (``fits_tile``). Same results."""
+    output one; None picks the first where the sample fits (``fits_tile``). Same results.
+    ``bits_only`` (fp16 / bf16): out is written only as its 16-bit patterns, (B, C + P + pad)
+    uint16, as ``kernels.gemm.cast`` would give them (the concat columns rounded too): the
+    operand of the next layer's product, which reads nothing else of it."""
     launch = resolve(launch)
     first, rest = _parts(first, rest)
     batch, f1, dim = first.shape
     return _forward(launch, first, rest, _no_bits(launch), _SPLIT, batch, f1, rest.shape[1], dim,
-                    concat, self_interaction, pad, precision, tile)
+                    concat, self_interaction, pad, precision, tile, bits_only)
 
 
 def interaction_forward_packed(features, n_first: int, concat, self_interaction: bool, pad: int,
-                               precision: str, launch=None, tile: bool | None = None):
+                               precision: str, launch=None, tile: bool | None = None,
+                               bits_only: bool = False):
     """``interaction_forward`` on one buffer: features (B, F, D) float32 (precision off / tf32)
     or uint16, the fp16 / bf16 patterns of the values (precision fp16 / bf16; see
     ``kernels.layout_ops``). Same results as the split call on the decoded values;
@@ -195,7 +199,7 @@ def interaction_forward_packed(features, n_first: int, concat, self_interaction:
     data, bits, packed, _ = _packed(features, n_first, precision, launch)
     batch, f, dim = features.shape
     return _forward(launch, data, data, bits, packed, batch, int(n_first), f - int(n_first), dim,
-                    concat, self_interaction, pad, precision, tile)
+                    concat, self_interaction, pad, precision, tile, bits_only)
 
 
 _SPLIT, _PACKED, _PACKED_BITS = 0, 1, 2   # dense.cu's layouts
@@ -223,8 +227,11 @@ def _packed(features, n_first, precision, launch):
 
 
 def _forward(launch, first, rest, bits, packed, batch, f1, f2, dim, concat, self_interaction,
-             pad, precision, tile):
+             pad, precision, tile, bits_only):
     xp = launch.xp
+    if bits_only and precision not in HALF_PRECISIONS:
+        raise InputError(f"interaction_forward(bits_only=True) under precision={precision!r}: "
+                         "16-bit patterns are fp16 / bf16 values; use fp16 or bf16")
     n_concat = 0
     if concat is not None:   # first: the float features, or a float32 stand-in beside bits
         concat = _float("concat", concat, 2, like=first)
@@ -235,10 +242,11 @@ def _forward(launch, first, rest, bits, packed, batch, f1, f2, dim, concat, self
         raise InputError(f"pad={pad!r} must be an integer >= 0")
     n_pairs = _n_pairs(f1 + f2, bool(self_interaction))
     width = n_concat + n_pairs + int(pad)
-    out = xp.empty((batch, width), dtype=first.dtype)
+    out = xp.empty((1,) if bits_only else (batch, width), dtype=first.dtype)
+    out_bits = xp.empty((batch, width) if bits_only else (1,), dtype=xp.uint16)
     tile = _pick_tile(tile, f1 + f2, dim, bool(self_interaction))
-    if out.size:
-        blocks = cm.grid_stride_blocks(batch * launch.block if tile else out.size,
+    if batch * width:
+        blocks = cm.grid_stride_blocks(batch * launch.block if tile else batch * width,
                                        launch.n_sms, launch.block)
         name = ("interaction_forward" if not tile else "interaction_forward_vector"
                 if BLOCKED_INTERACTION and fits_blocked(f1 + f2, dim, first.dtype)
@@ -247,8 +255,9 @@ def _forward(launch, first, rest, bits, packed, batch, f1, f2, dim, concat, self
                    (first, rest, bits, np.int32(packed), first if concat is None else concat,
                     np.int64(batch), np.int32(f1), np.int32(f2), np.int32(dim),
                     np.int32(bool(self_interaction)), np.int32(_kind(precision)),
-                    np.int32(n_concat), np.int32(n_pairs), np.int32(width), out))
-    return out
+                    np.int32(n_concat), np.int32(n_pairs), np.int32(width), out, out_bits,
+                    np.int32(bool(bits_only))))
+    return out_bits if bits_only else out
 
 
 def interaction_backward(dout, first, rest, n_concat: int, self_interaction: bool,

@@ -116,17 +116,23 @@ class DLRM(CTRModel):
                                  "with this model's embed")
             z = self.bottom_mlp.forward(dense)                       # (B, E)
             layout_ops.write_slot(z, embedded, 0, embedded.launch)   # X[:, 0] = z
-            inter = self.interaction.forward_packed(embedded, z)     # (B, 480)
-            logits = self.top_mlp.forward(inter)                     # (B, 1)
+            # (B, 480); under fp16 / bf16 on CuPy only its 16-bit patterns (out_bits)
+            inter = self.interaction.forward_packed(embedded, z, fp32_output=self._inter_fp32())
+            logits = self.top_mlp.forward(inter, self.interaction.out_bits)   # (B, 1)
             self._batch = dense.shape[0]
             return logits.reshape(-1)
         dense = self.check_dense(dense, embedded.shape[0])
         embedded = self._embedded(embedded, dense.shape[0])
         z = self.bottom_mlp.forward(dense)                           # (B, E)
-        inter = self.interaction.forward([z, embedded], z)          # (B, 480)
-        logits = self.top_mlp.forward(inter)                         # (B, 1)
+        inter = self.interaction.forward([z, embedded], z, fp32_output=self._inter_fp32())
+        logits = self.top_mlp.forward(inter, self.interaction.out_bits)       # (B, 1)
         self._batch = dense.shape[0]
         return logits.reshape(-1)
+
+    def _inter_fp32(self) -> bool:
+        """Whether the interaction's output is needed in fp32, not only as the 16-bit patterns
+        the top MLP's first product reads (``MLP.takes_input_bits``)."""
+        return not self.top_mlp.takes_input_bits()
 
     def backward_to_embeddings(self, dlogits):
         """dlogits: (B,) -> (ddense (B, dense_features), dembedded (B, num_tables, E))."""

@@ -60,6 +60,7 @@ class DotInteraction(Module):
         self._n_concat = 0
         self._split = None
         self._fused = None
+        self.out_bits = None
 
     def output_width(self, num_features: int, concat_width: int = 0, dim: int | None = None) -> int:
         """Columns of the output for F features and a C-wide output_concat (D for pooling="sum")."""
@@ -92,13 +93,18 @@ class DotInteraction(Module):
             return parts
         return array_namespace(*parts).concatenate(parts, axis=1)
 
-    def forward(self, features, output_concat=None):
+    def forward(self, features, output_concat=None, *, fp32_output: bool = True):
+        """The interaction of ``features`` (class docstring). ``fp32_output=False``: on the CuPy
+        fp16 / bf16 path the output is written only as its 16-bit patterns, kept as
+        ``out_bits`` (B, width) uint16, and None is returned (the next layer's product reads
+        nothing else: ``Linear.forward(None, x_bits=...)``); elsewhere it changes nothing."""
         self._fused = None
+        self.out_bits = None
         if amp.active() and self.pooling == "none":
             listed = isinstance(features, (list, tuple))
             xp = array_namespace(*(features if listed else [features]))
             if xp is not np and (features[0] if listed else features).dtype == np.float32:
-                return self._forward_fused(features, output_concat)
+                return self._forward_fused(features, output_concat, fp32_output)
             # half precision (nn.amp): the features rounded as they enter the pairwise products,
             # and the products as they leave (fp16 / bf16; tf32 results stay fp32);
             # output_concat passes through unchanged
@@ -110,7 +116,17 @@ class DotInteraction(Module):
             return out
         return self._forward(features, output_concat)
 
-    def _forward_fused(self, features, output_concat):
+    def _bits_only(self, fp32_output: bool) -> bool:
+        return not fp32_output and amp.current() in amp.HALF_PRECISIONS
+
+    def _kept_output(self, out, bits_only: bool):
+        """The fused kernels' result as ``forward`` returns it (``fp32_output``)."""
+        if not bits_only:
+            return out
+        self.out_bits = out
+        return None
+
+    def _forward_fused(self, features, output_concat, fp32_output=True):
         """The CuPy AMP path: one kernel (kernels/dense_ops.py) reads the parts in place, rounds
         the operands in registers, and writes concat | products | padding: the numerics of the
         numpy path above, without its rounding passes, batched GEMM and (B, F, F) buffer."""
@@ -133,10 +149,12 @@ class DotInteraction(Module):
             self._n_concat = 0 if output_concat is None else output_concat.shape[1]
             self._fused = ("split", [p.shape[1] for p in parts], first, rest)
             self._x = [first, rest]
-        return dense_ops.interaction_forward(first, rest, output_concat, self.self_interaction,
-                                             self.output_padding, amp.current())
+        bits_only = self._bits_only(fp32_output)
+        return self._kept_output(dense_ops.interaction_forward(
+            first, rest, output_concat, self.self_interaction, self.output_padding, amp.current(),
+            bits_only=bits_only), bits_only)
 
-    def forward_packed(self, features, output_concat=None):
+    def forward_packed(self, features, output_concat=None, *, fp32_output: bool = True):
         """The interaction of a ``kernels.layout_ops.InteractionInput`` (data (B, S, D): the
         model's own features at slots ``:first_slot``, the embeddings the gather wrote after),
         output_concat (B, C) or None -> (B, C + P + output_padding): ``forward`` on the values,
@@ -145,7 +163,9 @@ class DotInteraction(Module):
 
         CuPy under AMP: one kernel reads the buffer (16-bit under fp16 / bf16); CuPy fp32: the
         batched-GEMM path on the buffer itself (no concatenation); numpy: ``forward`` on the
-        decoded values (the reference, and the CPU model of the dry run)."""
+        decoded values (the reference, and the CPU model of the dry run). ``fp32_output`` as in
+        ``forward``."""
+        self.out_bits = None
         if self.pooling != "none":
             raise ConfigError("forward_packed is the pairwise interaction: pooling='sum' takes "
                               "its features through forward")
@@ -160,9 +180,9 @@ class DotInteraction(Module):
             if keeps_activations():
                 self._split = split
             return out
-        return self._forward_packed_fused(features, output_concat, split)
+        return self._forward_packed_fused(features, output_concat, split, fp32_output)
 
-    def _forward_packed_fused(self, features, output_concat, split):
+    def _forward_packed_fused(self, features, output_concat, split, fp32_output=True):
         from ..kernels import dense_ops
 
         data, n_first = features.data, features.first_slot
@@ -179,9 +199,10 @@ class DotInteraction(Module):
             self._fused = ("packed", data, n_first)
             self._x = data
             self._split = split
-        return dense_ops.interaction_forward_packed(data, n_first, output_concat,
-                                                    self.self_interaction, self.output_padding,
-                                                    amp.current())
+        bits_only = self._bits_only(fp32_output)
+        return self._kept_output(dense_ops.interaction_forward_packed(
+            data, n_first, output_concat, self.self_interaction, self.output_padding,
+            amp.current(), bits_only=bits_only), bits_only)
 
     def _backward_fused(self, dout):
         from ..kernels import dense_ops

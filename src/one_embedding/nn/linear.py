@@ -321,14 +321,15 @@ class MLP(Module):
         yield from self.layers
         yield from (d for d in self.dropouts if d is not None)
 
-    def forward(self, x):
-        """x: (B, in_features) -> (B, sizes[-1]).
+    def forward(self, x, x_bits=None):
+        """x: (B, in_features) -> (B, sizes[-1]); ``x_bits``: x's fp16 / bf16 patterns when the
+        layer before wrote them (then x may be None: ``Linear.forward``).
 
         Under fp16 / bf16 on CuPy a hidden layer's output that goes straight (no dropout) into
         a layer with several outputs exists only as the 16-bit copy that layer's products read
         (``Linear.forward(fp32_output=False)``): no fp32 write, no fp32 array kept for the
         backward. The input of a logit layer stays fp32 (its one-pass backward reads it)."""
-        bits = None
+        bits = x_bits
         for i, layer in enumerate(self.layers):
             x = layer.forward(x, x_bits=bits, fp32_output=self._output_in_fp32(i))
             bits, layer.out_bits = getattr(layer, "out_bits", None), None  # the next layer's now
@@ -336,6 +337,11 @@ class MLP(Module):
                 bits = None  # dropout changes x: the next layer casts it itself
                 x = self.dropouts[i].forward(x)
         return x
+
+    def takes_input_bits(self) -> bool:
+        """Whether the layer before may hand this MLP its output as 16-bit patterns alone
+        (``forward(None, x_bits)``): its first layer is no logit layer (``_output_in_fp32``)."""
+        return HIDDEN_OUTPUTS_AS_BITS and not self.layers[0].is_logit_layer
 
     def _output_in_fp32(self, i: int) -> bool:
         """Whether layer i's output is needed in fp32, not only as its 16-bit copy: the MLP's

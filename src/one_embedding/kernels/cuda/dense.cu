@@ -116,15 +116,29 @@ __device__ __forceinline__ T output_value(const T* concat, i64 s, int j, int n_c
   return rounded(dot(r, p - pair_index(r, 0, self_interaction)), out_kind);
 }
 
-// Sample s's output row out[s] (output_value), element j by thread threadIdx.x, + blockDim.x,
-// ... of the block; dot(r, c) from the staged features.
+// Stores output element i: its value in out, or (bits_only, fp16 / bf16) only its 16-bit
+// pattern in out_bits, the operand the next layer's product reads (the concat columns rounded
+// there as that product's cast rounded them).
+template <typename T>
+__device__ __forceinline__ void store_output(T* out, unsigned short* out_bits, int bits_only,
+                                             int kind, i64 i, T v) {
+  if (bits_only) {
+    out_bits[i] = precision::to_bits((float)v, kind);
+  } else {
+    out[i] = v;
+  }
+}
+
+// Sample s's output row (output_value) stored (store_output), element j by thread threadIdx.x,
+// + blockDim.x, ... of the block; dot(r, c) from the staged features.
 template <typename T, typename Dot>
 __device__ __forceinline__ void write_outputs(const T* concat, i64 s, int n_concat, int n_pairs,
-                                              int width, int self_interaction, int out_kind,
-                                              T* out, const Dot& dot) {
+                                              int width, int self_interaction, int kind,
+                                              int out_kind, T* out, unsigned short* out_bits,
+                                              int bits_only, const Dot& dot) {
   for (int j = threadIdx.x; j < width; j += blockDim.x) {
-    out[s * (i64)width + j] =
-        output_value(concat, s, j, n_concat, n_pairs, self_interaction, out_kind, dot);
+    store_output(out, out_bits, bits_only, kind, s * (i64)width + j,
+                 output_value(concat, s, j, n_concat, n_pairs, self_interaction, out_kind, dot));
   }
 }
 
@@ -218,18 +232,21 @@ __global__ void dense_bias_act_backward_cast(const T* dy, const unsigned* relu_m
 // out (batch, width) = [concat | x_r . x_c for the pairs | zero padding], one thread per output
 // element; each dot reads the sample's two rows (cached) and accumulates in T over operands
 // rounded to ``kind``; the dot leaves rounded to the half type (kind 1 / 2). The concat columns
-// pass through unrounded. concat: (batch, n_concat), unused when n_concat == 0.
+// pass through unrounded. concat: (batch, n_concat), unused when n_concat == 0. bits_only (kind
+// 1 / 2): the row is stored only as its 16-bit patterns in out_bits (batch, width) u16 (the next
+// layer's operand; out untouched), else in out (batch, width) (out_bits untouched).
 template <typename T>
 __global__ void dense_interaction_forward(const T* first, const T* rest,
                                           const unsigned short* bits, int packed, const T* concat,
                                           oe::i64 batch, int f1, int f2, int dim,
                                           int self_interaction, int kind, int n_concat,
-                                          int n_pairs, int width, T* out) {
+                                          int n_pairs, int width, T* out,
+                                          unsigned short* out_bits, int bits_only) {
   const oe::i64 n = batch * (oe::i64)width;
   const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
   for (oe::i64 i = oe::grid_thread(); i < n; i += oe::grid_threads()) {
     const oe::i64 s = i / width;
-    out[i] = oe::dense::output_value(
+    oe::dense::store_output(out, out_bits, bits_only, kind, i, oe::dense::output_value(
         concat, s, (int)(i - s * width), n_concat, n_pairs, self_interaction, out_kind,
         [&](int r, int c) {
           T acc = T(0);
@@ -238,7 +255,7 @@ __global__ void dense_interaction_forward(const T* first, const T* rest,
                    oe::dense::load(first, rest, bits, packed, s, c, d, f1, f2, dim, kind);
           }
           return acc;
-        });
+        }));
   }
 }
 
@@ -300,7 +317,8 @@ __global__ void dense_interaction_forward_tile(const T* first, const T* rest,
                                           const unsigned short* bits, int packed, const T* concat,
                                                oe::i64 batch, int f1, int f2, int dim,
                                                int self_interaction, int kind, int n_concat,
-                                               int n_pairs, int width, T* out) {
+                                               int n_pairs, int width, T* out,
+                                               unsigned short* out_bits, int bits_only) {
   __shared__ T xs[oe::dense::TILE_ELEMENTS];
   const int stride = dim + 1;
   const int out_kind = kind == oe::precision::TF32 ? oe::precision::NONE : kind;
@@ -311,7 +329,8 @@ __global__ void dense_interaction_forward_tile(const T* first, const T* rest,
                                    xs[row * stride + (k - row * dim)] = values[0];
                                  });
     __syncthreads();
-    oe::dense::write_outputs(concat, s, n_concat, n_pairs, width, self_interaction, out_kind, out,
+    oe::dense::write_outputs(concat, s, n_concat, n_pairs, width, self_interaction, kind,
+                             out_kind, out, out_bits, bits_only,
                              [&](int r, int c) {
                                T acc = T(0);
                                for (int d = 0; d < dim; ++d) {
@@ -336,7 +355,8 @@ __global__ void dense_interaction_forward_vector(const T* first, const T* rest,
                                                  const unsigned short* bits, int packed,
                                                  const T* concat, oe::i64 batch, int f1, int f2,
                                                  int dim, int self_interaction, int kind,
-                                                 int n_concat, int n_pairs, int width, T* out) {
+                                                 int n_concat, int n_pairs, int width, T* out,
+                                                 unsigned short* out_bits, int bits_only) {
   typedef typename oe::Vector16<T>::type V;
   constexpr int LANES = oe::Vector16<T>::LANES;
   __shared__ V xs[oe::dense::TILE_ELEMENTS / LANES];
@@ -353,7 +373,8 @@ __global__ void dense_interaction_forward_vector(const T* first, const T* rest,
                                        xs[row * stride + (k - row * groups)] = v;
                                      });
     __syncthreads();
-    oe::dense::write_outputs(concat, s, n_concat, n_pairs, width, self_interaction, out_kind, out,
+    oe::dense::write_outputs(concat, s, n_concat, n_pairs, width, self_interaction, kind,
+                             out_kind, out, out_bits, bits_only,
                              [&](int r, int c) {
                                T acc = T(0);
                                for (int g = 0; g < groups; ++g) {
