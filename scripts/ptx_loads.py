@@ -25,7 +25,7 @@ KERNELS = {
               "dense_interaction_forward_tile", "dense_interaction_forward_vector",
               "dense_interaction_backward_tile", "dense_interaction_backward_blocked"],
     "embedding": ["embedding_gather_vector", "embedding_gather_into_vector",
-                  "embedding_nonfinite_rows", "embedding_patch_rows"],
+                  "embedding_patch_rows"],
     "optim": ["optim_summed_adagrad", "optim_summed_adam"],
 }
 

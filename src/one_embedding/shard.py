@@ -311,10 +311,10 @@ class EmbeddingShard(ShardSnapshots):
             live_rows.fill_missing(lines, found, live, self.layout.state_blocks(optimizer),
                                    self.launch)
         if isinstance(grads, fused_update.SummedGradients):
-            fused_update.update_lines_summed(optimizer, lines, grads, step, live)
+            bad = fused_update.update_lines_summed(optimizer, lines, grads, step, live)
         else:
-            device_ops.update_lines(optimizer, lines, grads, step, self.launch, live)
-        _check_finite_rows(xp, keys, lines, grads, optimizer, step, live, self.launch)
+            bad = device_ops.update_lines(optimizer, lines, grads, step, self.launch, live)
+        _check_finite_rows(xp, keys, lines, grads, optimizer, step, bad)
 
     def put(self, keys: np.ndarray, lines: np.ndarray, plan: StepPlan | None = None) -> int:
         """Store updated lines (v, stored_size) of keys (v,) uint64; returns v. ``plan`` (from
@@ -442,15 +442,15 @@ def _live_part(rows: OwnerRows, grads):
     return cut, grads[:count]
 
 
-def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int, live=None,
-                       launch=None) -> None:
+def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int, bad=None) -> None:
     """InputError naming the first row the update made non-finite, before anything is stored:
     read at once, or on the trainer's device path (``host_sync.deferring``) at its next metrics
     read, before any checkpoint is written. keys: (v,) uint64; lines: (v, L); grads: (v, E), or
-    a ``fused_update.SummedGradients`` of v keys; live: a fixed-capacity batch's (1,) int64
-    device count (the rows from it on are not read), with the device ``launch``."""
-    bad = ~xp.isfinite(lines).all(axis=1) if live is None else \
-        live_rows.nonfinite_rows(lines, live, launch)
+    a ``fused_update.SummedGradients`` of v keys; bad: (v,) bool, the rows the device's update
+    kernel noted as it stored an inf or NaN (``device_ops.run_update``; a fixed-capacity
+    batch's rows from its live count on never), else found here from ``lines``."""
+    if bad is None:
+        bad = ~xp.isfinite(lines).all(axis=1)
 
     def first_bad():
         at = xp.argmax(bad)

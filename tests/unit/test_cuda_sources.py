@@ -159,6 +159,7 @@ _HOST_SHIM = r"""
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #define __device__
 #define __forceinline__ inline
 #define __shared__ static
@@ -167,6 +168,8 @@ static HostDim threadIdx, blockDim, blockIdx, gridDim;
 static void __syncthreads() {}
 template <typename T> T __shfl_xor_sync(unsigned, T v, int) { return v; }
 static unsigned __ballot_sync(unsigned, bool) { return 0; }
+static unsigned __float_as_uint(float v) { unsigned u; memcpy(&u, &v, 4); return u; }
+static long long __double_as_longlong(double v) { long long u; memcpy(&u, &v, 8); return u; }
 #include "common.cuh"
 int main(int argc, char** argv) {
   const unsigned long long seed = strtoull(argv[1], 0, 10), key = strtoull(argv[2], 0, 10);

@@ -1,6 +1,6 @@
 """The row kernels of a fixed-capacity batch (``kernels/live_rows.py``) on the host emulator,
 default and stress modes: below the live count they do what the CuPy expressions they replace
-do (``LineLayout.reset_states_where``, ``isfinite(lines).all(axis=1)``, the write log's select),
+do (``LineLayout.reset_states_where``, the write log's select),
 bit for bit; from the count on they neither write nor report anything, whatever the rows hold
 (placeholders are never initialised: NaN here)."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ from one_embedding.kernels import live_rows
 pytestmark = pytest.mark.stress_seeds
 
 N, L = 37, 11
-#: line sizes of the warp-per-row kernels (nonfinite_rows, patch_rows): 11 values (a value per
+#: line sizes of the warp-per-row kernel (patch_rows): 11 values (a value per
 #: lane), 40 (16 bytes per lane: device_ops.line_vector) and 260 (65 vectors: lanes that take a
 #: second and a third)
 LINE_SIZES = [11, 40, 260]
@@ -42,22 +42,6 @@ def test_fill_missing_resets_the_new_rows_below_the_count(launch, count):
 
 @pytest.mark.parametrize("line_size", LINE_SIZES)
 @pytest.mark.parametrize("count", [0, 1, 32, N])
-def test_nonfinite_rows_below_the_count_only(launch, count, line_size):
-    rng = np.random.default_rng(count + 10)
-    lines = _lines(rng, line_size)
-    lines[2, 7] = np.inf
-    lines[4, 0] = -np.inf
-    lines[5, 10] = np.nan
-    lines[6, line_size - 1] = np.inf            # a line's last value (the last lane's vector)
-    bad = live_rows.nonfinite_rows(lines, np.array([count], np.int64), launch)
-    want = ~np.isfinite(lines).all(axis=1)
-    want[count:] = False
-    assert bad.dtype == np.bool_
-    np.testing.assert_array_equal(bad, want)
-
-
-@pytest.mark.parametrize("line_size", LINE_SIZES)
-@pytest.mark.parametrize("count", [0, 1, 32, N])
 def test_patch_rows_copies_the_sources_below_the_count(launch, count, line_size):
     rng = np.random.default_rng(count + 20)
     lines = _lines(rng, line_size)
@@ -74,7 +58,8 @@ def test_patch_rows_copies_the_sources_below_the_count(launch, count, line_size)
 def test_live_rows_refuse_bad_arguments(launch):
     lines = np.zeros((4, 3), np.float32)
     with pytest.raises(InputError, match="count"):
-        live_rows.nonfinite_rows(lines, np.array([1, 2], np.int64), launch)
+        live_rows.patch_rows(lines, np.zeros(4, np.int64), lines, np.array([1, 2], np.int64),
+                             launch)
     with pytest.raises(InputError, match="outside"):
         live_rows.fill_missing(lines, np.zeros(4, bool), np.array([4], np.int64), [(2, 2, 0.0)],
                                launch)

@@ -74,19 +74,33 @@ def _grads(rng, n: int, dim: int, offset: int = 0) -> np.ndarray:
 
 
 def _same_bits(got, want):
-    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    """Bit for bit, every NaN taken as one (the same positions): which NaN operand an x86
+    instruction propagates, so the sign of an emulated NaN result, follows the host compiler's
+    operand order, which C++ leaves open; a GPU writes one canonical NaN whatever the order."""
+    got, want = np.asarray(got), np.asarray(want)
+    np.testing.assert_array_equal(np.isnan(got), np.isnan(want))
+    canonical = np.uint32(0x7FC00000)
+    np.testing.assert_array_equal(np.where(np.isnan(got), canonical, got.view(np.uint32)),
+                                  np.where(np.isnan(want), canonical, want.view(np.uint32)))
 
 
-def _both_paths(launch, monkeypatch, update, lines):
+def _both_paths(launch, monkeypatch, update, lines, opt=None, dim=None):
     """``update(k, lines)`` (k = 0: the glue's choice of path; k = 1: on a copy of lines, the
-    kernels forced onto the element path) -> (the copy, the glue's vector flags)."""
+    kernels forced onto the element path) -> (the copy, the glue's vector flags). With ``opt``
+    and ``dim``: each path's rows flagged non-finite (what ``update`` returned) are the rows
+    whose written blocks (the weight and the ``opt.n_states`` states) hold an inf or NaN."""
     other = lines.copy()
     watch = LineCopies(monkeypatch, launch, families=("optim",))
-    update(0, lines)
+    flagged = [update(0, lines)]
     monkeypatch.undo()
     LineCopies(monkeypatch, launch, force=0, families=("optim",))
-    update(1, other)
+    flagged.append(update(1, other))
     monkeypatch.undo()
+    if opt is not None:
+        written = (1 + opt.n_states) * dim
+        for bad, at in zip(flagged, (lines, other)):
+            assert bad.dtype == np.bool_ and bad.shape == (at.shape[0],)
+            np.testing.assert_array_equal(bad, ~np.isfinite(at[:, :written]).all(axis=1))
     return other, {vector for kernel, _, vector in watch.seen
                    if kernel != "optim_smart_decay_adam_steps"}
 
@@ -95,7 +109,7 @@ def _step(opts, lines, grads, step: int, launch, monkeypatch):
     """update_lines by the glue's choice (opts[0]) and forced onto the element path (opts[1], on
     a copy) -> (the element-path lines, the glue's vector flags)."""
     return _both_paths(launch, monkeypatch, lambda k, at: device_ops.update_lines(
-        opts[k], at, grads, step, launch=launch), lines)
+        opts[k], at, grads, step, launch=launch), lines, opts[0], grads.shape[1])
 
 
 @pytest.mark.parametrize("name", list(_cases()))
@@ -144,7 +158,7 @@ def test_summed_vector_update_equals_the_element_update_bit_for_bit(launch, monk
             want, vectors = _both_paths(launch, monkeypatch, lambda k, at: (
                 fused_update.update_lines_summed(
                     opts[k], at, fused_update.SummedGradients(placed, inverse, u, launch),
-                    step)), lines)
+                    step)), lines, opts[0], dim)
             assert vectors == flags, (dim, step, vectors)
             _same_bits(lines, want)
 
@@ -198,3 +212,28 @@ def test_the_emulator_refuses_the_vector_path_off_the_boundary(emulation_lib, mo
                 device_ops.update_lines(opt, lines, _grads(rng, 6, 8), 4, launch=launch)
         else:
             device_ops.update_lines(opt, lines, _grads(rng, 6, 8), 4, launch=launch)
+
+
+def test_the_rows_past_a_live_count_are_never_flagged_non_finite(launch):
+    """A fixed-capacity batch's placeholder rows (from its live count on: NaN here) are never
+    flagged, whether the plain kernel updates them (wasted work, masked after) or the summed one
+    leaves them alone; a row below the count that the update makes non-finite is."""
+    from one_embedding.optim import SGD
+
+    n, dim, live = 8, 4, np.array([5], np.int64)
+    rng = np.random.default_rng(3)
+    for summed in (False, True):
+        lines = rng.standard_normal((n, dim)).astype(np.float32)
+        lines[live[0]:] = np.nan
+        lines[2, 1] = np.inf                      # below the count: flagged
+        if summed:
+            values = rng.standard_normal((3 * n, dim)).astype(np.float32)
+            inverse = np.arange(3 * n, dtype=np.int64) % n
+            bad = fused_update.update_lines_summed(
+                SGD(lr=0.1), lines, fused_update.SummedGradients(values, inverse, n, launch), 1,
+                live=live)
+            assert np.isnan(lines[live[0]:]).all()          # left alone
+        else:
+            bad = device_ops.update_lines(SGD(lr=0.1), lines, rng.standard_normal(
+                (n, dim)).astype(np.float32), 1, launch=launch, live=live)
+        assert bad.tolist() == [False, False, True, False, False, False, False, False], summed

@@ -455,7 +455,7 @@ def row_update_vector(dim: int, line_size: int, arrays) -> np.int32:
 
 
 def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = None,
-                 live=None) -> None:
+                 live=None):
     """One optimizer step on whole lines, in place, fused in one kernel.
 
     lines: (n, L) float32, C-contiguous, each ``[w (E) | state 1 (E) | ...]`` (SmartDecayAdam's
@@ -464,16 +464,21 @@ def update_lines(optimizer, lines, grads, step: int, launch: Launcher | None = N
     intermediates, one rounding per stored value): bit-identical, except Ftrl with lr_power
     other than +-0.5, whose pow may differ in the last float64 ulp. live: the (1,) int64
     device count of a fixed-capacity batch: its lines from ``live`` on are placeholders (this
-    kernel updates them too, wasted work; nothing reads them).
+    kernel updates them too, wasted work; nothing reads them). -> (n,) bool device array: the
+    rows the update made hold an inf or NaN (``run_update``; False from ``live`` on).
     """
     launch = resolve(launch)
     grads = device_array(launch, "grads", grads, np.float32, ndim=2)
-    run_update(optimizer, lines, grads.shape, step, launch, "", (grads,), live, (grads,))
+    bad = run_update(optimizer, lines, grads.shape, step, launch, "", (grads,), live, (grads,))
+    if live is not None:   # the placeholders past the count hold whatever: never flagged
+        xp = launch.xp
+        bad &= xp.arange(bad.shape[0], dtype=xp.int64) < live
+    return bad
 
 
 def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher, variant: str,
                grad_args: tuple, live=None, vector_reads: tuple = (),
-               group_reads: tuple = ()) -> None:
+               group_reads: tuple = ()):
     """The launches of ``update_lines`` for a gradient of ``grad_shape`` (n, E) that kernel
     ``optim_<variant><rule>`` reads from ``grad_args`` (``update_lines``: the (n, E) rows;
     ``fused_update``: a backward's rows, their grouping and the live count, summed in the
@@ -482,7 +487,12 @@ def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher,
     time on its vector path (``row_update_vector``: ``update_lines``' gradient rows; none for
     the summed kernels, which sum per element). group_reads: arrays the summed kernels' vector
     path reads a row's group of columns of as one 16-byte vector where every one is 16-byte
-    aligned (the ``vector`` argument's bit 1; else they sum column by column: the same bits)."""
+    aligned (the ``vector`` argument's bit 1; else they sum column by column: the same bits).
+
+    -> (n,) bool device array, True for a row where a value the update stored is inf or NaN
+    (the step's finite-rows check, noted by the kernel as it stores: ``NonFiniteRows`` of
+    optim_rules.cuh), for the row updates (``variant`` "" and "summed_"); None for the dense
+    parameters' ("dense_"), which note nothing."""
     t = _check_step(step)
     lr = optimizer._current_lr()
     lines = device_array(launch, "lines", lines, np.float32, ndim=2, writable=True)
@@ -494,14 +504,16 @@ def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher,
                          f"(weight + {optimizer.n_states} states of dim {dim}{per_row})")
     name, scalars = optimizer_kernel(optimizer, lr, t)
     head = (lines, np.int32(lines.shape[1]), *grad_args, np.int64(n), np.int32(dim))
+    bad = None if variant == "dense_" else launch.xp.zeros(n, dtype=launch.xp.uint8)
+    flags = () if bad is None else (bad,)
     vector = row_update_vector(dim, lines.shape[1], (lines, *vector_reads))
     threads = n * dim // 4 if vector else n * dim      # a thread per 4 columns on the vector path
     if vector and group_reads and all(array_address(a) % VECTOR_BYTES == 0 for a in group_reads):
         vector = np.int32(vector | 2)
     if not optimizer.row_columns:
         launch_threads(launch, "optim", variant + name, np.float32, threads,
-                       head + scalars + (vector,))
-        return
+                       head + scalars + flags + (vector,))
+        return None if bad is None else bad.view(launch.xp.bool_)
     step_col = optimizer.row_column_offset(dim)
     xp = launch.xp
     steps = lines[:, step_col:step_col + 2].view(xp.uint32)
@@ -509,10 +521,11 @@ def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher,
         steps = xp.where((xp.arange(n, dtype=xp.int64) < live)[:, None], steps, xp.uint32(0))
     optimizer.check_last_steps(xp, steps, t)
     launch_threads(launch, "optim", variant + name, np.float32, threads,
-                   head + scalars + (np.int32(step_col), vector))
+                   head + scalars + (np.int32(step_col),) + flags + (vector,))
     # the rows' new step, once every thread has read the old one
     launch_threads(launch, "optim", "smart_decay_adam_steps", np.float32, n,
                    (lines, np.int32(lines.shape[1]), np.int64(n), np.int64(t), np.int32(step_col)))
+    return None if bad is None else bad.view(launch.xp.bool_)
 
 
 # ---------------------------------------------------------------- row codecs

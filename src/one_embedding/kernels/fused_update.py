@@ -100,17 +100,18 @@ def materialized(grads):
 
 
 def update_lines_summed(optimizer, lines, grads: SummedGradients, step: int,
-                        live=None) -> None:
+                        live=None):
     """``device_ops.update_lines(optimizer, lines, grads.materialize(), step)``, bit for bit, in
     one kernel that sums each key's rows itself. lines: (u, L) float32, C-contiguous, the lines
     of the u keys in key order. live: the (1,) int64 device count of a fixed-capacity batch
     (default ``grads.live``): the lines from it on are left untouched (the kernel's threads
-    there return at once)."""
+    there return at once). -> (u,) bool device array: the rows the update made hold an inf or
+    NaN (``device_ops.run_update``; never those from ``live`` on)."""
     launch = grads.launch
     live = grads.live if live is None else live
     count = launch.xp.full(1, grads.n_keys, dtype=launch.xp.int64) if live is None else live
     rows_by_segment, offsets = grads.order()
     long_totals = grads.long_totals()
-    device_ops.run_update(optimizer, lines, grads.shape, step, launch, "summed_",
-                          (grads.values, rows_by_segment, offsets, long_totals, count),
-                          live, group_reads=(grads.values, long_totals))
+    return device_ops.run_update(optimizer, lines, grads.shape, step, launch, "summed_",
+                                 (grads.values, rows_by_segment, offsets, long_totals, count),
+                                 live, group_reads=(grads.values, long_totals))

@@ -4,8 +4,9 @@ launch covers the n rows, and its threads past the count return at once without 
 writing, so the placeholder rows cost idle threads, not memory traffic (a CuPy expression over
 the whole array would read and write all n rows: 4.3x the live ones at 1.70 M ids for 393 k
 unique keys). Kernels: ``cuda/embedding.cu`` (``embedding_fill_missing``, a thread per
-element; ``embedding_nonfinite_rows`` and ``embedding_patch_rows``, a warp per row, 16 bytes
-per lane where ``device_ops.line_vector`` allows).
+element; ``embedding_patch_rows``, a warp per row, 16 bytes per lane where
+``device_ops.line_vector`` allows). The update's finite-rows check is the update kernel's own
+(``device_ops.run_update``).
 """
 from __future__ import annotations
 
@@ -41,20 +42,6 @@ def fill_missing(lines, found, live, blocks, launch: Launcher | None = None) -> 
         launch_threads(launch, "embedding", "fill_missing", np.float32, n * int(width),
                        (lines, np.int32(line_size), found, np.int64(n), live, np.int32(start),
                         np.int32(width), np.float64(np.float32(value))))
-
-
-def nonfinite_rows(lines, live, launch: Launcher | None = None):
-    """lines: (n, L) float32, live: (1,) int64 device count -> (n,) bool device array: True for
-    the rows below ``live`` holding an inf or NaN (never for the rows from ``live`` on)."""
-    launch = resolve(launch)
-    xp = launch.xp
-    lines, live = _lines_and_live(launch, lines, live)
-    n, line_size = lines.shape
-    bad = xp.zeros(n, dtype=xp.uint8)
-    launch_warps(launch, "embedding", "nonfinite_rows", np.float32, n if line_size else 0,
-                 (lines, np.int32(line_size), np.int64(n), live, bad,
-                  line_vector(np.float32, line_size, (lines,))))
-    return bad.view(xp.bool_)
 
 
 def patch_rows(lines, source, put_lines, live, launch: Launcher | None = None) -> None:

@@ -123,6 +123,14 @@ __device__ __forceinline__ u64 racy_read(const u64* p) {
   return value;
 }
 
+// The exponent all ones: inf or NaN.
+__device__ __forceinline__ bool non_finite(float v) {
+  return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
+}
+__device__ __forceinline__ bool non_finite(double v) {
+  return ((u64)__double_as_longlong(v) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
+}
+
 // Bit i of a bit-packed mask: word i / 32, bit i % 32 (little-endian within the word), the
 // layout of numpy.packbits(bitorder="little") viewed as little-endian uint32.
 __device__ __forceinline__ unsigned mask_bit(const unsigned* mask, i64 i) {

@@ -523,14 +523,6 @@ __global__ void embedding_init_missing(T* lines, int line_size, const unsigned c
 namespace oe {
 namespace rows {
 
-// The exponent all ones: inf or NaN.
-__device__ __forceinline__ bool non_finite(float v) {
-  return (__float_as_uint(v) & 0x7f800000u) == 0x7f800000u;
-}
-__device__ __forceinline__ bool non_finite(double v) {
-  return ((u64)__double_as_longlong(v) & 0x7ff0000000000000ull) == 0x7ff0000000000000ull;
-}
-
 // The rows of a fixed-capacity batch the kernels below touch: the first live[0] of n.
 __device__ __forceinline__ i64 live_rows(const i64* live, i64 n) {
   return live[0] < n ? live[0] : n;
@@ -551,36 +543,6 @@ __global__ void embedding_fill_missing(T* lines, int line_size, const unsigned c
   for (oe::i64 t = oe::grid_thread(); t < total; t += oe::grid_threads()) {
     const oe::i64 i = t / width;
     if (!found[i]) lines[i * line_size + start + (t - i * width)] = T(value);
-  }
-}
-
-// bad[i] = 1 for every row i below the live count holding an inf or NaN (bad: (n,) u8, zeroed
-// before; rows from live[0] on are not read). lines: (n, line_size); live: (1,) i64. One warp
-// per row: its lanes read the line (16 bytes each per step when ``vector``, the host's
-// device_ops.line_vector: line_size a multiple of the vector's values, lines 16-byte aligned;
-// else a value each) and lane 0 writes the flag. A thread per element before made a load wait
-// on the one before (a store between them) and a 64-bit division per element.
-template <typename T>
-__global__ void embedding_nonfinite_rows(const T* lines, int line_size, oe::i64 n,
-                                         const oe::i64* live, unsigned char* bad, int vector) {
-  typedef typename oe::Vector16<T>::type V;
-  constexpr int LANES = oe::Vector16<T>::LANES;
-  const oe::i64 rows = oe::rows::live_rows(live, n);
-  const int lane = threadIdx.x & 31;
-  for (oe::i64 i = oe::grid_warp(); i < rows; i += oe::grid_warps()) {
-    const T* line = lines + i * line_size;
-    bool found = false;
-    if (vector) {
-      const V* groups = oe::as_vectors<const V>(line);
-      for (int g = lane; g < line_size / LANES; g += 32) {
-        const V v = groups[g];
-        const T* values = reinterpret_cast<const T*>(&v);
-        for (int c = 0; c < LANES; ++c) found = found || oe::rows::non_finite(values[c]);
-      }
-    } else {
-      for (int c = lane; c < line_size; c += 32) found = found || oe::rows::non_finite(line[c]);
-    }
-    if (__ballot_sync(oe::FULL_WARP, found) != 0u && lane == 0) bad[i] = 1;
   }
 }
 
@@ -621,6 +583,5 @@ ONE_EMBEDDING_KERNEL(embedding_gather_into_vector)
 ONE_EMBEDDING_KERNEL(embedding_init)
 ONE_EMBEDDING_KERNEL(embedding_init_missing)
 ONE_EMBEDDING_KERNEL(embedding_fill_missing)
-ONE_EMBEDDING_KERNEL(embedding_nonfinite_rows)
 ONE_EMBEDDING_KERNEL(embedding_patch_rows)
 #endif

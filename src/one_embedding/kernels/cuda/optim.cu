@@ -32,53 +32,64 @@
 // One gradient row per line: grads (n, dim) T. vector: 1 where dim and line_size are multiples
 // of Vector16<T>::LANES and lines and grads are 16-byte aligned (device_ops.row_update_vector):
 // 16-byte accesses (oe::optim::update_vectors), else one element per thread; the same bits.
+// bad: (n,) u8 zeroed by the host; bad[i] = 1 where a value the update stored in row i is inf
+// or NaN (oe::optim::NonFiniteRows: the step's finite-rows check). The summed kernels below
+// take it alike (their rows from the live count on: never updated, never flagged).
 template <typename T>
 __global__ void optim_sgd(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
-                          double factor, double lr, double wd, int vector) {
+                          double factor, double lr, double wd, unsigned char* bad, int vector) {
   const oe::optim::Sgd rule{factor, lr, wd};
-  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
 __global__ void optim_momentum(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                                double factor, double l2, double lr, double beta, double keep,
-                               int nesterov, double lr_wd, int vector) {
+                               int nesterov, double lr_wd, unsigned char* bad, int vector) {
   const oe::optim::Momentum rule{factor, l2, lr, beta, keep, nesterov, lr_wd};
-  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
 __global__ void optim_adagrad(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                               double factor, double l2, double clr, double eps, double clr_wd,
-                              int vector) {
+                              unsigned char* bad, int vector) {
   const oe::optim::Adagrad rule{factor, l2, clr, eps, clr_wd};
-  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
 __global__ void optim_adam(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                            double factor, double l2, double b1, double b2, double step_size,
                            double inv_sqrt_bc2, double eps, double lr_wd, int amsgrad,
-                           int vector) {
+                           unsigned char* bad, int vector) {
   const oe::optim::Adam rule{factor, l2, b1, b2, step_size, inv_sqrt_bc2, eps, lr_wd, amsgrad};
-  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
 __global__ void optim_ftrl(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                            double factor, double l2, double inv_lr, double power, double l1,
-                           double quad_l2, double beta, int closed, double lr_wd, int vector) {
+                           double quad_l2, double beta, int closed, double lr_wd,
+                           unsigned char* bad, int vector) {
   const oe::optim::Ftrl rule{factor, l2, inv_lr, power, l1, quad_l2, beta, closed, lr_wd};
-  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
 __global__ void optim_smart_decay_adam(T* lines, int line_size, const T* grads, oe::i64 n, int dim,
                                        double factor, double l2, double b1, double b2, double lr,
-                                       double eps, oe::i64 t, int step_col, int vector) {
+                                       double eps, oe::i64 t, int step_col,
+                                       unsigned char* bad, int vector) {
   const oe::optim::SmartDecayAdam<T> rule{lines, line_size, factor, l2, b1, b2, lr, eps, t,
                                           step_col};
-  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector);
+  oe::optim::update(lines, line_size, oe::optim::RowGrads<T>{grads}, n, dim, rule, vector,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 // The gradient summed per line from a backward's rows: values (m, dim) T; rows_by_segment (m,)
@@ -97,12 +108,14 @@ template <typename T>
 __global__ void optim_summed_sgd(T* lines, int line_size, const T* values,
                                  const oe::i64* rows_by_segment, const oe::i64* offsets,
                                  const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
-                                 double factor, double lr, double wd, int vector) {
+                                 double factor, double lr, double wd,
+                                 unsigned char* bad, int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
                                         vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Sgd rule{factor, lr, wd};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
@@ -110,12 +123,14 @@ __global__ void optim_summed_momentum(T* lines, int line_size, const T* values,
                                       const oe::i64* rows_by_segment, const oe::i64* offsets,
                                       const T* long_totals, const oe::i64* live, oe::i64 n,
                                       int dim, double factor, double l2, double lr, double beta,
-                                      double keep, int nesterov, double lr_wd, int vector) {
+                                      double keep, int nesterov, double lr_wd,
+                                      unsigned char* bad, int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
                                         vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Momentum rule{factor, l2, lr, beta, keep, nesterov, lr_wd};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
@@ -123,12 +138,13 @@ __global__ void optim_summed_adagrad(T* lines, int line_size, const T* values,
                                      const oe::i64* rows_by_segment, const oe::i64* offsets,
                                      const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
                                      double factor, double l2, double clr, double eps,
-                                     double clr_wd, int vector) {
+                                     double clr_wd, unsigned char* bad, int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
                                         vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Adagrad rule{factor, l2, clr, eps, clr_wd};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
@@ -137,12 +153,13 @@ __global__ void optim_summed_adam(T* lines, int line_size, const T* values,
                                   const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
                                   double factor, double l2, double b1, double b2, double step_size,
                                   double inv_sqrt_bc2, double eps, double lr_wd, int amsgrad,
-                                  int vector) {
+                                  unsigned char* bad, int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
                                         vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Adam rule{factor, l2, b1, b2, step_size, inv_sqrt_bc2, eps, lr_wd, amsgrad};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
@@ -151,12 +168,13 @@ __global__ void optim_summed_ftrl(T* lines, int line_size, const T* values,
                                   const T* long_totals, const oe::i64* live, oe::i64 n, int dim,
                                   double factor, double l2, double inv_lr, double power, double l1,
                                   double quad_l2, double beta, int closed, double lr_wd,
-                                  int vector) {
+                                  unsigned char* bad, int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
                                         vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::Ftrl rule{factor, l2, inv_lr, power, l1, quad_l2, beta, closed, lr_wd};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 template <typename T>
@@ -166,13 +184,14 @@ __global__ void optim_summed_smart_decay_adam(T* lines, int line_size, const T* 
                                               const oe::i64* live, oe::i64 n, int dim,
                                               double factor, double l2, double b1, double b2,
                                               double lr, double eps, oe::i64 t, int step_col,
-                                              int vector) {
+                                              unsigned char* bad, int vector) {
   const oe::optim::SummedGrads<T> grad{values, rows_by_segment, offsets, long_totals, dim,
                                         vector & 2};
   const oe::i64 rows = live[0] < n ? live[0] : n;   // the lines past the live count: left alone
   const oe::optim::SmartDecayAdam<T> rule{lines, line_size, factor, l2, b1, b2, lr, eps, t,
                                           step_col};
-  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1);
+  oe::optim::update(lines, line_size, grad, rows, dim, rule, vector & 1,
+                    oe::optim::EveryElement(), oe::optim::NonFiniteRows{bad});
 }
 
 // out (dim,) T = the summed gradient of line segment[0] alone, as optim_summed_<rule> sums it

@@ -318,11 +318,24 @@ struct DenseSegments {
   }
 };
 
+// The rows whose update stored an inf or NaN (the finite-rows check of the step, made as the
+// values are stored instead of by a pass that read every updated line again): bad[i] = 1 for
+// such a row i; bad (n,) u8 zeroed by the host, and several threads of a row may write the same
+// 1. bad == nullptr: no check (the dense parameters' update).
+struct NonFiniteRows {
+  unsigned char* bad;
+  template <typename T>
+  __device__ __forceinline__ void note(i64 i, T stored) const {
+    if (bad != nullptr && non_finite(stored)) bad[i] = 1;
+  }
+};
+
 // One thread per (row, column): reads the element's weight and states (4-byte accesses for
 // float), applies the rule, stores each result rounded once to T.
 template <typename T, typename Grads, typename Rule, typename Keep>
 __device__ __forceinline__ void update_elements(T* lines, int line_size, const Grads& grad, i64 n,
-                                                int dim, const Rule& rule, const Keep& keep) {
+                                                int dim, const Rule& rule, const Keep& keep,
+                                                const NonFiniteRows& flags) {
   const int states = rule.states();
   for (i64 t = grid_thread(); t < n * dim; t += grid_threads()) {
     if (!keep(t)) continue;
@@ -336,7 +349,11 @@ __device__ __forceinline__ void update_elements(T* lines, int line_size, const G
     rule(x, grad(t), i);
     ONE_EMBEDDING_UNROLL
     for (int k = 0; k <= MAX_STATES; ++k) {
-      if (k <= states) at[(i64)k * dim] = T(x[k]);
+      if (k <= states) {
+        const T stored = T(x[k]);
+        at[(i64)k * dim] = stored;
+        flags.note(i, stored);
+      }
     }
   }
 }
@@ -349,7 +366,8 @@ __device__ __forceinline__ void update_elements(T* lines, int line_size, const G
 // so that a group never straddles two blocks of the line (device_ops.row_update_vector decides).
 template <typename T, typename Grads, typename Rule, typename Keep>
 __device__ __forceinline__ void update_vectors(T* lines, int line_size, const Grads& grad, i64 n,
-                                               int dim, const Rule& rule, const Keep& keep) {
+                                               int dim, const Rule& rule, const Keep& keep,
+                                               const NonFiniteRows& flags) {
   typedef typename Vector16<T>::type V;
   constexpr int LANES = Vector16<T>::LANES;
   const int states = rule.states();
@@ -376,7 +394,11 @@ __device__ __forceinline__ void update_vectors(T* lines, int line_size, const Gr
       rule(x, g[c], i);
       ONE_EMBEDDING_UNROLL
       for (int k = 0; k <= MAX_STATES; ++k) {
-        if (k <= states) reinterpret_cast<T*>(&block[k])[c] = T(x[k]);
+        if (k <= states) {
+          const T stored = T(x[k]);
+          reinterpret_cast<T*>(&block[k])[c] = stored;
+          flags.note(i, stored);
+        }
       }
     }
     ONE_EMBEDDING_UNROLL
@@ -387,14 +409,16 @@ __device__ __forceinline__ void update_vectors(T* lines, int line_size, const Gr
 }
 
 // The kernels' body: vector (set by the host) picks update_vectors, else update_elements.
-// Uniform over the grid: no divergence. keep: which elements to update (every one by default).
+// Uniform over the grid: no divergence. keep: which elements to update (every one by default);
+// flags: the rows a stored value made non-finite (none noted by default).
 template <typename T, typename Grads, typename Rule, typename Keep = EveryElement>
 __device__ __forceinline__ void update(T* lines, int line_size, const Grads& grad, i64 n, int dim,
-                                       const Rule& rule, int vector, const Keep& keep = Keep()) {
+                                       const Rule& rule, int vector, const Keep& keep = Keep(),
+                                       const NonFiniteRows& flags = NonFiniteRows{nullptr}) {
   if (vector) {
-    update_vectors(lines, line_size, grad, n, dim, rule, keep);
+    update_vectors(lines, line_size, grad, n, dim, rule, keep, flags);
   } else {
-    update_elements(lines, line_size, grad, n, dim, rule, keep);
+    update_elements(lines, line_size, grad, n, dim, rule, keep, flags);
   }
 }
 
