@@ -339,7 +339,8 @@ def test_interaction_layer_on_the_device_equals_numpy(precision):
         want = host([bottom, emb], bottom)
         b_d, e_d = cupy.asarray(bottom), cupy.asarray(emb)
         got = device([b_d, e_d], b_d)
-        assert device._fused is not None
+        # the one-kernel path on a GPU; a dry run's arrays are numpy, which take the numpy one
+        assert (device._fused is not None) == (not isinstance(b_d, np.ndarray))
         dout = rng.standard_normal(want.shape).astype(np.float32)
         (wb, we), wc = host.backward(dout)
         (gb, ge), gc = device.backward(cupy.asarray(dout))

@@ -3,6 +3,8 @@
 Differential tests: one body, run on both backends with the same parameters and inputs; results
 agree within 1e-5 relative (fp32, no TF32), dropout masks bit for bit. Skipped without a GPU.
 """
+import os
+
 import numpy as np
 import pytest
 
@@ -18,6 +20,7 @@ pytestmark = [
 ]
 
 TOL = 1e-5
+DRY = os.environ.get("ONE_EMBEDDING_GPU_DRY_RUN") == "1"
 
 
 def both(make, inputs, grad_shape_of_out=True):
@@ -36,7 +39,8 @@ def both(make, inputs, grad_shape_of_out=True):
             close(a, b)
     for pg, pc in zip(gpu.parameters(), cpu.parameters()):
         close(pg.grad, pc.grad)
-        assert type(pg.data).__module__.startswith("cupy")
+        # the parameters moved to the device (a dry run's stand-in cupy keeps numpy arrays)
+        assert DRY or type(pg.data).__module__.startswith("cupy")
 
 
 def rnd(*shape):
