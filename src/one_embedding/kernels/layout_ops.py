@@ -27,7 +27,7 @@ import numpy as np
 
 from ..errors import InputError
 from .device_ops import Launcher, device_array, launch_threads, vector_lanes
-from .precision import HALF_PRECISIONS, check_precision, round_to
+from .precision import HALF_PRECISIONS, check_precision, from_bits, round_to
 
 #: kernels/cuda/precision.cuh's kind codes of the 16-bit types
 _KINDS = {"fp16": 1, "bf16": 2}
@@ -89,9 +89,7 @@ def decode(data, precision: str):
     if data.dtype != np.uint16:
         raise InputError(f"interaction input of dtype {data.dtype} under {precision}: expected the "
                          "uint16 patterns that storage_dtype gives")
-    if precision == "fp16":
-        return data.view(np.float16).astype(np.float32)
-    return (data.astype(np.uint32) << np.uint32(16)).view(np.float32)
+    return from_bits(data, precision)
 
 
 def _check_target(target: InteractionInput, batch: int, n_features: int, slot: int, dim: int):
