@@ -230,7 +230,7 @@ def test_interaction_forward_and_backward_match_float64(launch, monkeypatch, pre
 @pytest.mark.parametrize("precision", PRECISIONS)
 def test_the_two_interaction_kernels_agree_bit_for_bit(launch, precision):
     """One block per sample (shared memory) and one thread per output: the same sums in the same
-    order, so the same bits; and the tile kernel's fit rule matches dense.cu's capacity."""
+    order, so the same bits; and the tile kernel's fit rule matches the capacity dense.cu's kernels declare."""
     import re
 
     rng = np.random.default_rng(5)
@@ -246,9 +246,10 @@ def test_the_two_interaction_kernels_agree_bit_for_bit(launch, precision):
     for a, b in zip(*grads):
         np.testing.assert_array_equal(a, b)
     source = cm.source_path("dense").read_text()
+    helpers = (cm.CUDA_DIR / "dense_interaction.cuh").read_text()
     assert int(re.search(r"BLOCK_ROWS = (\d+);", source)[1]) == dense_ops.BLOCK_ROWS
-    assert int(re.search(r"TILE_ELEMENTS = (\d+);", source)[1]) == dense_ops.TILE_ELEMENTS
-    assert int(re.search(r"TILE_PAIRS = (\d+);", source)[1]) == dense_ops.TILE_PAIRS
+    assert int(re.search(r"TILE_ELEMENTS = (\d+);", helpers)[1]) == dense_ops.TILE_ELEMENTS
+    assert int(re.search(r"TILE_PAIRS = (\d+);", helpers)[1]) == dense_ops.TILE_PAIRS
     assert dense_ops.fits_tile(27, 128, False) and not dense_ops.fits_tile(27, 256, False)
     assert not dense_ops.fits_tile(46, 64, True)          # 1081 pairs
 

@@ -37,8 +37,9 @@ def _kind(precision: str) -> int:
     return 0 if precision == "off" else KINDS[precision]
 
 
-#: dense.cu's shared-memory capacity of the one-block-per-sample interaction kernels (elements of
-#: T): a sample whose features (rows padded to D + 1) and pair gradients fit takes them
+#: the shared-memory capacity of dense.cu's one-block-per-sample interaction kernels (elements of
+#: T; dense_interaction.cuh): a sample whose features (rows padded to D + 1) and pair gradients fit
+#: take them
 TILE_ELEMENTS = 4352
 TILE_PAIRS = 1024
 
