@@ -21,7 +21,10 @@
    of the same ids, as two kernels (``segment_sum`` then ``update_lines``: the (u, E) sums
    written and read back) and fused (``fused_update``: each key's rows summed inside the update),
    timed in the same run, their results compared bit for bit. Their bandwidth counts the gradient
-   rows read (4E B each) and each line read and written (2 x 12E B per key). Then the rows of a
+   rows read (4E B each) and each line read and written (2 x 12E B per key). The write log's
+   patch of a prefetched lookup (the next batch's rows take this batch's put, lines of 2E) by a
+   hash index of the put's keys against the sort + binary search it replaced
+   (``write_log.HASHED_PATCH`` off), compared bit for bit. Then the rows of a
    batch into the dot interaction's input: gather + concatenation (the path before) against the
    gather straight into it (``kernels.layout_ops``), in fp32 and bf16. The part's functions:
    ``bench_gpu_lookup``.
@@ -481,6 +484,12 @@ def main(argv=None):
                   f"{update['vectorised']}; same bits: {update['vector_same_results']})")
             summary.append(f"row update: {update['vector_speedup']:.2f}x one-element accesses "
                            f"(vectorised: {update['vectorised']})")
+        if lookup["refresh_patch"]:
+            patch = lookup["refresh_patch"]
+            print(f"refresh patch: the hash index is {patch['speedup']:.2f}x the sort's speed "
+                  f"(same bits: {patch['same_results']})")
+            summary.append(f"refresh patch: hash {patch['speedup']:.2f}x sort (same bits: "
+                           f"{patch['same_results']})")
         layout = bench_interaction_input(dev, args)
         payload["interaction_input"] = layout
         print(f"\n## rows into the dot interaction's input, batch {args.batch_size}, dim "

@@ -111,12 +111,14 @@ def bench_lookup(dev: Device, args) -> dict:
         rows += dedup_find.pop("rows")
         update = bench_grad_update(dev, args, launch, inverse, int(uniq.shape[0]), copy_bw)
         rows += update.pop("rows")
+        patch = bench_refresh_patch(dev, args, launch, keys, batches[1])
+        rows += patch.pop("rows")
         unique_count = int(uniq.shape[0])
         unique_vs_sort = {"speedup": parts["unique (sort, the replaced baseline: unique_ids_by_sorting)"]
                           / parts["unique (hash table: unique_ids)"], "same_results": unique_same}
     else:
         unique_count = int(np.unique(batches[0]).size)
-        unique_vs_sort, update, dedup_find, gather_vectorised = {}, {}, {}, None
+        unique_vs_sort, update, dedup_find, gather_vectorised, patch = {}, {}, {}, None, {}
         find_vectorised = None
     emb.close()
     return {"ids": n, "unique": unique_count, "dim": e, "copy_GBps": copy_bw / 1e9,
@@ -124,7 +126,7 @@ def bench_lookup(dev: Device, args) -> dict:
             "parts_s": parts, "gather_vectorised": gather_vectorised,
             "find_vectorised": find_vectorised,
             "unique_hash_vs_sort": unique_vs_sort, "grad_update": update,
-            "dedup_find": dedup_find}
+            "dedup_find": dedup_find, "refresh_patch": patch}
 
 
 def _switched_off(switch: str, timed):
@@ -235,6 +237,54 @@ def bench_grad_update(dev: Device, args, launch, inverse, n_unique: int, copy_bw
     return {"rows": rows, "two_s": t_two, "fused_s": t_fused, "speedup": t_two / t_fused,
             "same_results": same, "fused_scalar_s": t_scalar, "vectorised": vectorised,
             "vector_speedup": t_scalar / t_fused, "vector_same_results": scalar_same}
+
+
+def bench_refresh_patch(dev: Device, args, launch, keys, next_ids) -> dict:
+    """The write log's patch of a prefetched lookup (``write_log.patch_rows_on_device``), as a
+    prefetch depth of 1 runs it every step: the rows of the next batch's fixed-capacity lookup
+    (``next_ids``) take the lines of this batch's put (``keys``' unique keys, the same
+    capacity; Adagrad's lines of 2E floats), by the hash index (the default) and by the sort it
+    replaced (``HASHED_PATCH`` off), lines and flags compared bit for bit -> {"rows",
+    "hashed_s", "sorted_s", "speedup", "same_results"}."""
+    from one_embedding import write_log
+    from one_embedding.kernels import device_unique
+    from one_embedding.step import OwnerRows
+
+    xp, e = dev.xp, args.lookup_dim
+    put = device_unique.unique_ids_fixed(keys, launch)
+    mine = device_unique.unique_ids_fixed(xp.asarray(next_ids).reshape(-1).view(xp.uint64),
+                                          launch)
+    n = put.keys.shape[0]
+    rng = np.random.default_rng(2)
+    put_lines = xp.asarray(rng.standard_normal((n, 2 * e)).astype(np.float32))
+    start = xp.asarray(rng.standard_normal((mine.keys.shape[0], 2 * e)).astype(np.float32))
+    results = {}
+
+    def patch(hashed: bool, rows):
+        saved = write_log.HASHED_PATCH
+        write_log.HASHED_PATCH = hashed
+        try:
+            write_log.patch_rows_on_device(xp, rows, [(put.keys, put_lines, put.count)], launch)
+        finally:
+            write_log.HASHED_PATCH = saved
+
+    for hashed in (True, False):
+        rows = OwnerRows(mine.keys, None, start.copy(), xp.zeros(n, dtype=xp.bool_), 0, 0,
+                         live=mine.count)
+        patch(hashed, rows)
+        results[hashed] = rows
+        results[hashed, "s"] = dev.seconds(lambda rows=rows, hashed=hashed: patch(hashed, rows),
+                                           args.repeats)
+    same = bool((results[True].lines.view(xp.int32) == results[False].lines.view(xp.int32)).all()
+                and (results[True].found == results[False].found).all())
+    hit = int(results[True].found.sum())
+    rows = [{"what": f"  part: refresh patch, hash index ({hit:,} of the next batch's rows put; "
+                     f"same bits: {same})", "ms": 1e3 * results[True, "s"]},
+            {"what": "  part: refresh patch, sort + binary search (baseline: HASHED_PATCH off)",
+             "ms": 1e3 * results[False, "s"]}]
+    return {"rows": rows, "hashed_s": results[True, "s"], "sorted_s": results[False, "s"],
+            "speedup": results[False, "s"] / results[True, "s"], "same_results": same,
+            "rows_put": hit}
 
 
 def bench_interaction_input(dev: Device, args) -> dict:

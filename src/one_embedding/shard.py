@@ -15,8 +15,9 @@ those a lookup made at that moment would return: prefetching changes no result.
 On a GPU (``launch``, a device launcher of ``kernels.device_ops``) the chain's top tiers live in
 device memory and keys, lines, gradients and the write log are device arrays; initial values,
 the row update and the log patch run as device kernels (``device_ops``: init, fused optimizer;
-a sort-based membership instead of the CPU hash index). The chain is the only place rows cross
-to the host tiers. Results equal the numpy path's (initial values within 1 float32 ulp).
+the patch through a device hash index of each put's keys, ``write_log``). The chain is the
+only place rows cross to the host tiers. Results equal the numpy path's (initial values within 1
+float32 ulp).
 """
 from __future__ import annotations
 

@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from .errors import InputError
 from .kernels import device_ops, live_rows
 from .step import OwnerRows
 from .tiers import HashIndex
+from .tiers.hash_index import EMPTY, _capacity_for
 
 
 def patch_rows(rows: OwnerRows, newer: list):
@@ -25,49 +27,108 @@ def patch_rows(rows: OwnerRows, newer: list):
     return erased
 
 
-def patch_rows_on_device(xp, rows: OwnerRows, newer: list, launch=None):
-    """``patch_rows`` on device arrays, without reading anything back: each row looks its key up
-    by binary search in the put's (or erase's) sorted keys and takes the put's line by a select,
-    so no compaction sizes a result (keys are unique within each). Returns the rows erased and
-    not put again since (to initialise), or None.
+#: the device patch finds a lookup's keys in each put through a hash index of the put's keys
+#: (``kernels/cuda/hashindex.cu``: one insert and one find kernel, the find copying the put's
+#: lines into the rows it matches); False: by a stable sort of the put's keys and a binary search
+#: (CuPy's argsort, searchsorted and some ten array operations a put), the path before, kept as
+#: the baseline ``bench_gpu`` times it against. The same rows, lines and flags either way
+HASHED_PATCH = True
 
-    newer: (keys, lines or None, live or None) per put. A fixed-capacity put's keys from its
-    ``live`` count on are placeholders (key 0, maybe repeated, maybe a real key too): the
-    stable sort keeps a real key ahead of them and a match counts only below ``live``; the
-    rows' own placeholders (from ``rows.live`` on) are never patched, nor read: a put's lines
-    go in by ``live_rows.patch_rows`` (needs ``launch``)."""
-    v = rows.keys.shape[0]
-    if v == 0:
+
+def patch_rows_on_device(xp, rows: OwnerRows, newer: list, launch=None):
+    """``patch_rows`` on device arrays, without reading anything back. Returns the rows erased
+    and not put again since (to initialise), or None.
+
+    newer: (keys, lines or None, live or None) per put, oldest first; keys are unique below a
+    put's count. A fixed-capacity put's keys from its ``live`` count on are placeholders (key
+    0, maybe repeated, maybe a real key too) and never match; the rows' own placeholders (from
+    ``rows.live`` on) are never patched, nor read. ``HASHED_PATCH`` picks how a row finds its
+    key in a put (see there); ``launch`` runs the kernels (the hashed path and the rows of a
+    fixed-capacity lookup need it)."""
+    if rows.keys.shape[0] == 0:
         return None
+    patch = _patch_put_hashed if HASHED_PATCH else _patch_put_sorted
     erased = None
-    valid_rows = None if rows.live is None else xp.arange(v, dtype=xp.int64) < rows.live
     for put_keys, put_lines, put_live in newer:
-        put_keys = xp.asarray(put_keys)
-        m = put_keys.shape[0]
-        if m == 0:
+        if put_keys.shape[0] == 0:
             continue
-        order = xp.argsort(put_keys, kind="stable")
-        sorted_keys = put_keys[order]
-        pos = xp.minimum(xp.searchsorted(sorted_keys, rows.keys), m - 1)
-        hit = sorted_keys[pos] == rows.keys                        # (v,) row's key was put
-        if put_live is not None:
-            hit &= order[pos] < put_live
-        if valid_rows is not None:
-            hit &= valid_rows
+        hit = patch(xp, rows, xp.asarray(put_keys), put_lines, put_live, launch)   # (v,) bool
         if put_lines is None:                                      # an erase
             erased = hit.copy() if erased is None else erased | hit
             rows.found[...] = rows.found & ~hit
             continue
-        if valid_rows is None:
-            rows.lines[...] = xp.where(hit[:, None], xp.asarray(put_lines)[order[pos]],
-                                       rows.lines)
-        else:
-            live_rows.patch_rows(rows.lines, xp.where(hit, order[pos], -1), put_lines, rows.live,
-                                 launch)
         rows.found[...] = rows.found | hit
         if erased is not None:
             erased = erased & ~hit
     return erased
+
+
+def _patch_put_hashed(xp, rows: OwnerRows, put_keys, put_lines, put_live, launch):
+    """One put (or erase: ``put_lines`` None) into ``rows``: the put's keys go into a hash
+    index by position (``hashindex_insert_positions``, those below ``put_live`` only), and one
+    warp per row probes it for the row's key and copies the put's line over the row's line
+    where found (``hashindex_find`` / ``hashindex_find_live`` below ``rows.live``). Returns
+    (v,) bool: the rows whose key the put holds."""
+    launch = device_ops.resolve(launch)
+    m, v = put_keys.shape[0], rows.keys.shape[0]
+    put_keys = device_ops.device_array(launch, "put keys", put_keys, np.uint64, ndim=1)
+    keys = device_ops.device_array(launch, "row keys", rows.keys, np.uint64, ndim=1)
+    # empty buckets: every word EMPTY (-1 as int64), the slot word's all-ones in hashindex.cu
+    table = xp.full((_capacity_for(m), 2), EMPTY, dtype=xp.int64).view(xp.uint64)
+    mask = np.int64(table.shape[0] - 1)
+    has_live = put_live is not None
+    live = put_live if has_live else xp.empty(1, dtype=xp.int64)   # not read without a count
+    device_ops.launch_threads(launch, "hashindex", "insert_positions", np.float32, m,
+                              (table, mask, put_keys, np.int64(m), live, np.int32(has_live)))
+    if put_lines is None:      # line_size 0: the row arguments are not read; any array stands in
+        dtype = np.dtype(np.float32)
+        lines = out = xp.empty((1, 1), dtype=dtype)
+        line_size = 0
+    else:
+        dtype = np.dtype(rows.lines.dtype)
+        out = device_ops.device_array(launch, "rows' lines", rows.lines, dtype, ndim=2,
+                                      writable=True)
+        lines = device_ops.device_array(launch, "put lines", put_lines, dtype, ndim=2)
+        line_size = lines.shape[1]
+        if line_size != out.shape[1]:
+            raise InputError(f"a put's lines of {line_size} values do not fit rows of "
+                             f"{out.shape[1]}")
+    vector = device_ops.line_vector(dtype, line_size, (lines, out))
+    slots = xp.empty(v, dtype=xp.int64)
+    if rows.live is None:
+        device_ops.launch_warps(launch, "hashindex", "find", dtype, v,
+                                (table, mask, keys, np.int64(v), lines, np.int32(line_size),
+                                 vector, xp.arange(v, dtype=xp.int64), out, slots,
+                                 xp.empty(v, dtype=xp.int64)))
+    else:                                          # NOT_LOOKED_UP (-2) from rows.live on
+        device_ops.launch_warps(launch, "hashindex", "find_live", dtype, v,
+                                (table, mask, keys, np.int64(v), rows.live, lines,
+                                 np.int32(line_size), vector, out, slots))
+    return slots >= 0
+
+
+def _patch_put_sorted(xp, rows: OwnerRows, put_keys, put_lines, put_live, launch):
+    """``_patch_put_hashed`` by sorting instead: each row looks its key up by binary search in
+    the put's stably sorted keys (a real key sorts ahead of equal placeholders, and a match
+    counts only below ``put_live``) and takes the put's line by a select (rows of a
+    fixed-capacity lookup by ``live_rows.patch_rows``, needs ``launch``)."""
+    v, m = rows.keys.shape[0], put_keys.shape[0]
+    order = xp.argsort(put_keys, kind="stable")
+    sorted_keys = put_keys[order]
+    pos = xp.minimum(xp.searchsorted(sorted_keys, rows.keys), m - 1)
+    hit = sorted_keys[pos] == rows.keys                            # (v,) row's key was put
+    if put_live is not None:
+        hit &= order[pos] < put_live
+    if rows.live is not None:
+        hit &= xp.arange(v, dtype=xp.int64) < rows.live
+    if put_lines is None:
+        return hit
+    if rows.live is None:
+        rows.lines[...] = xp.where(hit[:, None], xp.asarray(put_lines)[order[pos]], rows.lines)
+    else:
+        live_rows.patch_rows(rows.lines, xp.where(hit, order[pos], -1), put_lines, rows.live,
+                             launch)
+    return hit
 
 
 def _apply_put(xp, rows: OwnerRows, slots, put_lines, hit, erased):

@@ -674,7 +674,7 @@ def _glue_launches():
                  package / "kernels" / "device_unique.py",
                  package / "kernels" / "fused_update.py", package / "kernels" / "live_rows.py",
                  package / "cache" / "device.py", package / "cache" / "device_index.py",
-                 package / "kernels" / "layout_ops.py"]:
+                 package / "kernels" / "layout_ops.py", package / "write_log.py"]:
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
                     "launch_threads", "launch_warps"):

@@ -241,6 +241,20 @@ __global__ void hashindex_insert_where(oe::u64* table, oe::i64 mask, const oe::u
   }
 }
 
+// An index of a batch's own keys by position: keys[i] inserted with slot i for every i below
+// live[0], or below n when has_live is 0 (live is then not read). A fixed-capacity batch's
+// placeholder keys from its count on stay out. The write log's patch (write_log.py) finds a
+// lookup's keys in a logged put this way. keys: (n,), distinct below the count; table: empty
+// buckets ((capacity, 2) u64, slot words EMPTY), capacity >= the count / the load limit.
+template <typename T>
+__global__ void hashindex_insert_positions(oe::u64* table, oe::i64 mask, const oe::u64* keys,
+                                           oe::i64 n, const oe::i64* live, int has_live) {
+  const oe::i64 count = (has_live && live[0] < n) ? live[0] : n;
+  for (oe::i64 i = oe::grid_thread(); i < count; i += oe::grid_threads()) {
+    oe::hashindex::insert(table, mask, keys[i], i);
+  }
+}
+
 #ifdef ONE_EMBEDDING_INSTANTIATE
 ONE_EMBEDDING_KERNEL(hashindex_find)
 ONE_EMBEDDING_KERNEL(hashindex_find_live)
@@ -248,4 +262,5 @@ ONE_EMBEDDING_KERNEL(hashindex_dedup_output_find)
 ONE_EMBEDDING_KERNEL(hashindex_put_rows)
 ONE_EMBEDDING_KERNEL(hashindex_insert)
 ONE_EMBEDDING_KERNEL(hashindex_insert_where)
+ONE_EMBEDDING_KERNEL(hashindex_insert_positions)
 #endif
