@@ -16,6 +16,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from one_embedding.errors import InputError
 from one_embedding.kernels import device_ops, device_unique, fused_update
 from one_embedding.optim import SGD, Adam
 from one_embedding.parallel.unique import SUM_CHUNK, segment_sum, unique_ids
@@ -191,3 +192,20 @@ def test_scratch_bounds_hold_at_their_worst_case(launch, lengths):
                      for s in range(n_segments)])
     _same_bits(segment_sum(values, inverse, n_segments), want)
     _same_bits(device_unique.segment_sum(values, inverse, n_segments, launch=launch), want)
+
+
+def test_segment_order_groups_each_segments_rows_in_ascending_order():
+    """The grouping the sums read: rows by (segment, row), each segment's rows ascending (its
+    tree order depends on it), offsets where each segment starts; from the sort of the segment
+    ids as int32 keys."""
+    rng = np.random.default_rng(8)
+    ids = rng.zipf(1.1, 5000).astype(np.uint64) % np.uint64(900)
+    uniq, inverse = unique_ids(ids)
+    rows_by_segment, offsets = device_unique.segment_order(np, inverse, uniq.size)
+    want = np.lexsort((np.arange(ids.size), inverse))
+    np.testing.assert_array_equal(rows_by_segment, want)
+    assert rows_by_segment.dtype == np.int64
+    np.testing.assert_array_equal(offsets, np.concatenate([[0], np.cumsum(np.bincount(
+        inverse, minlength=uniq.size))]))
+    with pytest.raises(InputError, match="2147483648 segments in one batch"):
+        device_unique.segment_order(np, inverse, 2**31)

@@ -251,10 +251,13 @@ def segment_order(xp, inverse, n_segments: int):
     """inverse: (n,) int64 in [0, n_segments) -> (rows_by_segment (n,) int64, the rows sorted by
     (segment, row); offsets (n_segments + 1,) int64, segment s owning
     rows_by_segment[offsets[s]:offsets[s + 1]]): the grouping the segment-sum kernels read."""
-    n = inverse.shape[0]
-    # (segment, row) packed into one distinct int64 per row, so any sort groups each segment's
-    # rows in ascending order (n**2 < 2**63 for n below 3e9)
-    rows_by_segment = xp.argsort(inverse * n + xp.arange(n, dtype=xp.int64)).astype(
+    if int(n_segments) > np.iinfo(np.int32).max:
+        raise InputError(f"{n_segments} segments in one batch: at most 2**31 - 1 (the grouping "
+                         "sorts segment ids as int32)")
+    # a stable sort of the segment ids keeps each segment's rows in ascending order (CuPy's
+    # argsort is stable), from a radix sort of 32-bit keys: before, (segment, row) packed into
+    # one int64 per row took an (n,) key array and twice the key bits for the same order
+    rows_by_segment = xp.argsort(inverse.astype(xp.int32), kind="stable").astype(
         xp.int64, copy=False)                          # argsort's own int64: no copy of it
     return rows_by_segment, segment_offsets(xp, inverse[rows_by_segment], n_segments)
 
