@@ -95,11 +95,11 @@ def _patch_put_hashed(xp, rows: OwnerRows, put_keys, put_lines, put_live, launch
                              f"{out.shape[1]}")
     vector = device_ops.line_vector(dtype, line_size, (lines, out))
     slots = xp.empty(v, dtype=xp.int64)
-    if rows.live is None:
+    if rows.live is None:             # row i's line lands in out[i] (out_rows unread without)
+        out_rows = xp.arange(v, dtype=xp.int64) if line_size else slots
         device_ops.launch_warps(launch, "hashindex", "find", dtype, v,
                                 (table, mask, keys, np.int64(v), lines, np.int32(line_size),
-                                 vector, xp.arange(v, dtype=xp.int64), out, slots,
-                                 xp.empty(v, dtype=xp.int64)))
+                                 vector, out_rows, out, slots, xp.empty(v, dtype=xp.int64)))
     else:                                          # NOT_LOOKED_UP (-2) from rows.live on
         device_ops.launch_warps(launch, "hashindex", "find_live", dtype, v,
                                 (table, mask, keys, np.int64(v), rows.live, lines,
