@@ -443,6 +443,11 @@ def main(argv=None):
             summary.append(f"{name} FAILED ({failed[name][:200]})")
         print(f"[part {name}: {time.perf_counter() - start:.1f} s]", flush=True)
 
+    def report(line: str, short: str) -> None:
+        """A comparison's full line printed, its short form kept for the summary."""
+        print(line)
+        summary.append(short)
+
     def lookup_part():
         lookup = bench_lookup(dev, args)
         payload["lookup"] = lookup
@@ -460,21 +465,20 @@ def main(argv=None):
             summary.append(f"unique: hash {lookup['unique_hash_vs_sort']['speedup']:.2f}x sort")
         if GATHER_PART in lookup["parts_s"]:
             speedup = lookup["parts_s"][GATHER_SCALAR_PART] / lookup["parts_s"][GATHER_PART]
-            print(f"gather: the step's kernel is {speedup:.2f}x the scalar one's speed (16 bytes "
-                  f"per thread: {lookup['gather_vectorised']})")
-            summary.append(f"gather: {speedup:.2f}x scalar (vectorised: {lookup['gather_vectorised']})")
+            report(f"gather: the step's kernel is {speedup:.2f}x the scalar one's speed (16 bytes "
+                   f"per thread: {lookup['gather_vectorised']})",
+                   f"gather: {speedup:.2f}x scalar (vectorised: {lookup['gather_vectorised']})")
         if FIND_PART in lookup["parts_s"]:
             speedup = lookup["parts_s"][FIND_SCALAR_PART] / lookup["parts_s"][FIND_PART]
-            print(f"find: the step's line copies are {speedup:.2f}x the one-element copies' speed "
-                  f"(16 bytes per lane: {lookup['find_vectorised']})")
-            summary.append(f"find: {speedup:.2f}x one-element copies (vectorised: "
-                           f"{lookup['find_vectorised']})")
+            report(f"find: the step's line copies are {speedup:.2f}x the one-element copies' "
+                   f"speed (16 bytes per lane: {lookup['find_vectorised']})",
+                   f"find: {speedup:.2f}x one-element copies (vectorised: "
+                   f"{lookup['find_vectorised']})")
         if lookup["dedup_find"]:
             fusion = lookup["dedup_find"]
-            print(f"dedup + find: fused {fusion['speedup']:.2f}x two kernels (same results: "
-                  f"{fusion['same_results']})")
-            summary.append(f"dedup + find: fused {fusion['speedup']:.2f}x two kernels "
-                           f"(same results: {fusion['same_results']})")
+            line = (f"dedup + find: fused {fusion['speedup']:.2f}x two kernels (same results: "
+                    f"{fusion['same_results']})")
+            report(line, line)
         if lookup["grad_update"]:
             update = lookup["grad_update"]
             summary.append(f"grad sum + update: fused {update['speedup']:.2f}x two kernels "
@@ -486,10 +490,10 @@ def main(argv=None):
                            f"(vectorised: {update['vectorised']})")
         if lookup["refresh_patch"]:
             patch = lookup["refresh_patch"]
-            print(f"refresh patch: the hash index is {patch['speedup']:.2f}x the sort's speed "
-                  f"(same bits: {patch['same_results']})")
-            summary.append(f"refresh patch: hash {patch['speedup']:.2f}x sort (same bits: "
-                           f"{patch['same_results']})")
+            report(f"refresh patch: the hash index is {patch['speedup']:.2f}x the sort's speed "
+                   f"(same bits: {patch['same_results']})",
+                   f"refresh patch: hash {patch['speedup']:.2f}x sort (same bits: "
+                   f"{patch['same_results']})")
         layout = bench_interaction_input(dev, args)
         payload["interaction_input"] = layout
         print(f"\n## rows into the dot interaction's input, batch {args.batch_size}, dim "

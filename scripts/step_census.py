@@ -68,6 +68,7 @@ class Census:
 def install(census: Census) -> None:
     """Route the stand-in cupy's functions and the emulated launcher through ``census``."""
     import cupy
+    from hidden_syncs import WrappedNamespace
 
     from one_embedding.kernels import dense_update, device_ops
 
@@ -115,23 +116,15 @@ def install(census: Census) -> None:
             return tuple(counted(v) for v in value)
         return value
 
-    class Namespace:
-        def __init__(self, base):
-            self._base = base
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            record(f"cupy.{name}")
+            return counted(fn(*args, **kwargs))
+        return call
 
-        def __getattr__(self, name):
-            attr = getattr(self._base, name)
-            if isinstance(attr, type) or not callable(attr):
-                return attr
-
-            def call(*args, **kwargs):
-                record(f"cupy.{name}")
-                return counted(attr(*args, **kwargs))
-            return call
-
-    cupy.__dict__["__getattr__"] = lambda name: getattr(Namespace(np), name)
+    cupy.__dict__["__getattr__"] = lambda name: getattr(WrappedNamespace(np, counting), name)
     launcher = device_ops.cupy_launcher()
-    launcher.xp = Namespace(launcher.xp)
+    launcher.xp = WrappedNamespace(launcher.xp, counting)
     run = launcher.run
 
     def launch(family, name, *args, **kwargs):

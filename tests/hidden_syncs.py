@@ -157,27 +157,32 @@ class DeviceArray(np.ndarray):
         return to_device(super().nonzero())
 
 
-class StrictNamespace:
-    """``base`` (numpy, or the emulator's numpy) whose functions return DeviceArray and record
-    the ``SYNCING`` ones; types and constants pass through unchanged."""
+class WrappedNamespace:
+    """``base`` (numpy, or the emulator's numpy) whose functions are called through
+    ``wrap(name, function)`` (which returns the function to call); types and constants pass
+    through unchanged. Also ``scripts/step_census.py``'s way of seeing each cupy call."""
 
-    def __init__(self, base):
-        self._base = base
+    def __init__(self, base, wrap):
+        self._base, self._wrap = base, wrap
 
     def __getattr__(self, name):
         attr = getattr(self._base, name)
         if isinstance(attr, type) or not callable(attr):
             return attr
+        return self._wrap(name, attr)
 
-        def call(*args, **kwargs):
-            if name not in SYNCING:
-                return to_device(attr(*args, **kwargs))
-            record(f"{name}()")
-            with quiet():   # one read, recorded once (numpy's nonzero calls the method)
-                return to_device(attr(*args, **kwargs))
 
-        call.__name__ = name
-        return call
+def _strict_call(name, fn):
+    """``fn`` returning DeviceArray, recording a call of the ``SYNCING`` ones."""
+    def call(*args, **kwargs):
+        if name not in SYNCING:
+            return to_device(fn(*args, **kwargs))
+        record(f"{name}()")
+        with quiet():   # one read, recorded once (numpy's nonzero calls the method)
+            return to_device(fn(*args, **kwargs))
+
+    call.__name__ = name
+    return call
 
 
 @contextlib.contextmanager
@@ -194,7 +199,7 @@ def strict():
     saved_xp, saved_run = launcher.xp, launcher.run
     saved_sync = {name: getattr(host_sync, name)
                   for name in ("to_host", "scalar", "flag", "wait", "copy_async")}
-    strict_np = StrictNamespace(np)
+    strict_np = WrappedNamespace(np, _strict_call)
 
     def exempt(fn):
         def call(*args, **kwargs):
@@ -204,7 +209,7 @@ def strict():
 
     seen: Counter = Counter()
     cupy.__dict__["__getattr__"] = lambda name: getattr(strict_np, name)
-    launcher.xp = StrictNamespace(saved_xp)
+    launcher.xp = WrappedNamespace(saved_xp, _strict_call)
     launcher.run = exempt(saved_run)
     for name, fn in saved_sync.items():
         setattr(host_sync, name, exempt(fn))
