@@ -89,16 +89,11 @@ from .bench_gpu_dense import (bench_dense_parts, bench_dense_update, bench_fused
                               print_dense_parts, print_dense_update)
 from .gpu_profile import print_profile
 from .gpu_profile import profile as profile_kernels
-from .bench_gpu_lookup import (FIND_PART, FIND_SCALAR_PART, GATHER_PART, GATHER_SCALAR_PART,
-                               bench_interaction_input, bench_lookup)
+from .bench_gpu_lookup import bench_interaction_input, bench_lookup, print_lookup
 from .common import markdown_table, print_header, save_result, zipf_ids
 
 #: HugeCTR's published DLRM training throughput on one H100, the anchor of issue 13
 HUGECTR_H100_SAMPLES_PER_S = 7.4e6
-LOOKUP_GOAL = 0.8
-#: FBGEMM's table-batched embedding lookups reach 76-83% of HBM bandwidth (the reference the
-#: lookup's share of the copy bandwidth is printed beside)
-FBGEMM_HBM_SHARE = (0.76, 0.83)
 
 
 class Device:
@@ -443,57 +438,10 @@ def main(argv=None):
             summary.append(f"{name} FAILED ({failed[name][:200]})")
         print(f"[part {name}: {time.perf_counter() - start:.1f} s]", flush=True)
 
-    def report(line: str, short: str) -> None:
-        """A comparison's full line printed, its short form kept for the summary."""
-        print(line)
-        summary.append(short)
-
     def lookup_part():
         lookup = bench_lookup(dev, args)
         payload["lookup"] = lookup
-        print(f"\n## lookup: {lookup['ids']:,} ids ({lookup['unique']:,} unique), dim {lookup['dim']}")
-        print(markdown_table(lookup["rows"], ["what", "ms", "GB/s", "x copy"]))
-        if lookup["unique_hash_vs_sort"]:
-            versus = lookup["unique_hash_vs_sort"]
-            print(f"unique: the hash table is {versus['speedup']:.2f}x the sort's speed "
-                  f"(same results: {versus['same_results']})")
-        verdict = "met" if lookup["ratio"] >= LOOKUP_GOAL else "not met"
-        summary.append(f"lookup {lookup['lookup_GBps']:.0f} GB/s = {lookup['ratio']:.2f}x copy "
-                       f"{lookup['copy_GBps']:.0f} GB/s (FBGEMM {FBGEMM_HBM_SHARE[0]:.2f}-"
-                       f"{FBGEMM_HBM_SHARE[1]:.2f}x; goal {LOOKUP_GOAL}x: {verdict})")
-        if lookup["unique_hash_vs_sort"]:
-            summary.append(f"unique: hash {lookup['unique_hash_vs_sort']['speedup']:.2f}x sort")
-        if GATHER_PART in lookup["parts_s"]:
-            speedup = lookup["parts_s"][GATHER_SCALAR_PART] / lookup["parts_s"][GATHER_PART]
-            report(f"gather: the step's kernel is {speedup:.2f}x the scalar one's speed (16 bytes "
-                   f"per thread: {lookup['gather_vectorised']})",
-                   f"gather: {speedup:.2f}x scalar (vectorised: {lookup['gather_vectorised']})")
-        if FIND_PART in lookup["parts_s"]:
-            speedup = lookup["parts_s"][FIND_SCALAR_PART] / lookup["parts_s"][FIND_PART]
-            report(f"find: the step's line copies are {speedup:.2f}x the one-element copies' "
-                   f"speed (16 bytes per lane: {lookup['find_vectorised']})",
-                   f"find: {speedup:.2f}x one-element copies (vectorised: "
-                   f"{lookup['find_vectorised']})")
-        if lookup["dedup_find"]:
-            fusion = lookup["dedup_find"]
-            line = (f"dedup + find: fused {fusion['speedup']:.2f}x two kernels (same results: "
-                    f"{fusion['same_results']})")
-            report(line, line)
-        if lookup["grad_update"]:
-            update = lookup["grad_update"]
-            summary.append(f"grad sum + update: fused {update['speedup']:.2f}x two kernels "
-                           f"(same bits: {update['same_results']})")
-            print(f"grad sum + update: the fused kernel's 16-byte row accesses are "
-                  f"{update['vector_speedup']:.2f}x the one-element ones' speed (vectorised: "
-                  f"{update['vectorised']}; same bits: {update['vector_same_results']})")
-            summary.append(f"row update: {update['vector_speedup']:.2f}x one-element accesses "
-                           f"(vectorised: {update['vectorised']})")
-        if lookup["refresh_patch"]:
-            patch = lookup["refresh_patch"]
-            report(f"refresh patch: the hash index is {patch['speedup']:.2f}x the sort's speed "
-                   f"(same bits: {patch['same_results']})",
-                   f"refresh patch: hash {patch['speedup']:.2f}x sort (same bits: "
-                   f"{patch['same_results']})")
+        print_lookup(lookup, summary)
         layout = bench_interaction_input(dev, args)
         payload["interaction_input"] = layout
         print(f"\n## rows into the dot interaction's input, batch {args.batch_size}, dim "

@@ -15,8 +15,8 @@ the parts it is made of, each beside its baseline measured in the same run.
 - ``bench_interaction_input``: a batch's rows into the dot interaction's input, gather +
   concatenation against the gather straight into it, fp32 and bf16.
 
-``bench_gpu`` prints their tables and summary lines; the module docstring there says what each
-bandwidth counts and the goals.
+``print_lookup`` prints the lookup's table and comparisons and gives ``bench_gpu`` their summary
+lines; ``bench_gpu``'s module docstring says what each bandwidth counts and the goals.
 """
 from __future__ import annotations
 
@@ -24,8 +24,13 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .common import zipf_ids
+from .common import markdown_table, zipf_ids
 
+#: issue 32's goal for the lookup: this share of the device's copy bandwidth
+LOOKUP_GOAL = 0.8
+#: FBGEMM's table-batched embedding lookups reach 76-83% of HBM bandwidth (the reference the
+#: lookup's share of the copy bandwidth is printed beside)
+FBGEMM_HBM_SHARE = (0.76, 0.83)
 #: the lookup's gather parts: the step's (16 bytes per thread where the layout allows it) and the
 #: scalar kernel as its baseline in the same run (issue 32 item 3)
 GATHER_PART = "gather (rows by inverse, the step's: lines read in place)"
@@ -127,6 +132,60 @@ def bench_lookup(dev: Device, args) -> dict:
             "find_vectorised": find_vectorised,
             "unique_hash_vs_sort": unique_vs_sort, "grad_update": update,
             "dedup_find": dedup_find, "refresh_patch": patch}
+
+
+def print_lookup(lookup: dict, summary: list) -> None:
+    """Prints ``bench_lookup``'s table and each comparison of a part with its baseline, and
+    appends their short forms to ``summary`` (bench_gpu's last line)."""
+
+    def report(line: str, short: str) -> None:
+        print(line)
+        summary.append(short)
+
+    print(f"\n## lookup: {lookup['ids']:,} ids ({lookup['unique']:,} unique), dim {lookup['dim']}")
+    print(markdown_table(lookup["rows"], ["what", "ms", "GB/s", "x copy"]))
+    versus = lookup["unique_hash_vs_sort"]
+    if versus:
+        print(f"unique: the hash table is {versus['speedup']:.2f}x the sort's speed "
+              f"(same results: {versus['same_results']})")
+    verdict = "met" if lookup["ratio"] >= LOOKUP_GOAL else "not met"
+    summary.append(f"lookup {lookup['lookup_GBps']:.0f} GB/s = {lookup['ratio']:.2f}x copy "
+                   f"{lookup['copy_GBps']:.0f} GB/s (FBGEMM {FBGEMM_HBM_SHARE[0]:.2f}-"
+                   f"{FBGEMM_HBM_SHARE[1]:.2f}x; goal {LOOKUP_GOAL}x: {verdict})")
+    if versus:
+        summary.append(f"unique: hash {versus['speedup']:.2f}x sort")
+    parts = lookup["parts_s"]
+    if GATHER_PART in parts:
+        speedup = parts[GATHER_SCALAR_PART] / parts[GATHER_PART]
+        report(f"gather: the step's kernel is {speedup:.2f}x the scalar one's speed (16 bytes "
+               f"per thread: {lookup['gather_vectorised']})",
+               f"gather: {speedup:.2f}x scalar (vectorised: {lookup['gather_vectorised']})")
+    if FIND_PART in parts:
+        speedup = parts[FIND_SCALAR_PART] / parts[FIND_PART]
+        report(f"find: the step's line copies are {speedup:.2f}x the one-element copies' "
+               f"speed (16 bytes per lane: {lookup['find_vectorised']})",
+               f"find: {speedup:.2f}x one-element copies (vectorised: "
+               f"{lookup['find_vectorised']})")
+    if lookup["dedup_find"]:
+        fusion = lookup["dedup_find"]
+        line = (f"dedup + find: fused {fusion['speedup']:.2f}x two kernels (same results: "
+                f"{fusion['same_results']})")
+        report(line, line)
+    if lookup["grad_update"]:
+        update = lookup["grad_update"]
+        summary.append(f"grad sum + update: fused {update['speedup']:.2f}x two kernels "
+                       f"(same bits: {update['same_results']})")
+        report(f"grad sum + update: the fused kernel's 16-byte row accesses are "
+               f"{update['vector_speedup']:.2f}x the one-element ones' speed (vectorised: "
+               f"{update['vectorised']}; same bits: {update['vector_same_results']})",
+               f"row update: {update['vector_speedup']:.2f}x one-element accesses "
+               f"(vectorised: {update['vectorised']})")
+    if lookup["refresh_patch"]:
+        patch = lookup["refresh_patch"]
+        report(f"refresh patch: the hash index is {patch['speedup']:.2f}x the sort's speed "
+               f"(same bits: {patch['same_results']})",
+               f"refresh patch: hash {patch['speedup']:.2f}x sort (same bits: "
+               f"{patch['same_results']})")
 
 
 def _switched_off(switch: str, timed):
