@@ -4,10 +4,11 @@ lookup made right before its rows are used would (``shard``'s docstring has the 
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
-from .errors import InputError
-from .kernels import device_ops, live_rows
+from .kernels import device_ops, hash_find, live_rows
 from .step import OwnerRows
 from .tiers import HashIndex
 from .tiers.hash_index import EMPTY, _capacity_for
@@ -47,7 +48,11 @@ def patch_rows_on_device(xp, rows: OwnerRows, newer: list, launch=None):
     fixed-capacity lookup need it)."""
     if rows.keys.shape[0] == 0:
         return None
-    patch = _patch_put_hashed if HASHED_PATCH else _patch_put_sorted
+    patch = _patch_put_sorted
+    if HASHED_PATCH:
+        launch = device_ops.resolve(launch)
+        keys = device_ops.device_array(launch, "row keys", rows.keys, np.uint64, ndim=1)
+        patch = functools.partial(_patch_put_hashed, keys=keys)      # converted once, not a put
     erased = None
     for put_keys, put_lines, put_live in newer:
         if put_keys.shape[0] == 0:
@@ -63,47 +68,31 @@ def patch_rows_on_device(xp, rows: OwnerRows, newer: list, launch=None):
     return erased
 
 
-def _patch_put_hashed(xp, rows: OwnerRows, put_keys, put_lines, put_live, launch):
+def _patch_put_hashed(xp, rows: OwnerRows, put_keys, put_lines, put_live, launch, keys):
     """One put (or erase: ``put_lines`` None) into ``rows``: the put's keys go into a hash
     index by position (``hashindex_insert_positions``, those below ``put_live`` only), and one
     warp per row probes it for the row's key and copies the put's line over the row's line
     where found (``hashindex_find`` / ``hashindex_find_live`` below ``rows.live``). Returns
-    (v,) bool: the rows whose key the put holds."""
-    launch = device_ops.resolve(launch)
-    m, v = put_keys.shape[0], rows.keys.shape[0]
+    (v,) bool: the rows whose key the put holds. keys: rows.keys as (v,) uint64 on the device."""
+    m, v = put_keys.shape[0], keys.shape[0]
     put_keys = device_ops.device_array(launch, "put keys", put_keys, np.uint64, ndim=1)
-    keys = device_ops.device_array(launch, "row keys", rows.keys, np.uint64, ndim=1)
     # empty buckets: every word EMPTY (-1 as int64), the slot word's all-ones in hashindex.cu
     table = xp.full((_capacity_for(m), 2), EMPTY, dtype=xp.int64).view(xp.uint64)
-    mask = np.int64(table.shape[0] - 1)
     has_live = put_live is not None
     live = put_live if has_live else xp.empty(1, dtype=xp.int64)   # not read without a count
     device_ops.launch_threads(launch, "hashindex", "insert_positions", np.float32, m,
-                              (table, mask, put_keys, np.int64(m), live, np.int32(has_live)))
-    if put_lines is None:      # line_size 0: the row arguments are not read; any array stands in
-        dtype = np.dtype(np.float32)
-        lines = out = xp.empty((1, 1), dtype=dtype)
-        line_size = 0
-    else:
-        dtype = np.dtype(rows.lines.dtype)
-        out = device_ops.device_array(launch, "rows' lines", rows.lines, dtype, ndim=2,
-                                      writable=True)
-        lines = device_ops.device_array(launch, "put lines", put_lines, dtype, ndim=2)
-        line_size = lines.shape[1]
-        if line_size != out.shape[1]:
-            raise InputError(f"a put's lines of {line_size} values do not fit rows of "
-                             f"{out.shape[1]}")
-    vector = device_ops.line_vector(dtype, line_size, (lines, out))
-    slots = xp.empty(v, dtype=xp.int64)
+                              (table, np.int64(table.shape[0] - 1), put_keys, np.int64(m), live,
+                               np.int32(has_live)))
+    lines = out = None                                             # an erase: no lines
+    if put_lines is not None:
+        out = device_ops.device_array(launch, "rows' lines", rows.lines, rows.lines.dtype,
+                                      ndim=2, writable=True)
+        lines = device_ops.device_array(launch, "put lines", put_lines, out.dtype, ndim=2)
     if rows.live is None:             # row i's line lands in out[i] (out_rows unread without)
-        out_rows = xp.arange(v, dtype=xp.int64) if line_size else slots
-        device_ops.launch_warps(launch, "hashindex", "find", dtype, v,
-                                (table, mask, keys, np.int64(v), lines, np.int32(line_size),
-                                 vector, out_rows, out, slots, xp.empty(v, dtype=xp.int64)))
+        out_rows = xp.arange(v, dtype=xp.int64) if lines is not None else None
+        slots, _ = hash_find.find(launch, table, keys, lines, out, out_rows)
     else:                                          # NOT_LOOKED_UP (-2) from rows.live on
-        device_ops.launch_warps(launch, "hashindex", "find_live", dtype, v,
-                                (table, mask, keys, np.int64(v), rows.live, lines,
-                                 np.int32(line_size), vector, out, slots))
+        slots = hash_find.find_live(launch, table, keys, rows.live, lines, out)
     return slots >= 0
 
 

@@ -667,21 +667,19 @@ def test_codec_argument_checks(launch):
 
 
 def _glue_launches():
-    """{(family, name)} of every launch_threads / launch_warps call in the device glue."""
+    """{(family, name)} of every launch_threads / launch_warps call of an embedding family's
+    kernel anywhere in the package's Python (no hand-kept list of the glue's modules)."""
     found = set()
-    package = helpers.PACKAGE
-    for path in [package / "kernels" / "device_ops.py", package / "kernels" / "device_init.py",
-                 package / "kernels" / "device_unique.py",
-                 package / "kernels" / "fused_update.py", package / "kernels" / "live_rows.py",
-                 package / "cache" / "device.py", package / "cache" / "device_index.py",
-                 package / "kernels" / "layout_ops.py", package / "write_log.py"]:
+    for path in sorted(helpers.PACKAGE.rglob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) in (
-                    "launch_threads", "launch_warps"):
+                    "launch_threads", "launch_warps") and len(node.args) >= 3:
                 family, name = node.args[1], node.args[2]
                 if isinstance(family, ast.Constant) and isinstance(name, ast.Constant):
-                    found.add((family.value, name.value))
-                else:       # update_lines names its kernel by optimizer
+                    if family.value in cm.EMBEDDING_FAMILIES:
+                        found.add((family.value, name.value))
+                elif isinstance(family, ast.Constant) and family.value == "optim":
+                    # update_lines names its kernel by optimizer
                     found.update(("optim", k[len("optim_"):]) for k in cm.kernel_names("optim"))
     return found
 

@@ -13,7 +13,7 @@ import numpy as np
 
 from .. import host_sync
 from ..errors import InputError
-from ..kernels import device_ops, device_unique
+from ..kernels import device_ops, device_unique, hash_find
 # the CPU twin's load limit and sizing, so both grow at the same sizes
 from ..tiers.hash_index import MAX_LOAD, _capacity_for  # noqa: F401 - MAX_LOAD re-exported
 
@@ -138,23 +138,8 @@ class DeviceHashIndex:
 
     def _find(self, keys, rows=None, out=None, out_rows=None):
         """(slots (n,) int64, buckets (n,) int64), -1 where absent; copies found lines into
-        ``out[out_rows]`` when ``rows`` is given."""
-        xp = self._xp
-        n = keys.shape[0]
-        slots = xp.empty(n, dtype=xp.int64)
-        buckets = xp.empty(n, dtype=xp.int64)
-        if rows is None:
-            # the row arguments are not read when line_size == 0; any float32 array stands in
-            rows = out = xp.empty((1, 1), dtype=xp.float32)
-            out_rows = slots
-            line_size = 0
-        else:
-            line_size = rows.shape[1]
-        vector = device_ops.line_vector(np.float32, line_size, (rows, out))
-        device_ops.launch_warps(self._launch, "hashindex", "find", np.float32, n,
-                                (self._table, np.int64(self.capacity - 1), keys, np.int64(n), rows,
-                                 np.int32(line_size), vector, out_rows, out, slots, buckets))
-        return slots, buckets
+        ``out[out_rows]`` when ``rows`` is given (``hash_find.find``)."""
+        return hash_find.find(self._launch, self._table, keys, rows, out, out_rows)
 
     def _keys(self, keys):
         return device_ops.device_array(self._launch, "keys", keys, np.uint64, ndim=1)
@@ -182,19 +167,7 @@ class DeviceHashIndex:
         of found key i is copied into row i of ``out`` (n, L) float32 too. keys: (n,) uint64;
         live: (1,) int64 device count -> slots (n,) int64: the slot, -1 where absent,
         ``NOT_LOOKED_UP`` (-2) from ``live`` on."""
-        xp = self._xp
-        n = keys.shape[0]
-        slots = xp.empty(n, dtype=xp.int64)
-        if rows is None:   # not read when line_size == 0; any float32 array stands in
-            rows = out = xp.empty((1, 1), dtype=xp.float32)
-            line_size = 0
-        else:
-            line_size = rows.shape[1]
-        vector = device_ops.line_vector(np.float32, line_size, (rows, out))
-        device_ops.launch_warps(self._launch, "hashindex", "find_live", np.float32, n,
-                                (self._table, np.int64(self.capacity - 1), keys, np.int64(n), live,
-                                 rows, np.int32(line_size), vector, out, slots))
-        return slots
+        return hash_find.find_live(self._launch, self._table, keys, live, rows, out)
 
     def dedup_find_live(self, passes, rows=None, out=None):
         """The output pass of a fixed-capacity dedup (``device_unique.dedup_passes_fixed``'s
