@@ -295,11 +295,16 @@ def _compare_caches(dev, cpu, rng, universe, steps, max_batch, line):
             hits += keys.size - missing.size
         else:
             lines = rng.standard_normal((keys.size, line)).astype(np.float32)
+            held = set(cpu.keys().tolist())
             ev_keys, ev_lines = dev.insert_or_assign(keys, lines)
             want_keys, want_lines = cpu.insert_or_assign(keys, lines)
             np.testing.assert_array_equal(ev_keys, want_keys)
             np.testing.assert_array_equal(ev_lines, want_lines)
-            evictions += ev_keys.size
+            evictions += len(held - set(cpu.keys().tolist()))   # displaced, dirty or clean
+        if step % 12 == 7:  # a snapshot's flush: the dirty lines go down and turn clean
+            for (k1, l1), (k2, l2) in zip(dev.flush_batches(4), cpu.flush_batches(4), strict=True):
+                np.testing.assert_array_equal(k1, k2)
+                np.testing.assert_array_equal(l1, l2)
         assert len(dev) == len(cpu)
         np.testing.assert_array_equal(dev.keys(), cpu.keys())
     return hits, evictions
@@ -319,6 +324,48 @@ def test_device_cache_matches_cpu_cache_on_random_trace(launch, launch32, policy
     for (k1, l1), (k2, l2) in zip(dev.export_batches(5), cpu.export_batches(5), strict=True):
         np.testing.assert_array_equal(k1, k2)
         np.testing.assert_array_equal(l1, l2)
+
+
+def test_device_cache_flush_writes_dirty_lines_and_clean_victims_leave_without_a_copy(launch):
+    """A flushed line is clean: evicted, it goes nowhere (the level below has it), and the next
+    flush leaves it out; a line written after the flush is dirty again. Against the CPU cache."""
+    def k(*ids):
+        return np.array(ids, np.uint64)
+
+    def v(x):
+        return np.full((1, 2), x, np.float32)
+
+    dev = DeviceCache(2, 2, 2, "lru", launch=launch)        # one set of two ways
+    cpu = SetAssociativeCache(2, 2, 2, "lru")
+    for c in (dev, cpu):
+        c.insert_or_assign(k(1, 2), np.vstack([v(1), v(2)]))
+        flushed = [(keys.tolist(), lines.tolist()) for keys, lines in c.flush_batches()]
+        assert flushed == [([1, 2], [[1, 1], [2, 2]])]
+        assert list(c.flush_batches()) == []                  # nothing written since
+        gone, _ = c.insert_or_assign(k(3), v(3))             # evicts 1, clean: no copy down
+        assert gone.tolist() == [] and len(c) == 2
+        c.insert_or_assign(k(2), v(20))                      # 2 dirty again
+        flushed = [(keys.tolist(), lines.tolist()) for keys, lines in c.flush_batches()]
+        assert flushed == [([2, 3], [[20, 20], [3, 3]])]
+        c.insert_or_assign(k(4), v(4))                       # evicts 3, clean since the flush
+        gone, lines = c.insert_or_assign(k(5), v(5))         # evicts 2, clean
+        assert gone.tolist() == []
+        c.insert_or_assign(k(4), v(40))
+        gone, lines = c.insert_or_assign(k(6, 7), np.vstack([v(6), v(7)]))  # 5 dirty, 4 dirty
+        assert gone.tolist() == [5, 4] and lines.tolist() == [[5, 5], [40, 40]]
+        assert c.keys().tolist() == [6, 7]
+
+
+def test_device_cache_flush_batch_stays_dirty_until_the_next_is_asked_for(launch):
+    dev = DeviceCache(1, 4, 4, "lru", launch=launch)
+    keys = np.array([4, 3, 2, 1], np.uint64)
+    dev.insert_or_assign(keys, np.arange(4, dtype=np.float32)[:, None])
+    batches = dev.flush_batches(2)
+    first, _ = next(batches)
+    assert first.tolist() == [1, 2]
+    batches.close()                     # the writer failed on the first batch: it stays dirty
+    assert [b.tolist() for b, _ in dev.flush_batches(2)] == [[1, 2], [3, 4]]
+    assert list(dev.flush_batches(2)) == []
 
 
 def test_device_cache_lru_and_lfu_pick_different_victims(launch):

@@ -284,6 +284,7 @@ class DeviceCache(_OnDevice, Tier):
         self._way_keys = xp.zeros(shape, dtype=xp.uint64)
         self._way_stamp = xp.full(shape, -1, dtype=xp.int64)    # -1: the way is empty
         self._way_freq = xp.zeros(shape, dtype=xp.int64)
+        self._way_dirty = xp.zeros(shape, dtype=xp.uint8)      # 1: newer than the copy below
         self._rows = xp.zeros((self.n_sets * self.ways, self.line_size), dtype=xp.float32)
         self._clock = 0
         self._size = 0
@@ -304,7 +305,7 @@ class DeviceCache(_OnDevice, Tier):
     @property
     def memory_bytes(self) -> int:
         return int(self._rows.nbytes + self._way_keys.nbytes + self._way_stamp.nbytes
-                   + self._way_freq.nbytes)
+                   + self._way_freq.nbytes + self._way_dirty.nbytes)
 
     def _state(self) -> tuple:
         return self._way_keys, self._way_stamp, self._way_freq, self._rows, np.int32(self.ways), \
@@ -337,9 +338,10 @@ class DeviceCache(_OnDevice, Tier):
     def insert_or_assign(self, keys, lines):
         """keys: (n,) uint64 unique, lines: (n, line_size) float32.
 
-        Returns the evicted (keys (m,) uint64 unique, lines (m, line_size) float32), m <= n, in
-        the order of their last eviction; a key evicted twice in one call leaves once, with its
-        newer line.
+        Returns the evicted dirty lines (keys (m,) uint64 unique, lines (m, line_size)
+        float32), m <= n, in the order of their last eviction; a key evicted twice in one call
+        leaves once, with its newer line. Evicted clean lines (flushed since their last write:
+        the level below holds the same) are dropped. Every written line is dirty.
         """
         launch, xp = self._launch, self._xp
         keys = device_ops.device_array(launch, "keys", keys, np.uint64, ndim=1)
@@ -352,13 +354,13 @@ class DeviceCache(_OnDevice, Tier):
         order, starts, set_ids = group_by_set(xp, keys, self.n_sets)
         ev_keys = xp.empty(n, dtype=xp.uint64)
         ev_lines = xp.empty((n, self.line_size), dtype=xp.float32)
-        ev_flag = xp.zeros(n, dtype=xp.int32)      # 1 evicted here, 2 evicted again later
+        ev_flag = xp.zeros(n, dtype=xp.int32)   # 1 evicted here, 2 again later, 3 clean: dropped
         new_flag = xp.empty(n, dtype=xp.int32)
         way_keys, way_stamp, way_freq, rows, ways, line_size = self._state()
         vector = device_ops.line_vector(np.float32, self.line_size, (rows, lines, ev_lines))
         device_ops.launch_warps(launch, "cache", "insert", np.float32, set_ids.shape[0],
-                                (way_keys, way_stamp, way_freq, rows, ways, line_size, vector,
-                                 np.int32(self._policy_code), keys, lines, order, starts, set_ids,
+                                (way_keys, way_stamp, way_freq, self._way_dirty, rows, ways,
+                                 line_size, vector, np.int32(self._policy_code), keys, lines, order, starts, set_ids,
                                  np.int64(set_ids.shape[0]), np.int64(self._clock), ev_keys, ev_lines,
                                  ev_flag, new_flag))
         self._clock += n
@@ -367,11 +369,14 @@ class DeviceCache(_OnDevice, Tier):
                        - device_ops.count_true(xp, ev_flag, "cache size: evicted lines"))
         return ev_keys[leaving], ev_lines[leaving]
 
-    def _held(self):
-        """(keys (k,) uint64 sorted, rows (k,) int64): every held key and the row of its line."""
+    def _held(self, dirty_only: bool = False):
+        """(keys (k,) uint64 sorted, rows (k,) int64): every held key (or every dirty one) and
+        the row of its line."""
         xp = self._xp
-        used = device_ops.flatnonzero(xp, self._way_stamp.reshape(-1) >= 0,
-                                      "device cache: held lines")
+        held = self._way_stamp.reshape(-1) >= 0
+        if dirty_only:
+            held &= self._way_dirty.reshape(-1) != 0
+        used = device_ops.flatnonzero(xp, held, "device cache: held lines")
         keys = self._way_keys.reshape(-1)[used]
         order = xp.argsort(keys)  # held keys are distinct: one order
         return keys[order], used[order]
@@ -385,6 +390,18 @@ class DeviceCache(_OnDevice, Tier):
         for start in range(0, keys.shape[0], batch_rows):
             stop = start + batch_rows
             yield keys[start:stop], self._rows[row_ids[start:stop]]
+
+    def flush_batches(self, batch_rows: int = 1 << 16) -> Iterator[tuple]:
+        """The dirty (keys (k,) uint64, lines (k, line_size) float32), sorted by key, in batches
+        (``SetAssociativeCache.flush_batches``' twin); each batch is marked clean once the caller
+        asks for the next one (a caller that fails writing a batch down leaves it dirty), so an
+        evicted clean line and the next flush write nothing of it."""
+        keys, row_ids = self._held(dirty_only=True)
+        dirty = self._way_dirty.reshape(-1)
+        for start in range(0, keys.shape[0], batch_rows):
+            stop = start + batch_rows
+            yield keys[start:stop], self._rows[row_ids[start:stop]]
+            dirty[row_ids[start:stop]] = 0
 
     def erase(self, keys) -> int:
         """Drop the lines of keys (n,) uint64 (their ways become empty)."""
@@ -403,4 +420,5 @@ class DeviceCache(_OnDevice, Tier):
 
     def clear(self) -> None:
         self._way_stamp.fill(-1)
+        self._way_dirty.fill(0)
         self._size = 0

@@ -5,6 +5,8 @@
 //   way_keys  (n_sets, ways) u64   key held by the way
 //   way_stamp (n_sets, ways) i64   touch stamp; -1: the way is empty
 //   way_freq  (n_sets, ways) i64   touches since the line came in (LFU)
+//   way_dirty (n_sets, ways) u8    1: the line is newer than the copy below (written since the
+//                                  host last flushed it); a clean victim leaves without a copy
 //   rows      (n_sets * ways, line_size) T
 //
 // A batch's positions are grouped by set before a launch (cache/device.py): order (n,) i64 holds
@@ -37,6 +39,7 @@ struct SetState {
   u64 keys[32];
   i64 stamp[32];
   i64 freq[32];
+  unsigned char dirty[32];  // cache_insert's only
 };
 
 // Way of a full set that the next miss displaces: the smallest stamp (LRU), or the smallest
@@ -106,17 +109,18 @@ __global__ void cache_find(const oe::u64* way_keys, oe::i64* way_stamp, oe::i64*
   }
 }
 
-// Write every key's line, in batch order within each set. A hit rewrites the line (freq + 1); a
-// miss takes the first free way, or displaces the victim, whose key and line are recorded at the
-// position of the key that displaced it: ev_keys[p], ev_lines[p], ev_flag[p] = 1 (ev_flag is
-// zeroed by the caller). A victim stamped in this same call (stamp >= clock) may have been
-// displaced once before in this call, carrying its older line; that earlier record is marked
-// ev_flag = 2 (superseded), so each key leaves once, with its newest line, as on the CPU.
-// new_flag[p] = 1 when keys[p] was not held. lines, ev_lines: (n, line_size); flags: (n,);
-// vector: 16-byte copies (above).
+// Write every key's line, in batch order within each set; a written way is dirty. A hit rewrites
+// the line (freq + 1); a miss takes the first free way, or displaces the victim. A dirty victim's
+// key and line are recorded at the position of the key that displaced it: ev_keys[p],
+// ev_lines[p], ev_flag[p] = 1 (ev_flag is zeroed by the caller); a clean one (its copy below is
+// the same) leaves without a copy: ev_flag[p] = 3. A victim stamped in this same call (stamp >=
+// clock, so dirty) may have been displaced once before in this call, carrying its older line;
+// that earlier record is marked ev_flag = 2 (superseded), so each key leaves once, with its
+// newest line, as on the CPU. new_flag[p] = 1 when keys[p] was not held. lines, ev_lines:
+// (n, line_size); flags: (n,); vector: 16-byte copies (above).
 template <typename T>
-__global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way_freq, T* rows,
-                             int ways, int line_size, int vector, int policy, const oe::u64* keys,
+__global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way_freq,
+                             unsigned char* way_dirty, T* rows, int ways, int line_size, int vector, int policy, const oe::u64* keys,
                              const T* lines, const oe::i64* order, const oe::i64* starts,
                              const oe::i64* set_ids, oe::i64 n_groups, oe::i64 clock,
                              oe::u64* ev_keys, T* ev_lines, int* ev_flag, int* new_flag) {
@@ -126,6 +130,7 @@ __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way
   for (oe::i64 g = oe::grid_warp(); g < n_groups; g += oe::grid_warps()) {
     const oe::i64 base = set_ids[g] * ways;
     oe::cache::load_set(s, way_keys, way_stamp, way_freq, base, ways, lane);
+    if (lane < ways) s.dirty[lane] = way_dirty[base + lane];
     const oe::i64 group_begin = starts[g];
     for (oe::i64 j = group_begin; j < starts[g + 1]; ++j) {
       const oe::i64 p = order[j];
@@ -145,9 +150,9 @@ __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way
         w = oe::cache::victim(s, ways, policy);
         const oe::u64 victim_key = s.keys[w];
         const oe::i64 victim_stamp = s.stamp[w];
+        evict = s.dirty[w] != 0;
         __syncwarp();  // every lane has read the entries before way w's owner rewrites them
-        evict = true;
-        if (victim_stamp >= clock) {
+        if (evict && victim_stamp >= clock) {
           // came in during this call: drop its earlier eviction record, if any (lane 0 wrote
           // the records; the barrier makes them visible to the other lanes)
           __syncwarp();
@@ -158,8 +163,8 @@ __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way
           __syncwarp();
         }
         if (lane == 0) {
-          ev_keys[p] = victim_key;
-          ev_flag[p] = 1;
+          if (evict) ev_keys[p] = victim_key;
+          ev_flag[p] = evict ? 1 : 3;
         }
       }
       if (lane == w) {
@@ -170,6 +175,7 @@ __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way
           s.freq[w] = 1;
         }
         s.stamp[w] = clock + p;
+        s.dirty[w] = 1;
       }
       if (lane == 0) new_flag[p] = hits == 0u;
       T* row = rows + (base + w) * line_size;
@@ -198,6 +204,7 @@ __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way
       way_keys[base + lane] = s.keys[lane];
       way_stamp[base + lane] = s.stamp[lane];
       way_freq[base + lane] = s.freq[lane];
+      way_dirty[base + lane] = s.dirty[lane];
     }
     __syncwarp();  // the entries are written back before the next group reloads them
   }
