@@ -40,6 +40,7 @@ ENGINES = ("slots", "rocksdb")
 CROSS_KINDS = ("vector", "matrix")
 ON_BAD_LINE = ("error", "skip")
 DEVICES = ("cpu", "cuda")
+COMMS = ("auto", "mpi", "nccl")
 #: --optimizer left unset: each model's reference optimizer (the models' docstrings: OneFlow's zoo
 #: trains DCN and DeepFM with Adam 1e-3). Adagrad's first update of a weight is lr * sign(g)
 #: whatever the size of g (its accumulator starts at 0), so at lr 0.05 every unit of a wide DNN
@@ -175,6 +176,11 @@ class TrainConfig:
                            "cores in tf32, fp16 (with a dynamic loss scale) or bf16, master "
                            "weights and rows in fp32; on CPU it gives a GPU run's numerics, not "
                            "its speed")
+    comm: str = option("auto", group="training", choices=COMMS,
+                       help="how ranks exchange rows, gradients and dense gradients: mpi "
+                            "(mpi4py; device arrays staged through host memory), nccl (NCCL on "
+                            "the GPUs, --device cuda, one GPU per rank) or auto: nccl for "
+                            "several ranks on --device cuda with a GPU each, else mpi")
     cuda_graph: bool = option(True, group="training",
                               help="--device cuda: capture the step's dense part (forward, loss, "
                                    "backward; fixed shapes) once as a CUDA graph and replay it "
@@ -242,6 +248,9 @@ class TrainConfig:
         if self.store == "cached_ssd" and not self.persistent_path:
             raise ConfigError("store='cached_ssd' needs --persistent-path (persistent_path=, the "
                               "SSD table's directory)")
+        if self.comm == "nccl" and self.device != "cuda":
+            raise ConfigError("comm='nccl' (--comm nccl) exchanges device arrays between GPUs: "
+                              "add --device cuda, or use --comm mpi")
         if self.resume and self.overwrite:
             raise ConfigError("resume=True and overwrite=True (--resume --overwrite): choose one: "
                               "--resume continues the run, --overwrite deletes it and starts over")

@@ -55,7 +55,7 @@ from .checkpoint import (
 from .data.features import FeatureTransform
 from .shard import rank_path
 from .optimizer import Optimizer
-from .parallel.comm import default_comm
+from .parallel.comm import training_comm
 from .pipeline import Prefetcher
 from .training_progress import MetricsWriter, TrainProgress, progress_postfix
 from .training_setup import (
@@ -112,7 +112,7 @@ LEGACY_CONFIG = {"ftrl_convention": "tensorflow"}
 RESUME_MAY_CHANGE = {"steps", "epochs", "log_interval", "eval_interval", "eval_batches", "snapshot_interval",
                      "snapshot_name", "keep_snapshots", "prefetch_depth", "read_ahead", "cache_mb",
                      "host_cache_mb", "capacity", "resume", "overwrite", "persistent_path",
-                     "cuda_graph"}
+                     "cuda_graph", "comm"}
 
 
 class Trainer:
@@ -133,7 +133,7 @@ class Trainer:
                               "writes checkpoints into the run's folder, and there is none: add "
                               "--persistent-path DIR or drop --snapshot-interval")
         self.cfg = cfg
-        self.comm = default_comm()
+        self.comm = training_comm(cfg.comm, cfg.device == "cuda")
         share_cores(self.comm.local_size)
         if cfg.batch_size % self.comm.world:
             raise ConfigError(f"batch_size={cfg.batch_size} (--batch-size, the global batch) does "
@@ -149,7 +149,7 @@ class Trainer:
         self.train_loader, self.eval_loader, num_tables, total_keys = make_loaders(cfg)
         store = store_options_for(cfg, row_optimizer.required_size_factor(), total_keys)
         with embedding_device(cfg.device):
-            self.model = build_model(cfg, num_tables, store).to(self.xp)
+            self.model = build_model(cfg, num_tables, store, self.comm).to(self.xp)
         self.embedding = self.model.embedding
         self.embedding.exchange_dtype = cfg.exchange_dtype
         # fp16 AMP underflows small gradients without a loss scale (PyTorch's GradScaler rule)

@@ -71,10 +71,12 @@ def make_loaders(cfg: TrainConfig):
     return train, evaluate, FILE_SPARSE_FEATURES, None
 
 
-def build_model(cfg: TrainConfig, num_tables: int, store_options):
-    """The model ``cfg.model`` names, with its embedding built on ``store_options``."""
+def build_model(cfg: TrainConfig, num_tables: int, store_options, comm=None):
+    """The model ``cfg.model`` names, with its embedding built on ``store_options`` exchanging
+    over ``comm`` (None: ``default_comm()``)."""
     shared = dict(num_tables=num_tables, embedding_dim=cfg.embedding_dim,
-                  dense_features=DENSE_FEATURES, store_options=store_options, seed=cfg.seed)
+                  dense_features=DENSE_FEATURES, store_options=store_options, comm=comm,
+                  seed=cfg.seed)
     if cfg.model == "dlrm":
         return DLRM(**shared, bottom_mlp=cfg.bottom_mlp, top_mlp=cfg.top_mlp)
     if cfg.model == "dcn":

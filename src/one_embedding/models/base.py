@@ -49,11 +49,13 @@ def table_initializer(table_size):
     return make_uniform_initializer(-bound, bound)
 
 
-def check_embedding_args(embedding, table_sizes, store_options):
-    """table_sizes and store_options configure the embedding a model builds; with the caller's
-    own ``embedding`` they would be silently ignored, so that combination is refused."""
-    if embedding is not None and (table_sizes is not None or store_options is not None):
-        given = "table_sizes" if table_sizes is not None else "store_options"
+def check_embedding_args(embedding, table_sizes, store_options, comm=None):
+    """table_sizes, store_options and comm configure the embedding a model builds; with the
+    caller's own ``embedding`` they would be silently ignored, so that combination is refused."""
+    if embedding is not None and (table_sizes is not None or store_options is not None
+                                  or comm is not None):
+        given = ("table_sizes" if table_sizes is not None else
+                 "store_options" if store_options is not None else "comm")
         raise ConfigError(
             f"{given} was given together with embedding=...: it only configures the embedding the "
             "model builds itself; set the initializers and store options on your embedding instead"
@@ -71,12 +73,14 @@ def check_table_sizes(table_sizes, num_tables):
     return tuple(int(s) for s in sizes)
 
 
-def build_embedding(name, column_dims, num_tables, table_sizes, store_options, seed, first_order=False):
+def build_embedding(name, column_dims, num_tables, table_sizes, store_options, seed, first_order=False,
+                    comm=None):
     """A default embedding: MultiTableEmbedding (one column) or, with ``first_order``, a
     MultiTableMultiColumnEmbedding with columns [E, 1] whose 1-wide column starts at 0.
 
     store_options None: device memory, no persistence, size_factor 1 (plain SGD). Pass
-    ``make_*_store_options(..., size_factor=3)`` for Adam, 2 for Adagrad or momentum.
+    ``make_*_store_options(..., size_factor=3)`` for Adam, 2 for Adagrad or momentum. comm:
+    the embedding's communicator (None: ``default_comm()``).
     """
     from ..embedding import MultiTableEmbedding, MultiTableMultiColumnEmbedding
 
@@ -88,10 +92,10 @@ def build_embedding(name, column_dims, num_tables, table_sizes, store_options, s
                                       make_column_options(make_constant_initializer(0.0))])
                   for s in sizes]
         return MultiTableMultiColumnEmbedding(name, list(column_dims), np.float32, np.int64, tables,
-                                              store_options, seed=seed)
+                                              store_options, seed=seed, comm=comm)
     tables = [make_table_options(table_initializer(s)) for s in sizes]
     return MultiTableEmbedding(name, int(column_dims[0]), np.float32, np.int64, tables, store_options,
-                               seed=seed)
+                               seed=seed, comm=comm)
 
 
 def positive(name, value) -> int:
@@ -110,7 +114,7 @@ class CTRModel(Module):
     """
 
     SHARED_ARGUMENTS = ("num_tables", "embedding_dim", "dense_features", "table_sizes",
-                        "embedding", "store_options", "seed", "dtype")
+                        "embedding", "store_options", "comm", "seed", "dtype")
 
     num_tables: int
     dense_features: int

@@ -30,7 +30,7 @@ class DCN(CTRModel):
 
     def __init__(self, *, num_tables: int = 39, embedding_dim: int = 16, dense_features: int = 0,
                  cross_layers: int = 3, cross: str = "vector", dnn=(1000,) * 5, dropout: float = 0.2,
-                 table_sizes=None, embedding=None, store_options=None, seed: int = 0,
+                 table_sizes=None, embedding=None, store_options=None, comm=None, seed: int = 0,
                  dtype=np.float32):
         self.num_tables = positive("num_tables", num_tables)
         self.embedding_dim = positive("embedding_dim", embedding_dim)
@@ -42,7 +42,7 @@ class DCN(CTRModel):
         dnn = tuple(dnn)
         if not dnn:
             raise ConfigError("dnn=() : DCN needs at least one DNN layer next to the cross network")
-        check_embedding_args(embedding, table_sizes, store_options)
+        check_embedding_args(embedding, table_sizes, store_options, comm)
         self.table_sizes = check_table_sizes(table_sizes, self.num_tables)
         self.input_width = self.num_tables * self.embedding_dim + self.dense_features
         seeds = np.random.SeedSequence(seed).spawn(3)
@@ -54,7 +54,7 @@ class DCN(CTRModel):
                              dtype=self.dtype, name="output")
         if embedding is None:
             embedding = build_embedding("dcn_embedding", [self.embedding_dim], self.num_tables,
-                                        self.table_sizes, store_options, seed)
+                                        self.table_sizes, store_options, seed, comm=comm)
         self._check_embedding(embedding, (self.embedding_dim,))
         self.embedding = embedding
         self._batch = None

@@ -36,7 +36,7 @@ class DeepFM(CTRModel):
 
     def __init__(self, *, num_tables: int = 39, embedding_dim: int = 16, dense_features: int = 0,
                  dnn=(1000,) * 5, dropout: float = 0.2, table_sizes=None, embedding=None,
-                 store_options=None, seed: int = 0, dtype=np.float32):
+                 store_options=None, comm=None, seed: int = 0, dtype=np.float32):
         self.num_tables = positive("num_tables", num_tables)
         self.embedding_dim = positive("embedding_dim", embedding_dim)
         self.embedding_width = self.embedding_dim + 1
@@ -44,7 +44,7 @@ class DeepFM(CTRModel):
             raise ConfigError(f"dense_features={dense_features!r} must be an integer >= 0")
         self.dense_features = int(dense_features)
         self.dtype = _check_dtype(dtype)
-        check_embedding_args(embedding, table_sizes, store_options)
+        check_embedding_args(embedding, table_sizes, store_options, comm)
         self.table_sizes = check_table_sizes(table_sizes, self.num_tables)
         self.bias = Parameter(np.zeros(1, self.dtype), "bias")
         self.fm = FactorizationMachine()
@@ -53,7 +53,8 @@ class DeepFM(CTRModel):
                        init="glorot", seed=seed, dtype=self.dtype, name="dnn")
         if embedding is None:
             embedding = build_embedding("deepfm_embedding", [self.embedding_dim, 1], self.num_tables,
-                                        self.table_sizes, store_options, seed, first_order=True)
+                                        self.table_sizes, store_options, seed, first_order=True,
+                                        comm=comm)
         self._check_embedding(embedding, (self.embedding_dim, 1))
         self.embedding = embedding
         self._batch = None

@@ -35,7 +35,7 @@ class DLRM(CTRModel):
     embedding: a ``MultiTableEmbedding`` with ``embedding_dim`` = bottom_mlp[-1], built by the
     caller with their store options; None builds one (``table_sizes`` picks each table's
     initializer; default: the Criteo 1TB sizes when num_tables == 26; ``store_options`` None:
-    device memory, size_factor 1).
+    device memory, size_factor 1; ``comm``: its communicator, None for ``default_comm()``).
     """
 
     embedding_dim_must_equal = "the model's embedding_dim and the bottom MLP output"
@@ -43,7 +43,7 @@ class DLRM(CTRModel):
     def __init__(self, *, num_tables: int = 26, embedding_dim: int = 128, dense_features: int = 13,
                  bottom_mlp=(512, 256, 128), top_mlp=(1024, 1024, 512, 256, 1),
                  self_interaction: bool = False, pad_to_multiple: int = 8, table_sizes=None,
-                 embedding=None, store_options=None, seed: int = 0, dtype=np.float32):
+                 embedding=None, store_options=None, comm=None, seed: int = 0, dtype=np.float32):
         self.num_tables = positive("num_tables", num_tables)
         self.embedding_dim = positive("embedding_dim", embedding_dim)
         self.embedding_width = self.embedding_dim
@@ -58,7 +58,7 @@ class DLRM(CTRModel):
             )
         if not top_mlp or top_mlp[-1] != 1:
             raise ConfigError(f"top_mlp={top_mlp} must end in 1 (one logit per sample)")
-        check_embedding_args(embedding, table_sizes, store_options)
+        check_embedding_args(embedding, table_sizes, store_options, comm)
         if table_sizes is None and embedding is None and self.num_tables == len(CRITEO_1TB_TABLE_SIZES):
             table_sizes = CRITEO_1TB_TABLE_SIZES
         self.table_sizes = check_table_sizes(table_sizes, self.num_tables)
@@ -73,7 +73,7 @@ class DLRM(CTRModel):
                            seed=seeds[1], dtype=self.dtype, name="top_mlp")
         if embedding is None:
             embedding = build_embedding("dlrm_embedding", [self.embedding_dim], self.num_tables,
-                                        self.table_sizes, store_options, seed)
+                                        self.table_sizes, store_options, seed, comm=comm)
         self._check_embedding(embedding, (self.embedding_dim,))
         self.embedding = embedding
         self._batch = None

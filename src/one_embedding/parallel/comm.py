@@ -402,6 +402,44 @@ def default_comm() -> Communicator:
     return _DEFAULT
 
 
+def nccl_available() -> bool:
+    """Whether CuPy can load NCCL (``cupy.cuda.nccl.available``; the pip wheels take it from
+    the nvidia-nccl package)."""
+    try:
+        from cupy.cuda import nccl
+    except ImportError:
+        return False
+    return bool(getattr(nccl, "available", True))
+
+
+def training_comm(choice: str, on_gpu: bool) -> Communicator:
+    """The communicator of a training run (``TrainConfig.comm``, ``--comm``): "mpi" is
+    ``default_comm()``; "nccl" an ``NcclComm`` over it (one GPU per rank: more ranks on a node
+    than it has GPUs, or a CuPy without NCCL, is refused by name); "auto" is NCCL for several
+    ranks on GPUs, each with a GPU of its own and NCCL loadable, else ``default_comm()``."""
+    base = default_comm()
+    if choice == "mpi" or not on_gpu or (choice == "auto" and base.world == 1):
+        if choice == "nccl":
+            raise ConfigError("--comm nccl exchanges device arrays between GPUs: add --device "
+                              "cuda, or use --comm mpi")
+        return base
+    import cupy
+
+    gpus = cupy.cuda.runtime.getDeviceCount()
+    problem = None
+    if base.local_size > gpus:
+        problem = (f"{base.local_size} ranks on this node share {gpus} GPU(s) and NCCL takes one "
+                   "GPU per rank: start at most one rank per GPU")
+    elif not nccl_available():
+        problem = ("CuPy cannot load NCCL: pip install nvidia-nccl-cu12 (or the nccl of your "
+                   "CUDA)")
+    if problem is not None:
+        if choice == "nccl":
+            raise ConfigError(f"--comm nccl: {problem}, or use --comm mpi")
+        return base
+    return NcclComm(base if isinstance(base, MpiComm) else MpiComm())
+
+
 def _check_counts(counts, world: int) -> np.ndarray:
     counts = np.asarray(counts, np.int64)
     if counts.shape != (world,):
