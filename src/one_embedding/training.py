@@ -55,7 +55,7 @@ from .checkpoint import (
 from .data.features import FeatureTransform
 from .shard import rank_path
 from .optimizer import Optimizer
-from .parallel.comm import training_comm
+from .parallel.comm import local_gpu, training_comm
 from .pipeline import Prefetcher
 from .training_progress import MetricsWriter, TrainProgress, progress_postfix
 from .training_setup import (
@@ -142,7 +142,7 @@ class Trainer:
         self.xp = device_namespace(cfg.device)
         if self.xp is not np:
             # one GPU per rank on a machine; everything below is built on it
-            self.xp.cuda.Device(self.comm.rank % max(1, self.comm.local_size)).use()
+            self.xp.cuda.Device(local_gpu(self.comm)).use()
         resume_from = self._claim_path()
         cfg = self.cfg  # settings left unset are now resolved (a new run's or the checkpoint's)
         row_optimizer = make_row_optimizer(cfg)

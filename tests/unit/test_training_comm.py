@@ -2,9 +2,11 @@
 the trainer hands it to the embedding and the optimizer. NCCL itself needs GPUs
 (tests/gpu/test_nccl_comm_gpu.py); here CuPy, NCCL and MPI are stand-ins that record what was
 built, so the choice and its refusals are checked on any machine."""
+import socket
 import sys
 import types
 
+import numpy as np
 import pytest
 
 import one_embedding as oe
@@ -14,11 +16,26 @@ from one_embedding.errors import ConfigError
 from one_embedding.parallel import comm as comm_mod
 
 
-class _FakeMpi(comm_mod.LocalComm):
-    """An MpiComm stand-in: ``world`` ranks, ``local`` of them on this node."""
+HOST = socket.gethostname()
 
-    def __init__(self, world=1, local=1):
-        self.rank, self.world, self.local_size = 0, world, local
+
+class _FakeMpi(comm_mod.LocalComm):
+    """An MpiComm stand-in for rank 0 of ``1 + len(peers)`` ranks, ``local`` of them on this
+    machine; ``allgather`` answers with this rank's rows and then each peer's row (its GPU
+    identity "host/bus id" and whether its CuPy loads NCCL), as ``_nccl_problem`` sends them."""
+
+    def __init__(self, peers=(), local=1):
+        self.rank, self.world, self.local_size, self.local_rank = 0, 1 + len(peers), local, 0
+        self.peers = peers
+
+    def allgather(self, array):
+        rows = [array]
+        for identity, nccl in self.peers:
+            row = np.zeros_like(array)
+            row[0, :len(identity)] = np.frombuffer(identity.encode(), np.uint8)
+            row[0, -1] = nccl
+            rows.append(row)
+        return np.concatenate(rows)
 
 
 class _FakeNccl:
@@ -28,12 +45,14 @@ class _FakeNccl:
 
 @pytest.fixture
 def machine(monkeypatch):
-    """set(world, local ranks, gpus, nccl loadable) -> the default communicator."""
-    def set_up(world, local, gpus, nccl=True):
-        base = _FakeMpi(world, local) if world > 1 else comm_mod.LocalComm()
+    """set(peers, visible GPUs' bus ids, local ranks, this rank's NCCL) -> the default
+    communicator (this rank's GPU is the first visible one: local rank 0)."""
+    def set_up(peers=(), buses=("0000:01:00.0",), local=1, nccl=True):
+        base = _FakeMpi(peers, local) if peers else comm_mod.LocalComm()
         cupy = types.ModuleType("cupy")
-        cupy.cuda = types.SimpleNamespace(runtime=types.SimpleNamespace(
-            getDeviceCount=lambda: gpus))
+        cupy.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: len(buses)),
+            Device=lambda i: types.SimpleNamespace(id=i, pci_bus_id=buses[i]))
         monkeypatch.setitem(sys.modules, "cupy", cupy)
         monkeypatch.setattr(comm_mod, "default_comm", lambda: base)
         monkeypatch.setattr(comm_mod, "nccl_available", lambda: nccl)
@@ -44,28 +63,38 @@ def machine(monkeypatch):
 
 
 def test_auto_takes_nccl_for_several_ranks_each_with_a_gpu(machine):
-    base = machine(world=4, local=2, gpus=2)
+    base = machine(peers=[(f"{HOST}/0000:02:00.0", True), ("other/0000:01:00.0", True)],
+                   buses=("0000:01:00.0", "0000:02:00.0"), local=2)
     chosen = comm_mod.training_comm("auto", on_gpu=True)
     assert isinstance(chosen, _FakeNccl) and chosen.mpi is base      # bootstrapped by the job's MPI
     assert comm_mod.training_comm("mpi", on_gpu=True) is base
     assert comm_mod.training_comm("auto", on_gpu=False) is base      # --device cpu
 
 
-@pytest.mark.parametrize("world,local,gpus,nccl", [(1, 1, 1, True),     # one rank: nothing to send
-                                                   (2, 2, 1, True),     # two ranks share a GPU
-                                                   (2, 2, 2, False)])   # CuPy without NCCL
-def test_auto_stays_on_mpi_where_nccl_cannot_run(machine, world, local, gpus, nccl):
-    base = machine(world, local, gpus, nccl)
+def test_ranks_bound_to_a_gpu_each_by_the_scheduler_take_nccl(machine):
+    """Each rank sees one GPU (CUDA_VISIBLE_DEVICES set per task): two ranks on a machine, each
+    with "its GPU 0", are two GPUs all the same (other bus ids), so NCCL runs."""
+    machine(peers=[(f"{HOST}/0000:41:00.0", True)], buses=("0000:01:00.0",), local=2)
+    assert isinstance(comm_mod.training_comm("auto", on_gpu=True), _FakeNccl)
+    assert comm_mod.local_gpu(types.SimpleNamespace(local_rank=1)) == 0
+
+
+@pytest.mark.parametrize("peers,nccl", [((), True),                               # one rank
+                                        ([(f"{HOST}/0000:01:00.0", True)], True),  # shared GPU
+                                        ([(f"{HOST}/0000:02:00.0", False)], True),  # peer: no NCCL
+                                        ([(f"{HOST}/0000:02:00.0", True)], False)])  # here: none
+def test_auto_stays_on_mpi_where_nccl_cannot_run(machine, peers, nccl):
+    base = machine(peers=peers, local=2, nccl=nccl)
     assert comm_mod.training_comm("auto", on_gpu=True) is base
 
 
 def test_nccl_is_refused_by_name_where_it_cannot_run(machine):
-    machine(world=2, local=2, gpus=1)
-    with pytest.raises(ConfigError, match=r"--comm nccl: 2 ranks on this node share 1 GPU.*"
-                                          r"--comm mpi"):
+    machine(peers=[(f"{HOST}/0000:01:00.0", True)], local=2)
+    with pytest.raises(ConfigError, match=rf"--comm nccl: ranks 0 and 1 share the GPU "
+                                          rf"{HOST}/0000:01:00.0 .* or use --comm mpi"):
         comm_mod.training_comm("nccl", on_gpu=True)
-    machine(world=2, local=2, gpus=2, nccl=False)
-    with pytest.raises(ConfigError, match="nvidia-nccl-cu12"):
+    machine(peers=[(f"{HOST}/0000:02:00.0", False)], local=2)
+    with pytest.raises(ConfigError, match=r"on rank\(s\) \[1\]: pip install nvidia-nccl-cu12"):
         comm_mod.training_comm("nccl", on_gpu=True)
     with pytest.raises(ConfigError, match="add --device cuda"):
         comm_mod.training_comm("nccl", on_gpu=False)
@@ -76,9 +105,15 @@ def test_nccl_is_refused_by_name_where_it_cannot_run(machine):
 
 
 def test_nccl_over_one_rank_bootstraps_its_own_mpi(machine):
-    machine(world=1, local=1, gpus=1)
+    machine()
     chosen = comm_mod.training_comm("nccl", on_gpu=True)    # a one-rank NCCL run (the GPU test)
     assert isinstance(chosen, _FakeNccl) and isinstance(chosen.mpi, _FakeMpi)
+
+
+def test_a_rank_takes_the_gpu_of_its_place_on_the_machine(machine):
+    machine(buses=tuple(f"0000:{i:02x}:00.0" for i in range(8)))
+    assert [comm_mod.local_gpu(types.SimpleNamespace(local_rank=r)) for r in (0, 3, 9)] == \
+        [0, 3, 1]
 
 
 def test_the_trainer_hands_its_communicator_to_the_embedding_and_the_optimizer(monkeypatch):

@@ -34,6 +34,8 @@ class Communicator(ABC):
     world: int
     #: ranks running on this machine (they share its cores)
     local_size: int = 1
+    #: this rank's place among them, 0 .. local_size - 1 (which of the machine's GPUs it takes)
+    local_rank: int = 0
 
     @abstractmethod
     def alltoall_counts(self, send_counts: np.ndarray) -> np.ndarray:
@@ -132,7 +134,7 @@ class MpiComm(Communicator):
         self.rank = self._comm.Get_rank()
         self.world = self._comm.Get_size()
         node = self._comm.Split_type(MPI.COMM_TYPE_SHARED)
-        self.local_size = node.Get_size()
+        self.local_size, self.local_rank = node.Get_size(), node.Get_rank()
         node.Free()
         if self.world > 1:
             abort_on_uncaught_exception(self)
@@ -221,8 +223,8 @@ class NcclComm(Communicator):
         self._cupy, self._nccl = cupy, nccl
         self._mpi = mpi if mpi is not None else MpiComm()
         self.rank, self.world = self._mpi.rank, self._mpi.world
-        self.local_size = self._mpi.local_size
-        cupy.cuda.Device(self.rank % max(1, self.local_size)).use()
+        self.local_size, self.local_rank = self._mpi.local_size, self._mpi.local_rank
+        cupy.cuda.Device(local_gpu(self)).use()
         uid = nccl.get_unique_id() if self.rank == 0 else None
         uid = self._mpi._comm.bcast(uid, root=0)
         self._comm = nccl.NcclCommunicator(self.world, uid, self.rank)
@@ -412,32 +414,66 @@ def nccl_available() -> bool:
     return bool(getattr(nccl, "available", True))
 
 
+def local_gpu(comm: Communicator) -> int:
+    """The GPU of this rank among those it sees: its place among the machine's ranks, modulo
+    their number (all GPUs visible to every rank: rank k of a machine takes GPU k; one GPU
+    visible to each rank, as a scheduler that binds a GPU per task leaves it: GPU 0)."""
+    import cupy
+
+    return comm.local_rank % max(1, cupy.cuda.runtime.getDeviceCount())
+
+
 def training_comm(choice: str, on_gpu: bool) -> Communicator:
     """The communicator of a training run (``TrainConfig.comm``, ``--comm``): "mpi" is
-    ``default_comm()``; "nccl" an ``NcclComm`` over it (one GPU per rank: more ranks on a node
-    than it has GPUs, or a CuPy without NCCL, is refused by name); "auto" is NCCL for several
-    ranks on GPUs, each with a GPU of its own and NCCL loadable, else ``default_comm()``."""
+    ``default_comm()``; "nccl" an ``NcclComm`` over it (refused by name where NCCL cannot run:
+    ranks sharing a GPU, a rank whose CuPy cannot load NCCL); "auto" is NCCL for several ranks
+    on GPUs where it can run, else ``default_comm()``. Collective: every rank calls it, and
+    every rank gets the same kind."""
     base = default_comm()
     if choice == "mpi" or not on_gpu or (choice == "auto" and base.world == 1):
         if choice == "nccl":
             raise ConfigError("--comm nccl exchanges device arrays between GPUs: add --device "
                               "cuda, or use --comm mpi")
         return base
-    import cupy
-
-    gpus = cupy.cuda.runtime.getDeviceCount()
-    problem = None
-    if base.local_size > gpus:
-        problem = (f"{base.local_size} ranks on this node share {gpus} GPU(s) and NCCL takes one "
-                   "GPU per rank: start at most one rank per GPU")
-    elif not nccl_available():
-        problem = ("CuPy cannot load NCCL: pip install nvidia-nccl-cu12 (or the nccl of your "
-                   "CUDA)")
+    problem = _nccl_problem(base)
     if problem is not None:
         if choice == "nccl":
             raise ConfigError(f"--comm nccl: {problem}, or use --comm mpi")
         return base
     return NcclComm(base if isinstance(base, MpiComm) else MpiComm())
+
+
+#: bytes of a rank's GPU identity (machine name / PCI bus id) in ``_nccl_problem``'s exchange
+_IDENTITY_BYTES = 128
+
+
+def _nccl_problem(base: Communicator) -> str | None:
+    """Why NCCL cannot carry this job's exchanges, or None; the same answer on every rank (each
+    rank's GPU identity and NCCL flag go to every rank). NCCL takes one GPU per rank: two ranks
+    whose GPUs have one machine and PCI bus id share it."""
+    import socket
+
+    import cupy
+
+    device = cupy.cuda.Device(local_gpu(base))
+    identity = f"{socket.gethostname()}/{getattr(device, 'pci_bus_id', device.id)}".encode()
+    mine = np.zeros((1, _IDENTITY_BYTES + 1), np.uint8)
+    mine[0, :min(len(identity), _IDENTITY_BYTES)] = np.frombuffer(identity[:_IDENTITY_BYTES],
+                                                                 np.uint8)
+    mine[0, -1] = nccl_available()
+    rows = base.allgather(mine)                                   # (world, 129)
+    seen: dict = {}
+    for rank, row in enumerate(rows):
+        name = bytes(row[:-1]).rstrip(b"\0").decode(errors="replace")
+        if name in seen:
+            return (f"ranks {seen[name]} and {rank} share the GPU {name} and NCCL takes one GPU "
+                    "per rank: start at most one rank per GPU")
+        seen[name] = rank
+    lacking = [rank for rank, row in enumerate(rows) if not row[-1]]
+    if lacking:
+        return (f"CuPy cannot load NCCL on rank(s) {lacking}: pip install nvidia-nccl-cu12 (or "
+                "the NCCL of your CUDA)")
+    return None
 
 
 def _check_counts(counts, world: int) -> np.ndarray:
