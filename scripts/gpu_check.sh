@@ -97,8 +97,8 @@ tests_rc=$?
 [ "$tests_rc" -eq 124 ] && echo "gpu_check: pytest timed out after $tests_timeout s" >> "$out/gpu_tests.log"
 # the serving tests' client (tritonclient) is not on the GPU image (they hold no GPU test); two
 # ranks on the one GPU need an mpiexec (the mpi extra), which the image may lack; NcclComm's
-# one-rank test needs CuPy to find NCCL (an nvidia-nccl wheel) and mpi4py
-allow_skip="${GPU_CHECK_ALLOW_SKIP-could not import .tritonclient|mpiexec not found|CuPy cannot load NCCL|mpi4py absent}"
+# one-rank test needs CuPy to find NCCL (an nvidia-nccl wheel) and mpi4py, its two-rank one two GPUs
+allow_skip="${GPU_CHECK_ALLOW_SKIP-could not import .tritonclient|mpiexec not found|CuPy cannot load NCCL|mpi4py absent|needs two GPUs}"
 tests_line="$(report tests "$out/gpu_tests.xml" ${allow_skip:+--allow-skip "$allow_skip"})"
 tests_ok=$?
 if [ "$tests_ok" -eq 0 ] && [ "$tests_rc" -ne 0 ]; then

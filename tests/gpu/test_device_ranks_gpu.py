@@ -33,6 +33,28 @@ def test_two_ranks_on_one_gpu_give_the_cpu_bits(tmp_path, exchange_dtype):
             assert step.get(COUNTS_READ) == 1 and set(step) <= {COUNTS_READ} | STAGED, step
 
 
+def _gpus() -> int:
+    import cupy
+
+    return cupy.cuda.runtime.getDeviceCount()
+
+
+@pytest.mark.skipif(DRY or not cupy_available() or _gpus() < 2,
+                    reason="NCCL takes one GPU per rank: needs two GPUs (not the dry run)")
+@pytest.mark.parametrize("exchange_dtype", ["fp32", "int8"])
+def test_two_ranks_over_nccl_give_the_cpu_bits_reading_only_the_counts(tmp_path, exchange_dtype):
+    """Two ranks on two GPUs, the device embedding exchanging over NcclComm: the CPU path's bits,
+    and a step's only host read is the per-rank counts (nothing staged through host memory)."""
+    from one_embedding.parallel.comm import nccl_available
+
+    if not nccl_available():
+        pytest.skip("CuPy cannot load NCCL")
+    report = run(tmp_path, None, 2, "--exchange-dtype", exchange_dtype, "--nccl")
+    assert report["rows_identical"] and report["tables_identical"], report
+    for rank_reads in report["reads"]:
+        assert rank_reads and all(step == {COUNTS_READ: 1} for step in rank_reads), rank_reads
+
+
 def test_the_trainer_runs_two_ranks_on_one_gpu(tmp_path):
     """The trainer's device path over 2 ranks on the one GPU: in 20 steady-state steps the
     steps' thread reads the losses twice and otherwise only MPI's staging (NcclComm would keep

@@ -5,10 +5,12 @@ bit; the device steps' host reads are counted by reason. Rank 0 writes a JSON re
 
     mpiexec -n 2 python tests/mpi/device_ranks_worker.py OUT.json (--emulation DIR | --cuda)
         [--store device_mem|cached_host_mem] [--exchange-dtype fp32|fp16|int8] [--steps N]
+        [--nccl]
 
 --emulation: the emulator's library is built (or reused) in DIR (tests/cuda_emulation.py); rank
 0 builds it before the others load it. --cuda: CuPy on the GPU (every rank on device 0 when the
-machine has one: tests/gpu/test_device_ranks_gpu.py), the exchanges staged by MPI.
+machine has one: tests/gpu/test_device_ranks_gpu.py), the exchanges staged by MPI; with --nccl
+the device embedding exchanges over ``NcclComm`` instead (a GPU per rank).
 """
 import argparse
 import json
@@ -22,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the emul
 
 import one_embedding as oe  # noqa: E402
 from one_embedding import host_sync  # noqa: E402
-from one_embedding.parallel.comm import default_comm  # noqa: E402
+from one_embedding.parallel.comm import NcclComm, default_comm, local_gpu  # noqa: E402
 
 TABLES, GLOBAL_BATCH, DIM = 3, 64, 8
 
@@ -38,7 +40,7 @@ def global_batches(steps, seed=11):
         yield ids, grad
 
 
-def make_embedding(kind, folder, launch, exchange_dtype):
+def make_embedding(kind, folder, launch, exchange_dtype, comm=None):
     tables = [oe.make_table_options(oe.make_uniform_initializer(-0.1, 0.1)),
               oe.make_table_options(oe.make_normal_initializer(0.0, 0.05)),
               oe.make_table_options(oe.make_uniform_initializer(-0.2, 0.2))]
@@ -47,7 +49,7 @@ def make_embedding(kind, folder, launch, exchange_dtype):
     else:
         store = oe.make_cached_host_mem_store_options(0.001, folder, capacity=4000, size_factor=2)
     return oe.MultiTableEmbedding("t", DIM, np.float32, np.int64, tables, store, seed=5,
-                                  device=launch, exchange_dtype=exchange_dtype)
+                                  device=launch, exchange_dtype=exchange_dtype, comm=comm)
 
 
 def main():
@@ -59,12 +61,15 @@ def main():
     ap.add_argument("--store", default="device_mem")
     ap.add_argument("--exchange-dtype", default="fp32")
     ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--nccl", action="store_true")
     args = ap.parse_args()
     comm = default_comm()
     launch = _launcher(comm, args)
+    device_comm = NcclComm(comm) if args.nccl else None
     base = Path(args.out).parent / f"rank{comm.rank}"
     cpu = make_embedding(args.store, str(base / "cpu"), None, args.exchange_dtype)
-    dev = make_embedding(args.store, str(base / "device"), launch, args.exchange_dtype)
+    dev = make_embedding(args.store, str(base / "device"), launch, args.exchange_dtype,
+                         device_comm)
     optimizers = [oe.Optimizer(oe.optim.Adagrad(lr=0.05), embeddings=[e]) for e in (cpu, dev)]
     local = GLOBAL_BATCH // comm.world
     block = slice(comm.rank * local, (comm.rank + 1) * local)
@@ -119,7 +124,7 @@ def _launcher(comm, args):
                 gpu_dry_run.install(folder)
         import cupy
 
-        cupy.cuda.Device(comm.rank % cupy.cuda.runtime.getDeviceCount()).use()
+        cupy.cuda.Device(local_gpu(comm)).use()
         return device_ops.cupy_launcher()
     from cuda_emulation import EmulatedLauncher, build
 
