@@ -12,7 +12,7 @@ import pytest
 
 import helpers
 
-#: device operations per steady-state step outside the CUDA graph, measured 119 (main thread:
+#: device operations per steady-state step outside the CUDA graph, measured 118 (main thread:
 #: the backward's sums, the update, the patch, the graph's inputs) and 40 (prefetch thread: the
 #: data, dedup and find) on 2026-11-28; the budgets leave room for a few more, not for a loop
 MAIN_BUDGET, PREFETCH_BUDGET = 160, 60
