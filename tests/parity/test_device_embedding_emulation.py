@@ -345,6 +345,37 @@ def test_device_cache_snapshots_write_what_changed_as_the_cpu_cache(launch, tmp_
     _same_bits(dev_rows[1], cpu_rows[1])
 
 
+def test_a_device_cache_keeps_its_counts_on_the_device(launch, tmp_path):
+    """cached_host_mem: a step reads back what crosses to the host tier and how much (its misses'
+    keys, its evictions, the lines going down) and the batch's unique count, but neither the
+    number of sets a batch touches (the cache's grouping has room for a set per key) nor the
+    cache's size (counted on the device; len() reads it): 6 reads a step, 10 before."""
+    from one_embedding import host_sync
+
+    emb = oe.MultiTableEmbedding("t", E, np.float32, np.int64, _tables(),
+                                 _store("cached_host_mem", tmp_path, 2), device=launch)
+    opt = oe.Optimizer(_optimizer("adagrad"), embeddings=[emb])
+    steps = []
+    for ids in _batches(6):
+        checks = host_sync.DeferredChecks()
+        with host_sync.counting() as reads, host_sync.deferring(checks):
+            out = emb(ids)
+            emb.backward(emb.xp.ones(out.shape, dtype=np.float32))
+            opt.step()
+            opt.zero_grad()
+        checks.read(emb.xp)
+        steps.append(dict(reads.by_reason))
+    for step in steps[2:]:
+        assert not any(r.startswith(("device cache", "cache size")) for r in step), step
+        assert sum(step.values()) <= 6, step
+    cache = emb._shard._chain.tiers[0]
+    assert cache.name == "device.lru"
+    with host_sync.counting() as reads:
+        held = len(cache)
+    emb.close()
+    assert 0 < held <= cache.capacity and reads.by_reason == {"device cache: size": 1}
+
+
 @pytest.mark.stress_seeds
 def test_device_snapshot_loads_on_the_cpu_and_back(launch, tmp_path):
     outs = {}

@@ -32,6 +32,7 @@ import numpy as np
 import pytest
 from cuda_emulation import EmulatedLauncher
 
+from one_embedding import host_sync
 from one_embedding import options as opt_mod
 from one_embedding.cache.device import DeviceCache, DeviceFullStore, DeviceHashIndex, group_by_set
 from one_embedding.cache.set_associative import SetAssociativeCache
@@ -496,16 +497,25 @@ def test_device_cache_geometry_and_errors(launch):
 
 
 def test_group_by_set_is_stable_within_each_set():
+    """The real groups first (one per set the batch touches, in set order), then empty ones up
+    to n groups: their number is never read back to the host."""
     from one_embedding.hashing import mix64
 
     rng = np.random.default_rng(8)
     keys = _keys(rng, 500)
     for n_sets in (1, 7, 1000):
-        order, starts, set_ids = group_by_set(np, keys, n_sets)
+        with host_sync.counting() as reads:
+            order, starts, set_ids = group_by_set(np, keys, n_sets)
+        assert reads.total == 0
         sets = (mix64(np, keys) % np.uint64(n_sets)).astype(np.int64)
         np.testing.assert_array_equal(order, np.argsort(sets, kind="stable"))
-        assert starts[0] == 0 and starts[-1] == keys.size and (np.diff(starts) > 0).all()
-        np.testing.assert_array_equal(set_ids, np.unique(sets))
+        g = np.unique(sets).size
+        assert starts.shape == (keys.size + 1,) and set_ids.shape == (keys.size,)
+        assert starts[0] == 0 and (np.diff(starts[:g + 1]) > 0).all()
+        assert (starts[g:] == keys.size).all()
+        np.testing.assert_array_equal(set_ids[:g], np.unique(sets))
+        for k in range(g):
+            assert (sets[order[starts[k]:starts[k + 1]]] == set_ids[k]).all()
 
 
 # ---------------------------------------------------------------- unique, segment sums, gathers

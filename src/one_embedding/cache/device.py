@@ -224,11 +224,14 @@ class DeviceFullStore(_OnDevice, StoreTier):
 
 
 def group_by_set(xp, keys, n_sets: int):
-    """A batch's positions grouped by cache set, for cache.cu.
+    """A batch's positions grouped by cache set, for cache.cu, without reading the number of
+    groups back: the arrays have room for n groups (a set per key), the g real ones first.
 
-    keys: (n,) uint64 -> (order (n,) int64 positions sorted by (set, position), starts (g + 1,)
-    int64 group boundaries, set_ids (g,) int64 the set of each group), set = mix64(key) % n_sets.
-    (set, position) is packed into one distinct uint64, so any sort gives the same grouping.
+    keys: (n,) uint64 -> (order (n,) int64 positions sorted by (set, position), starts (n + 1,)
+    int64 group boundaries: group k is order[starts[k]:starts[k + 1]], the g real groups first,
+    then empty ones (starts n), set_ids (n,) int64 the set of each real group (0 past them)),
+    set = mix64(key) % n_sets. (set, position) is packed into one distinct uint64, so any sort
+    gives the same grouping. The kernels skip the empty groups.
     """
     n = keys.shape[0]
     if n and n_sets * n >= 1 << 64:
@@ -238,14 +241,17 @@ def group_by_set(xp, keys, n_sets: int):
     sets = mix64(xp, keys) % xp.uint64(n_sets)
     packed = xp.sort(sets * n64 + xp.arange(n, dtype=xp.uint64))
     order = (packed % n64).astype(xp.int64)
-    sorted_sets = packed // n64
+    sorted_sets = (packed // n64).astype(xp.int64)
     head = xp.ones(n, dtype=xp.bool_)
     head[1:] = sorted_sets[1:] != sorted_sets[:-1]
-    first = device_ops.flatnonzero(xp, head, "device cache: sets in a batch")
-    starts = xp.empty(first.shape[0] + 1, dtype=xp.int64)
-    starts[:-1] = first
-    starts[-1] = n
-    return order, starts, sorted_sets[first].astype(xp.int64)
+    group = xp.cumsum(head, dtype=xp.int64) - 1                  # (n,) each position's group
+    # each group's first position lands at its group's index; the other positions on spare
+    # slot n + 1, which no group reads; slots g .. n keep n (the empty groups)
+    starts = xp.full(n + 2, n, dtype=xp.int64)
+    starts[xp.where(head, group, n + 1)] = xp.arange(n, dtype=xp.int64)
+    set_ids = xp.zeros(n + 1, dtype=xp.int64)
+    set_ids[xp.where(head, group, n)] = sorted_sets
+    return order, starts[:n + 1], set_ids[:n]
 
 
 class DeviceCache(_OnDevice, Tier):
@@ -287,7 +293,9 @@ class DeviceCache(_OnDevice, Tier):
         self._way_dirty = xp.zeros(shape, dtype=xp.uint8)      # 1: newer than the copy below
         self._rows = xp.zeros((self.n_sets * self.ways, self.line_size), dtype=xp.float32)
         self._clock = 0
-        self._size = 0
+        # lines held, counted on the device by each insert (a host count would read two numbers
+        # back per insert); read by len()
+        self._size = xp.zeros((), dtype=xp.int64)
 
     @classmethod
     def from_options(cls, cache_options, line_size: int, name: str, launch=None) -> "DeviceCache":
@@ -300,7 +308,7 @@ class DeviceCache(_OnDevice, Tier):
         return self._rows.shape[0]
 
     def __len__(self) -> int:
-        return self._size
+        return int(host_sync.scalar(self._size, "device cache: size"))
 
     @property
     def memory_bytes(self) -> int:
@@ -365,8 +373,7 @@ class DeviceCache(_OnDevice, Tier):
                                  ev_flag, new_flag))
         self._clock += n
         leaving = device_ops.flatnonzero(xp, ev_flag == 1, "cache evictions to host tier")
-        self._size += (host_sync.scalar(new_flag.sum(), "cache size: new lines")
-                       - device_ops.count_true(xp, ev_flag, "cache size: evicted lines"))
+        self._size += new_flag.sum() - xp.count_nonzero(ev_flag)
         return ev_keys[leaving], ev_lines[leaving]
 
     def _held(self, dirty_only: bool = False):
@@ -421,4 +428,4 @@ class DeviceCache(_OnDevice, Tier):
     def clear(self) -> None:
         self._way_stamp.fill(-1)
         self._way_dirty.fill(0)
-        self._size = 0
+        self._size.fill(0)

@@ -11,7 +11,9 @@
 //
 // A batch's positions are grouped by set before a launch (cache/device.py): order (n,) i64 holds
 // the positions sorted by (set, position), group g is order[starts[g]:starts[g + 1]], all of set
-// set_ids[g]. One warp owns a group and handles its keys one after the other in batch order, so
+// set_ids[g]. The host does not know how many groups there are (it would have to read the count
+// back): it passes room for n, and the groups past the real ones are empty and skipped, before
+// their warp touches any set. One warp owns a group and handles its keys one after the other in batch order, so
 // within a set everything happens in the order the CPU cache runs it; sets never interact. A
 // touch stamps the way with clock + position: unlike the CPU's clock, which advances by one per
 // touch across all sets, but in the same order within every set (and every call's stamps exceed
@@ -83,6 +85,7 @@ __global__ void cache_find(const oe::u64* way_keys, oe::i64* way_stamp, oe::i64*
   oe::cache::SetState& s = states[threadIdx.x >> 5];
   const int lane = threadIdx.x & 31;
   for (oe::i64 g = oe::grid_warp(); g < n_groups; g += oe::grid_warps()) {
+    if (starts[g] == starts[g + 1]) continue;  // a spare group: no key, no set (warp-uniform)
     const oe::i64 base = set_ids[g] * ways;
     oe::cache::load_set(s, way_keys, way_stamp, way_freq, base, ways, lane);
     for (oe::i64 j = starts[g]; j < starts[g + 1]; ++j) {
@@ -128,6 +131,7 @@ __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way
   oe::cache::SetState& s = states[threadIdx.x >> 5];
   const int lane = threadIdx.x & 31;
   for (oe::i64 g = oe::grid_warp(); g < n_groups; g += oe::grid_warps()) {
+    if (starts[g] == starts[g + 1]) continue;  // a spare group: no key, no set (warp-uniform)
     const oe::i64 base = set_ids[g] * ways;
     oe::cache::load_set(s, way_keys, way_stamp, way_freq, base, ways, lane);
     if (lane < ways) s.dirty[lane] = way_dirty[base + lane];
