@@ -368,9 +368,9 @@ class DeviceCache(_OnDevice, Tier):
         vector = device_ops.line_vector(np.float32, self.line_size, (rows, lines, ev_lines))
         device_ops.launch_warps(launch, "cache", "insert", np.float32, set_ids.shape[0],
                                 (way_keys, way_stamp, way_freq, self._way_dirty, rows, ways,
-                                 line_size, vector, np.int32(self._policy_code), keys, lines, order, starts, set_ids,
-                                 np.int64(set_ids.shape[0]), np.int64(self._clock), ev_keys, ev_lines,
-                                 ev_flag, new_flag))
+                                 line_size, vector, np.int32(self._policy_code), keys, lines,
+                                 order, starts, set_ids, np.int64(set_ids.shape[0]),
+                                 np.int64(self._clock), ev_keys, ev_lines, ev_flag, new_flag))
         self._clock += n
         leaving = device_ops.flatnonzero(xp, ev_flag == 1, "cache evictions to host tier")
         self._size += new_flag.sum() - xp.count_nonzero(ev_flag)
