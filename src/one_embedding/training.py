@@ -133,13 +133,13 @@ class Trainer:
                               "writes checkpoints into the run's folder, and there is none: add "
                               "--persistent-path DIR or drop --snapshot-interval")
         self.cfg = cfg
-        self.comm = training_comm(cfg.comm, cfg.device == "cuda")
+        self.xp = device_namespace(cfg.device)      # no GPU for --device cuda: refused here
+        self.comm = training_comm(cfg.comm, self.xp is not np)
         share_cores(self.comm.local_size)
         if cfg.batch_size % self.comm.world:
             raise ConfigError(f"batch_size={cfg.batch_size} (--batch-size, the global batch) does "
                               f"not split into {self.comm.world} equal rank blocks: use a "
                               f"multiple of {self.comm.world}")
-        self.xp = device_namespace(cfg.device)
         if self.xp is not np:
             # one GPU per rank on a machine; everything below is built on it
             self.xp.cuda.Device(local_gpu(self.comm)).use()

@@ -143,3 +143,20 @@ def test_a_model_given_its_embedding_refuses_a_communicator_for_another():
                            comm=local)
     assert model.embedding.comm is local
     model.embedding.close()
+
+
+def test_no_gpu_is_refused_before_the_ranks_look_for_nccl(monkeypatch):
+    """--device cuda without a GPU: the trainer says so by name before choosing a communicator
+    (which, over several ranks, would look for each rank's GPU)."""
+    from one_embedding.backend import cupy_available
+
+    if cupy_available():
+        pytest.skip("a GPU is visible here")
+
+    def pick(choice, on_gpu):
+        raise AssertionError("the communicator was chosen before the device was checked")
+
+    monkeypatch.setattr(training, "training_comm", pick)
+    with pytest.raises(ConfigError, match="--device cuda: no CUDA device is visible"):
+        training.Trainer(TrainConfig(steps=1, batch_size=64, device="cuda"), progress=False,
+                         metrics_stdout=False)
