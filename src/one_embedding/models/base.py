@@ -58,7 +58,8 @@ def check_embedding_args(embedding, table_sizes, store_options, comm=None):
                  "store_options" if store_options is not None else "comm")
         raise ConfigError(
             f"{given} was given together with embedding=...: it only configures the embedding the "
-            "model builds itself; set the initializers and store options on your embedding instead"
+            "model builds itself; set the initializers, store options and communicator on your "
+            "embedding instead"
         )
 
 

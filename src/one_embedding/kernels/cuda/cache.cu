@@ -13,13 +13,13 @@
 // the positions sorted by (set, position), group g is order[starts[g]:starts[g + 1]], all of set
 // set_ids[g]. The host does not know how many groups there are (it would have to read the count
 // back): it passes room for n, and the groups past the real ones are empty and skipped, before
-// their warp touches any set. One warp owns a group and handles its keys one after the other in batch order, so
-// within a set everything happens in the order the CPU cache runs it; sets never interact. A
-// touch stamps the way with clock + position: unlike the CPU's clock, which advances by one per
-// touch across all sets, but in the same order within every set (and every call's stamps exceed
-// the previous call's, the host advancing clock by the batch size), and only that order chooses
-// victims. Ways fill in order 0, 1, ... and empty only together (clear), so the used ways of a set
-// are a prefix and the first free way is the used count, as on the CPU.
+// their warp touches any set. One warp owns a group and handles its keys one after the other in
+// batch order, so within a set everything happens in the order the CPU cache runs it; sets never
+// interact. A touch stamps the way with clock + position: unlike the CPU's clock, which advances
+// by one per touch across all sets, but in the same order within every set (and every call's
+// stamps exceed the previous call's, the host advancing clock by the batch size), and only that
+// order chooses victims. A new key takes the first empty way (an erase leaves holes anywhere in
+// a set), as on the CPU.
 //
 // A warp keeps its set's state in shared memory. Lane w owns way w: it alone writes the way's
 // entry and it alone reads it outside victim scans, so hits need no barrier; a victim scan reads
@@ -123,8 +123,9 @@ __global__ void cache_find(const oe::u64* way_keys, oe::i64* way_stamp, oe::i64*
 // (n, line_size); flags: (n,); vector: 16-byte copies (above).
 template <typename T>
 __global__ void cache_insert(oe::u64* way_keys, oe::i64* way_stamp, oe::i64* way_freq,
-                             unsigned char* way_dirty, T* rows, int ways, int line_size, int vector, int policy, const oe::u64* keys,
-                             const T* lines, const oe::i64* order, const oe::i64* starts,
+                             unsigned char* way_dirty, T* rows, int ways, int line_size,
+                             int vector, int policy, const oe::u64* keys, const T* lines,
+                             const oe::i64* order, const oe::i64* starts,
                              const oe::i64* set_ids, oe::i64 n_groups, oe::i64 clock,
                              oe::u64* ev_keys, T* ev_lines, int* ev_flag, int* new_flag) {
   __shared__ oe::cache::SetState states[oe::cache::MAX_WARPS_PER_BLOCK];
