@@ -157,9 +157,7 @@ class DeviceHashIndex:
         out_rows = device_ops.device_array(launch, "out_rows", out_rows, np.int64, ndim=1)
         if out_rows.shape != keys.shape:
             raise InputError(f"out_rows {tuple(out_rows.shape)} must match keys {tuple(keys.shape)}")
-        if out.shape[1] != rows.shape[1]:
-            raise InputError(f"out has lines of {out.shape[1]} floats, the store {rows.shape[1]}")
-        return self._find(keys, rows, out, out_rows)[0]
+        return self._find(keys, rows, out, out_rows)[0]      # the lines' widths: checked there
 
     def find_live(self, keys, live, rows=None, out=None):
         """``find`` of a fixed-capacity batch (``device_unique.unique_ids_fixed``): only the

@@ -457,9 +457,9 @@ def _nccl_problem(base: Communicator) -> str | None:
 
     device = cupy.cuda.Device(local_gpu(base))
     identity = f"{socket.gethostname()}/{getattr(device, 'pci_bus_id', device.id)}".encode()
+    identity = identity[:_IDENTITY_BYTES]
     mine = np.zeros((1, _IDENTITY_BYTES + 1), np.uint8)
-    mine[0, :min(len(identity), _IDENTITY_BYTES)] = np.frombuffer(identity[:_IDENTITY_BYTES],
-                                                                 np.uint8)
+    mine[0, :len(identity)] = np.frombuffer(identity, np.uint8)
     mine[0, -1] = nccl_available()
     rows = base.allgather(mine)                                   # (world, 129)
     seen: dict = {}
