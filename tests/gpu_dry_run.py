@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 import os
 import sys
 import threading
@@ -85,6 +86,33 @@ class Graph:
                                       f"the capture {len(self.trace)}")
 
 
+#: per thread: the streams made current by ``with stream:``, innermost last
+_current = threading.local()
+_stream_ids = itertools.count(1)
+
+
+def _stream_stack() -> list:
+    stack = getattr(_current, "stack", None)
+    if stack is None:
+        stack = _current.stack = []
+    return stack
+
+
+def _stream_model():
+    model = sys.modules.get("stream_order")
+    return None if model is None else model.active_model()
+
+
+def current_stream_id() -> int:
+    """The stream the calling thread's work runs on: its current stream, or the one below it
+    while that one captures a graph (a captured graph runs where it is launched: a capture
+    here runs its code at once, standing in for the launch that follows it)."""
+    for stream in reversed(_stream_stack()):
+        if not stream.is_capturing():
+            return stream.sid
+    return 0
+
+
 def _fake_cupy() -> types.ModuleType:
     cupy = types.ModuleType("cupy")
     cupy.__dict__["__getattr__"] = lambda name: getattr(np, name)
@@ -92,33 +120,70 @@ def _fake_cupy() -> types.ModuleType:
     cupy.asnumpy = lambda a, *args, **kwargs: np.asarray(a)
 
     class Event:
-        done = True
+        """An event: complete at once, unless ``stream_order.checked()`` keeps the streams'
+        order (then it carries the vector clock of the work issued before it)."""
+
+        def __init__(self, clock=None):
+            self.clock = clock
+
+        @property
+        def done(self):
+            model = _stream_model()
+            return True if model is None else model.event_done(self)
+
+        def record(self, stream=None):
+            self.clock = (stream or cuda.get_current_stream())._snapshot()
 
         def synchronize(self):
-            return None
+            model = _stream_model()
+            if model is not None:
+                model.host_knows(self.clock)
 
     class Stream:
+        """A stream, current for the thread inside ``with stream:`` (a stack per thread)."""
+
         ptr = 0
 
         def __init__(self, non_blocking=False):
             self.ptr = id(self)
+            self.sid = next(_stream_ids)
+            model = _stream_model()
+            if model is not None:
+                model.names[self.sid] = (f"stream {self.sid} (made on thread "
+                                         f"{threading.current_thread().name})")
+
+        def _snapshot(self):
+            model = _stream_model()
+            return None if model is None else model.snapshot(self.sid)
 
         def __enter__(self):
+            _stream_stack().append(self)
             return self
 
         def __exit__(self, *exc):
+            stack = _stream_stack()
+            if stack and stack[-1] is self:
+                stack.pop()
             return None
 
         def record(self, event=None):
-            return Event()
+            event = event or Event()
+            event.clock = self._snapshot()
+            return event
 
         def wait_event(self, event):
-            return None
+            model = _stream_model()
+            if model is not None:
+                model.wait(self.sid, event.clock)
 
         def synchronize(self):
-            return None
+            model = _stream_model()
+            if model is not None:
+                model.host_syncs_stream(self.sid)
 
         def use(self):
+            stack = _stream_stack()
+            stack[:] = [self]
             return self
 
         def begin_capture(self, mode=None):
@@ -150,7 +215,8 @@ def _fake_cupy() -> types.ModuleType:
             return None
 
     null = Stream()
-    null.ptr = 0
+    null.ptr, null.sid = 0, 0
+    _current.null = null
 
     class Device:
         def __init__(self, index=0):
@@ -167,7 +233,9 @@ def _fake_cupy() -> types.ModuleType:
             return None
 
         def synchronize(self):
-            return None
+            model = _stream_model()
+            if model is not None:
+                model.host_syncs_device()
 
     cuda = types.ModuleType("cupy.cuda")
     cuda.Device = Device
@@ -176,7 +244,7 @@ def _fake_cupy() -> types.ModuleType:
     cuda.Graph = Graph
     cuda.MemoryPool = MemoryPool
     cuda.using_allocator = lambda allocator=None: contextlib.nullcontext()
-    cuda.get_current_stream = lambda: null
+    cuda.get_current_stream = lambda: (_stream_stack() or [null])[-1]
     cuda.runtime = types.SimpleNamespace(
         getDeviceCount=lambda: 1, runtimeGetVersion=lambda: 0,
         getDeviceProperties=lambda index: {"name": b"dry run (numpy + emulator)",
@@ -238,3 +306,26 @@ def _trace_launches(launcher) -> None:
 
 def pytest_configure(config):
     install(Path(config.rootpath) / ".pytest_cache" / "cuda_emulation")
+
+
+#: ONE_EMBEDDING_DRY_RUN_STREAM_ORDER=1: every test runs inside ``stream_order.checked()`` and
+#: fails where the device path races between streams (tests/stream_order.py)
+STREAM_ORDER_ENV = "ONE_EMBEDDING_DRY_RUN_STREAM_ORDER"
+
+
+def pytest_runtest_call(item):
+    if os.environ.get(STREAM_ORDER_ENV) != "1" or item.get_closest_marker("gpu") is None:
+        return
+    import stream_order
+
+    item.runtest = _checked(item.runtest, stream_order)
+
+
+def _checked(runtest, stream_order):
+    def run():
+        with stream_order.checked() as hazards:
+            runtest()
+        if hazards:
+            raise AssertionError("races between CUDA streams (tests/stream_order.py):\n"
+                                 + "\n".join(f"{n} x {h}" for h, n in hazards.items()))
+    return run
