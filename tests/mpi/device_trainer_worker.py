@@ -3,11 +3,14 @@ ranks, its host reads counted (``host_sync``) per reason, for all threads and fo
 runs the steps, over a 10-step and a 30-step run (the same start-up and end: their difference is
 20 steady-state steps). Rank 0 writes a JSON report.
 
-    mpiexec -n 2 python tests/mpi/device_trainer_worker.py OUT.json [--dry-run]
+    mpiexec -n 2 python tests/mpi/device_trainer_worker.py OUT.json [--dry-run] [--stream-order]
 
 --dry-run: the CPU dry run of the device path (tests/gpu_dry_run.py: numpy standing in for CuPy,
 the CUDA kernels on the host emulator, built in OUT's folder by rank 0 first); without it, CuPy
 on the GPU (every rank on device 0 of a one-GPU machine, MPI staging the exchanges).
+--stream-order (with --dry-run): instead, one 12-step run per rank inside
+``stream_order.checked()`` (tests/stream_order.py); the report lists each rank's races between
+its CUDA streams.
 """
 import argparse
 import json
@@ -37,6 +40,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("out")
     ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--stream-order", action="store_true")
     args = ap.parse_args()
     from one_embedding.parallel.comm import default_comm
 
@@ -55,6 +59,17 @@ def main():
                     store="device_mem", cache_mb=1.0, optimizer="adagrad", eval_batches=1,
                     device="cuda", prefetch_depth=2, log_interval=10)
     base = folder / f"rank{comm.rank}"
+    if args.stream_order:
+        import stream_order
+
+        with stream_order.checked(seed=comm.rank) as hazards:
+            reads(cfg_args, 12, base)
+        seen = dict(stream_order.checked.last.seen)
+        ranks = [json.loads(s) for s in _gather_strings(
+            comm, json.dumps({"hazards": dict(hazards), "seen": seen}))]
+        if comm.rank == 0:
+            Path(args.out).write_text(json.dumps({"world": comm.world, "ranks": ranks}))
+        return
     short, short_main = reads(cfg_args, 10, base)
     long, long_main = reads(cfg_args, 30, base)
     steady = {k: long.get(k, 0) - short.get(k, 0) for k in set(long) | set(short)}

@@ -69,6 +69,17 @@ def run_trainer(tmp_path, world, *args):
     return json.loads(out.read_text())
 
 
+def test_the_trainer_keeps_cuda_stream_order_over_two_ranks(tmp_path):
+    """Over 2 ranks on the dry run, each rank's prefetch thread exchanges ids and rows (MPI
+    staging through the host) on its own stream: no race between a rank's streams
+    (tests/stream_order.py), and the checker saw the exchange's host crossings."""
+    report = run_trainer(tmp_path, 2, "--dry-run", "--stream-order")
+    assert report["world"] == 2
+    for rank in report["ranks"]:
+        assert rank["hazards"] == {}, "\n".join(rank["hazards"])
+        assert rank["seen"]["accesses"] > 1000 and rank["seen"]["host syncs"] > 12, rank["seen"]
+
+
 def test_the_trainers_steps_read_only_the_losses_over_two_ranks(tmp_path):
     """The trainer over 2 ranks on the dry run of the device path (prefetch depth 2, --log-interval
     10): in 20 steady-state steps the thread that runs the steps reads the losses twice and
