@@ -398,7 +398,7 @@ class TierChain:
         writes; with device tiers, the lowest one also shows the bytes and copies that crossed
         between device and host memory (``d2h_bytes``, ``h2d_bytes``, ``d2h_copies``,
         ``h2d_copies``)."""
-        with self._lock:
+        with self._lock, self._device_order():   # the reads follow every call's device work
             stats = [{**t.describe(), **c.as_dict()} for t, c in zip(self.tiers, self.counters)]
             if self.transfers is not None:
                 stats[self.n_device - 1].update(self.transfers.as_dict())

@@ -37,12 +37,28 @@ class TierCounters:
     writes: int = 0  # lines written into this level (puts, evictions from above, flushes)
 
     def __post_init__(self):
-        # counts still on the device (not fields: ``as_dict`` settles them): finds whose missing
-        # count, or whose number of keys (a fixed-capacity batch's live count), is a 0-d device
-        # array, and writes of such a batch
-        self._queried_on_device = 0
-        self._missing_on_device = None
-        self._written_on_device = None
+        # counts still on the device (not fields: ``as_dict`` settles them): finds whose
+        # missing count, or whose number of keys (a fixed-capacity batch's live count), is a
+        # 0-d device array, and writes of such a batch. Each kind sums into one 0-d int64
+        # device array of its own, made (a copy) at its first count and added to in place
+        # from then on: a running sum never keeps a view of a caller's array, and no sum is
+        # freed after a step's add, whose memory another CUDA stream's pool could hand out
+        # while that add is still queued. The chain makes every call in one device order.
+        self._device: dict = {}              # kind -> 0-d int64 device running sum
+        self._settled: dict = {}             # kind -> that sum's value at the last read
+        self._changed: set = set()           # kinds added to since the last read
+        self._host_pending = dict.fromkeys(_DEVICE_KINDS, 0)
+
+    def _add(self, kind: str, count) -> None:
+        if isinstance(count, (int, np.integer)):
+            self._host_pending[kind] += int(count)
+            return
+        total = self._device.get(kind)
+        if total is None:
+            self._device[kind] = count.astype(np.int64)       # a copy, on the current stream
+        else:
+            total += count
+        self._changed.add(kind)
 
     def record_find(self, queried, missing) -> None:
         """queried: an int, or a 0-d device count; missing: an int, or a 0-d device count.
@@ -52,15 +68,13 @@ class TierCounters:
             self.hits += queried - int(missing)
             self.misses += int(missing)
             return
-        self._queried_on_device = self._queried_on_device + queried
-        pending = self._missing_on_device
-        self._missing_on_device = missing if pending is None else pending + missing
+        self._add("queried", queried)
+        self._add("missing", missing)
 
     def record_write(self, written, evicted: int) -> None:
         """written: an int, or a 0-d device count (read with the counters, as ``record_find``'s)."""
         if not isinstance(written, (int, np.integer)):
-            pending = self._written_on_device
-            self._written_on_device = written if pending is None else pending + written
+            self._add("written", written)
             written = 0
         self.writes += written
         self.evictions += evicted
@@ -68,20 +82,22 @@ class TierCounters:
     def as_dict(self) -> dict:
         from .. import host_sync
 
-        pending = self._missing_on_device
-        if pending is not None:
-            missing = int(host_sync.scalar(pending, "tier counters: device misses"))
-            queried = self._queried_on_device
-            if not isinstance(queried, (int, np.integer)):
-                queried = int(host_sync.scalar(queried, "tier counters: device lookups"))
-            self._missing_on_device = None
-            self._queried_on_device = 0
-            self.record_find(int(queried), missing)
-        if self._written_on_device is not None:
-            self.writes += int(host_sync.scalar(self._written_on_device,
-                                                "tier counters: device writes"))
-            self._written_on_device = None
+        counts = dict(self._host_pending)
+        for kind in sorted(self._changed):
+            value = int(host_sync.scalar(self._device[kind], _READS[kind]))
+            counts[kind] += value - self._settled.get(kind, 0)
+            self._settled[kind] = value
+        self._changed.clear()
+        self._host_pending = dict.fromkeys(_DEVICE_KINDS, 0)
+        self.hits += counts["queried"] - counts["missing"]
+        self.misses += counts["missing"]
+        self.writes += counts["written"]
         return asdict(self)
+
+
+_DEVICE_KINDS = ("queried", "missing", "written")
+_READS = {"queried": "tier counters: device lookups", "missing": "tier counters: device misses",
+          "written": "tier counters: device writes"}
 
 
 def empty_lines(line_size: int) -> tuple[np.ndarray, np.ndarray]:
