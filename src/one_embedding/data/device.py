@@ -201,17 +201,24 @@ class DeviceBatches:
 
         def work():
             ring: list = [None] * (self.depth + 1)
+            uploaded = None
             try:
                 with launcher.stream():
-                    for i, batch in enumerate(self.loader):
-                        if stop.is_set():
-                            return
-                        bufs = self._staging(batch, ring, i % len(ring))
-                        launcher.wait(consumer_at[0])
-                        device = [launcher.to_device(b) for b in bufs[:3]]
-                        bufs[3] = launcher.record()
-                        if not put((device, bufs[3])):
-                            return
+                    try:
+                        for i, batch in enumerate(self.loader):
+                            if stop.is_set():
+                                return
+                            bufs = self._staging(batch, ring, i % len(ring))
+                            launcher.wait(consumer_at[0])
+                            device = [launcher.to_device(b) for b in bufs[:3]]
+                            bufs[3] = uploaded = launcher.record()
+                            if not put((device, bufs[3])):
+                                return
+                    finally:
+                        # the ring's page-locked buffers go back to CuPy's pinned pool with
+                        # this thread, which hands them to the next host_empty at once: not
+                        # before the last upload out of them has run (once per pass)
+                        launcher.synchronize(uploaded)
                 put(_END)
             except BaseException as error:     # handed to the consumer, which re-raises it
                 put(error)
