@@ -200,13 +200,14 @@ def _train(tmp_path, store: str, depth: int, steps: int = 12, log_interval: int 
     return Trainer(cfg, metrics_path=os.devnull, progress=False).run()
 
 
-def _parquet(tmp_path) -> str:
+def _parquet(tmp_path, rows: int = 600) -> str:
+    """A Parquet file of ``rows`` rows (600: 5 batches of 128, so 12 steps make 3 passes)."""
     from one_embedding.data import SyntheticCriteo
     from one_embedding.data.parquet import write_parquet
 
     path = tmp_path / "rows.parquet"
     write_parquet(str(path), [SyntheticCriteo("kaggle", scale=0.001, seed=3,
-                                              num_rows=3000).batch(3000, 0)])
+                                              num_rows=rows).batch(rows, 0)])
     return str(path)
 
 
@@ -279,7 +280,7 @@ def test_the_checker_finds_a_staging_buffer_overwritten_under_its_upload(tmp_pat
 
     monkeypatch.setattr(device_data.DeviceBatches, "_staging", _staging_without_the_wait)
     with stream_order.checked(seed=1, max_lag=PACE["slow"]) as hazards:
-        _train(tmp_path, "cached_host_mem", 1, data=(_parquet(tmp_path),))
+        _train(tmp_path, "cached_host_mem", 1, data=(_parquet(tmp_path, 3000),))
     assert any(h.startswith("unordered: a write on the host at one_embedding/data/device.py")
                and "after a read on stream" in h for h in hazards), "\n".join(hazards)
 
