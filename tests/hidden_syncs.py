@@ -45,13 +45,18 @@ def active() -> bool:
 
 
 @contextlib.contextmanager
-def quiet():
-    """Reads inside are accounted elsewhere (host_sync) or are the emulator's own."""
-    _state.depth = getattr(_state, "depth", 0) + 1
+def nested(state: threading.local):
+    """``state.depth`` one deeper for the calling thread while inside."""
+    state.depth = getattr(state, "depth", 0) + 1
     try:
         yield
     finally:
-        _state.depth -= 1
+        state.depth -= 1
+
+
+def quiet():
+    """Reads inside are accounted elsewhere (host_sync) or are the emulator's own."""
+    return nested(_state)
 
 
 #: the numpy kernels that stand in on the dry run for the dense layers' CuPy module
@@ -88,17 +93,18 @@ def _is_bool_mask(key) -> bool:
     return any(isinstance(k, np.ndarray) and k.dtype == np.bool_ and k.ndim > 0 for k in keys)
 
 
-def to_device(value):
-    """ndarrays and numpy scalars as DeviceArray (scalars 0-d, as CuPy returns them); tuples
-    and lists element by element; anything else as it is."""
+def to_device(value, cls=None):
+    """ndarrays and numpy scalars as DeviceArray (or ``cls``; scalars 0-d, as CuPy returns
+    them); tuples and lists element by element; anything else as it is."""
+    cls = cls or DeviceArray
     if type(value) is np.ndarray:
-        return value.view(DeviceArray)
+        return value.view(cls)
     if isinstance(value, np.generic):
-        return np.asarray(value).view(DeviceArray)
+        return np.asarray(value).view(cls)
     if isinstance(value, tuple):
-        return tuple(to_device(v) for v in value)
+        return tuple(to_device(v, cls) for v in value)
     if isinstance(value, list) and value and all(isinstance(v, np.ndarray) for v in value):
-        return [to_device(v) for v in value]
+        return [to_device(v, cls) for v in value]
     return value
 
 

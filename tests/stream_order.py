@@ -268,13 +268,9 @@ def _arrays(values) -> list:
     return out
 
 
-@contextlib.contextmanager
 def _inside():
-    _state.depth = getattr(_state, "depth", 0) + 1
-    try:
-        yield
-    finally:
-        _state.depth -= 1
+    """Inside a tracked operation: the operations it is made of are its own."""
+    return hidden_syncs.nested(_state)
 
 
 def _active() -> "Model | None":
@@ -300,15 +296,35 @@ def _host_read(a, write: bool = False) -> None:
 def tracked(value):
     """Arrays (and numpy scalars, as 0-d arrays) as TrackedArray; tuples and lists element by
     element; anything else as it is."""
-    if isinstance(value, np.ndarray) and not isinstance(value, TrackedArray):
-        return value.view(TrackedArray)
-    if isinstance(value, np.generic):
-        return np.asarray(value).view(TrackedArray)
-    if isinstance(value, tuple):
-        return tuple(tracked(v) for v in value)
-    if isinstance(value, list) and value and all(isinstance(v, np.ndarray) for v in value):
-        return [tracked(v) for v in value]
-    return value
+    return hidden_syncs.to_device(value, TrackedArray)
+
+
+def _ufunc(record, wrap, ufunc, method, inputs, out, kwargs):
+    """A ufunc call on plain arrays, its accesses given to ``record`` first: it reads its inputs
+    and writes ``out`` (``ufunc.at``: its first input); a new result goes through ``wrap``."""
+    writes = list(out) if out is not None else ([inputs[0]] if method == "at" else [])
+    record([*inputs, *kwargs.values()], writes)
+    if out is not None:
+        kwargs["out"] = tuple(_plain(o) for o in out)
+    with _inside():
+        result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
+    if method == "at":
+        return None
+    if out is not None:
+        return out[0] if len(out) == 1 else out
+    return wrap(result)
+
+
+def _method(name: str, record, write_self: bool = False, wrap=lambda result: result):
+    """ndarray method ``name`` on the plain array, its accesses given to ``record`` first: it
+    reads its arguments and reads (or with ``write_self`` writes) the array itself."""
+    def method(self, *args, **kwargs):
+        others = [*args, *kwargs.values()]
+        record(others if write_self else [self, *others], [self] if write_self else [])
+        with _inside():
+            return wrap(getattr(np.ndarray, name)(self.view(np.ndarray), *args, **kwargs))
+    method.__name__ = name
+    return method
 
 
 def _plain(v):
@@ -332,17 +348,7 @@ class TrackedArray(hidden_syncs.DeviceArray):
         return arr.view(TrackedArray) if type(arr) is not TrackedArray else arr
 
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
-        writes = list(out) if out is not None else ([inputs[0]] if method == "at" else [])
-        _record([*inputs, *kwargs.values()], writes)
-        if out is not None:
-            kwargs["out"] = tuple(_plain(o) for o in out)
-        with _inside():
-            result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
-        if method == "at":
-            return None
-        if out is not None:
-            return out[0] if len(out) == 1 else out
-        return tracked(result)
+        return _ufunc(_record, tracked, ufunc, method, inputs, out, kwargs)
 
     def __getitem__(self, key):
         _record([self, key])
@@ -354,31 +360,14 @@ class TrackedArray(hidden_syncs.DeviceArray):
         with _inside():
             super().__setitem__(key, value)
 
-    def _read_into_new(name):  # noqa: N805 -- builds methods below
-        def method(self, *args, **kwargs):
-            _record([self, *args, *kwargs.values()])
-            with _inside():
-                return tracked(getattr(np.ndarray, name)(self.view(np.ndarray), *args, **kwargs))
-        method.__name__ = name
-        return method
-
-    def _write_in_place(name):  # noqa: N805
-        def method(self, *args, **kwargs):
-            _record([*args, *kwargs.values()], [self])
-            with _inside():
-                return getattr(np.ndarray, name)(self.view(np.ndarray), *args, **kwargs)
-        method.__name__ = name
-        return method
-
-    copy = _read_into_new("copy")
-    astype = _read_into_new("astype")
-    take = _read_into_new("take")
-    argsort = _read_into_new("argsort")
-    flatten = _read_into_new("flatten")
-    fill = _write_in_place("fill")
-    sort = _write_in_place("sort")
-    put = _write_in_place("put")
-    del _read_into_new, _write_in_place
+    copy = _method("copy", _record, wrap=tracked)
+    astype = _method("astype", _record, wrap=tracked)
+    take = _method("take", _record, wrap=tracked)
+    argsort = _method("argsort", _record, wrap=tracked)
+    flatten = _method("flatten", _record, wrap=tracked)
+    fill = _method("fill", _record, write_self=True)
+    sort = _method("sort", _record, write_self=True)
+    put = _method("put", _record, write_self=True)
 
     def __bool__(self):
         _host_read(self)
@@ -414,15 +403,7 @@ class HostArray(np.ndarray):
     host arrays."""
 
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
-        writes = list(out) if out is not None else ([inputs[0]] if method == "at" else [])
-        _host_record([*inputs, *kwargs.values()], writes)
-        if out is not None:
-            kwargs["out"] = tuple(_plain(o) for o in out)
-        with _inside():
-            result = getattr(ufunc, method)(*(_plain(x) for x in inputs), **kwargs)
-        if method == "at":
-            return None
-        return (out[0] if len(out) == 1 else out) if out is not None else result
+        return _ufunc(_host_record, lambda result: result, ufunc, method, inputs, out, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
         if func is np.copyto:
@@ -443,20 +424,11 @@ class HostArray(np.ndarray):
         with _inside():
             np.ndarray.__setitem__(self.view(np.ndarray), key, value)
 
-    def _host_reads(name):  # noqa: N805 -- builds methods below
-        def method(self, *args, **kwargs):
-            _host_record([self])
-            with _inside():
-                return getattr(np.ndarray, name)(self.view(np.ndarray), *args, **kwargs)
-        method.__name__ = name
-        return method
-
-    copy = _host_reads("copy")
-    astype = _host_reads("astype")
-    tobytes = _host_reads("tobytes")
-    tolist = _host_reads("tolist")
-    item = _host_reads("item")
-    del _host_reads
+    copy = _method("copy", _host_record)
+    astype = _method("astype", _host_record)
+    tobytes = _method("tobytes", _host_record)
+    tolist = _method("tolist", _host_record)
+    item = _method("item", _host_record)
 
 
 def _tracked_call(name, fn):

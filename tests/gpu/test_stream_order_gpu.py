@@ -32,17 +32,23 @@ def _kinds(hazards) -> list:
     return sorted({h.split(":")[0] for h in hazards})
 
 
+def _made_on_a_side_stream(cupy):
+    """(the side stream, an array it made, the main stream waiting for it)."""
+    prefetch = cupy.cuda.Stream(non_blocking=True)
+    with prefetch:
+        a = cupy.arange(64, dtype=cupy.float32)
+        ready = prefetch.record()
+    main = cupy.cuda.get_current_stream()
+    main.wait_event(ready)
+    return prefetch, a, main
+
+
 def test_a_buffer_freed_before_the_other_streams_read_ran_is_a_use_after_free():
     import cupy
     import stream_order
 
     with stream_order.checked(max_lag=0) as hazards:
-        prefetch = cupy.cuda.Stream(non_blocking=True)
-        with prefetch:
-            a = cupy.arange(64, dtype=cupy.float32)
-            ready = prefetch.record()
-        main = cupy.cuda.get_current_stream()
-        main.wait_event(ready)
+        prefetch, a, main = _made_on_a_side_stream(cupy)
         b = a * 2                      # read on the main stream, ordered after the write
         assert not hazards, hazards
         del a
@@ -62,12 +68,7 @@ def test_a_buffer_freed_after_its_readers_are_known_to_have_run_is_safe(how):
     import stream_order
 
     with stream_order.checked(max_lag=2, seed=5) as hazards:
-        prefetch = cupy.cuda.Stream(non_blocking=True)
-        with prefetch:
-            a = cupy.arange(64, dtype=cupy.float32)
-            ready = prefetch.record()
-        main = cupy.cuda.get_current_stream()
-        main.wait_event(ready)
+        prefetch, a, main = _made_on_a_side_stream(cupy)
         b = a + 1
         read = main.record()
         if how == "host waits for the reader":
@@ -114,6 +115,15 @@ def test_reads_and_writes_across_streams_without_an_event_are_unordered():
     assert not hazards, hazards
 
 
+def _uploaded(cupy, launcher):
+    """(a page-locked buffer of ones, its upload on a side stream, the upload's event)."""
+    staging = launcher.host_empty((8,), np.float32)
+    staging[...] = 1.0
+    with cupy.cuda.Stream(non_blocking=True):
+        up = launcher.to_device(staging)
+        return staging, up, launcher.record()
+
+
 def test_the_host_must_know_an_asynchronous_copy_ran_before_it_touches_its_buffer():
     """Page-locked buffers: the host overwrites one an upload may still read, or reads one a
     download may not have filled, only after an event says the copy ran."""
@@ -124,11 +134,7 @@ def test_the_host_must_know_an_asynchronous_copy_ran_before_it_touches_its_buffe
 
     launcher = device_ops.cupy_launcher()
     with stream_order.checked(max_lag=0) as hazards:
-        staging = launcher.host_empty((8,), np.float32)
-        staging[...] = 1.0
-        with cupy.cuda.Stream(non_blocking=True):
-            up = launcher.to_device(staging)
-            uploaded = launcher.record()
+        staging, up, _ = _uploaded(cupy, launcher)
         staging[...] = 2.0                            # the upload may still read it
         back = launcher.host_empty((8,), np.float32)
         launcher.to_host_async(up, back)              # on the null stream: no wait on the upload
@@ -139,11 +145,7 @@ def test_the_host_must_know_an_asynchronous_copy_ran_before_it_touches_its_buffe
     assert "a read on the host" in text and "after a write on the null stream" in text
     assert "a read on the null stream" in text      # the download read up before its upload
     with stream_order.checked(max_lag=0) as hazards:
-        staging = launcher.host_empty((8,), np.float32)
-        staging[...] = 1.0
-        with cupy.cuda.Stream(non_blocking=True):
-            up = launcher.to_device(staging)
-            uploaded = launcher.record()
+        staging, up, uploaded = _uploaded(cupy, launcher)
         launcher.synchronize(uploaded)
         staging[...] = 2.0
         back = launcher.host_empty((8,), np.float32)
