@@ -350,6 +350,16 @@ class TrackedArray(hidden_syncs.DeviceArray):
     def __array_ufunc__(self, ufunc, method, *inputs, out=None, **kwargs):
         return _ufunc(_record, tracked, ufunc, method, inputs, out, kwargs)
 
+    def __array_function__(self, func, types, args, kwargs):
+        # numpy functions called on device arrays directly (np.dot, np.concatenate, ...): they
+        # read their arguments and write ``out=`` (and the first argument of the in-place ones)
+        out = kwargs.get("out")
+        writes = ([out] if out is not None else []) + (
+            [args[0]] if func.__name__ in _WRITES_FIRST and args else [])
+        _record([*args, *(v for k, v in kwargs.items() if k != "out")], writes)
+        with _inside():
+            return super().__array_function__(func, types, args, kwargs)
+
     def __getitem__(self, key):
         _record([self, key])
         with _inside():
