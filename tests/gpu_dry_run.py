@@ -216,7 +216,6 @@ def _fake_cupy() -> types.ModuleType:
 
     null = Stream()
     null.ptr, null.sid = 0, 0
-    _current.null = null
 
     class Device:
         def __init__(self, index=0):

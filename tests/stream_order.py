@@ -315,6 +315,15 @@ def _ufunc(record, wrap, ufunc, method, inputs, out, kwargs):
     return wrap(result)
 
 
+def _call_accesses(name: str, args, kwargs) -> tuple[list, list]:
+    """(reads, writes) of numpy / CuPy function ``name``: it reads its arguments and writes
+    ``out=``; the in-place ones (``_WRITES_FIRST``) write their first argument instead."""
+    out = kwargs.get("out")
+    first = name in _WRITES_FIRST and bool(args)
+    reads = [*args[first:], *(v for k, v in kwargs.items() if k != "out")]
+    return reads, ([out] if out is not None else []) + ([args[0]] if first else [])
+
+
 def _method(name: str, record, write_self: bool = False, wrap=lambda result: result):
     """ndarray method ``name`` on the plain array, its accesses given to ``record`` first: it
     reads its arguments and reads (or with ``write_self`` writes) the array itself."""
@@ -353,10 +362,7 @@ class TrackedArray(hidden_syncs.DeviceArray):
     def __array_function__(self, func, types, args, kwargs):
         # numpy functions called on device arrays directly (np.dot, np.concatenate, ...): they
         # read their arguments and write ``out=`` (and the first argument of the in-place ones)
-        out = kwargs.get("out")
-        writes = ([out] if out is not None else []) + (
-            [args[0]] if func.__name__ in _WRITES_FIRST and args else [])
-        _record([*args, *(v for k, v in kwargs.items() if k != "out")], writes)
+        _record(*_call_accesses(func.__name__, args, kwargs))
         with _inside():
             return super().__array_function__(func, types, args, kwargs)
 
@@ -416,10 +422,7 @@ class HostArray(np.ndarray):
         return _ufunc(_host_record, lambda result: result, ufunc, method, inputs, out, kwargs)
 
     def __array_function__(self, func, types, args, kwargs):
-        if func is np.copyto:
-            _host_record(args[1:], args[:1])
-        else:
-            _host_record([*args, *kwargs.values()])
+        _host_record(*_call_accesses(func.__name__, args, kwargs))
         with _inside():
             return func(*(_plain(a) for a in args),
                         **{k: _plain(v) for k, v in kwargs.items()})
@@ -449,9 +452,7 @@ def _tracked_call(name, fn):
             return tracked(fn(*args, **kwargs))
         if name in _TO_DEVICE and args and type(args[0]) is np.ndarray:
             args = (np.array(args[0], copy=True), *args[1:])   # CuPy copies host data up
-        out = kwargs.get("out")
-        writes = ([out] if out is not None else []) + ([args[0]] if name in _WRITES_FIRST and args else [])
-        _record([*args, *(v for k, v in kwargs.items() if k != "out")], writes)
+        _record(*_call_accesses(name, args, kwargs))
         with _inside():
             return tracked(fn(*args, **kwargs))
 
@@ -507,10 +508,11 @@ def checked(seed: int = 0, max_lag: int = 2):
             return base_run(family, name, dtype, grid, block, args)
 
     def host_read(fn):
-        def call(a, *args, **kwargs):
+        def call(a, *args, **kwargs):      # (a, reason[, out])
+            out = kwargs.get("out", args[1] if len(args) > 1 else None)
             _host_read(a)
-            if isinstance(kwargs.get("out", args[1] if len(args) > 1 else None), np.ndarray):
-                _host_read(kwargs.get("out", args[1] if len(args) > 1 else None), write=True)
+            if isinstance(out, np.ndarray):
+                _host_read(out, write=True)
             with _inside():
                 return fn(a, *args, **kwargs)
         return call
