@@ -21,6 +21,8 @@ so ``if a.any():`` records a read where CuPy would make one. Reads made through 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
+import os
 import sys
 import threading
 import traceback
@@ -37,7 +39,9 @@ SYNCING = frozenset({"nonzero", "flatnonzero", "argwhere", "compress", "extract"
 _state = threading.local()          # depth > 0: a read host_sync counts or the emulator makes
 _seen: Counter | None = None        # the active strict() block's records, None outside one
 _lock = threading.Lock()
-_PACKAGE_MARK = "one_embedding"
+#: where the package's own source lies: a frame is the package's when its file starts so (a
+#: name test would also take numpy inside a virtual environment called one_embedding_*)
+PACKAGE_DIR = os.path.dirname(importlib.util.find_spec("one_embedding").origin) + os.sep
 
 
 def active() -> bool:
@@ -69,9 +73,10 @@ def _where():
     """The innermost frame of the package's own code (else of the caller outside numpy), as
     "file:line in function", or None inside a stand-in kernel module."""
     frames = traceback.extract_stack()[:-3]
-    mine = [f for f in frames if _PACKAGE_MARK in f.filename and "tests" not in f.filename]
+    mine = [f for f in frames if f.filename.startswith(PACKAGE_DIR)]
     f = (mine or [f for f in frames if "numpy" not in f.filename] or frames)[-1]
-    path = f.filename.split("src/")[-1] if "src/" in f.filename else f.filename
+    path = (f"one_embedding/{f.filename[len(PACKAGE_DIR):]}" if f.filename.startswith(PACKAGE_DIR)
+            else f.filename)
     if path.endswith(_STAND_INS):
         return None
     return f"{path}:{f.lineno} in {f.name}"

@@ -69,9 +69,9 @@ def _where() -> str:
     fallback = None
     while f is not None:
         name = f.f_code.co_filename
-        if "one_embedding" in name and "/tests/" not in name and not name.endswith(_STAND_INS) \
+        if name.startswith(hidden_syncs.PACKAGE_DIR) and not name.endswith(_STAND_INS) \
                 and f.f_code.co_name not in _PLUMBING:
-            path = name.split("src/")[-1]
+            path = "one_embedding/" + name[len(hidden_syncs.PACKAGE_DIR):]
             return f"{path}:{f.f_lineno} in {f.f_code.co_name}"
         if fallback is None and not name.endswith("stream_order.py") and "numpy" not in name \
                 and "hidden_syncs" not in name and "gpu_dry_run" not in name:
