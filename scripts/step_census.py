@@ -31,6 +31,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+#: the package's source directory: a frame is the package's when its file lies there
+PACKAGE_DIR = str(ROOT / "src" / "one_embedding") + os.sep
 
 
 class Census:
@@ -46,8 +48,9 @@ class Census:
         if getattr(self._paused, "on", False):
             return
         frames = [f for f in traceback.extract_stack()[:-2]
-                  if "one_embedding" in f.filename and "tests" not in f.filename]
-        where = (f"{frames[-1].filename.split('src/')[-1]}:{frames[-1].lineno} {frames[-1].name}"
+                  if f.filename.startswith(PACKAGE_DIR)]
+        where = (f"one_embedding/{frames[-1].filename[len(PACKAGE_DIR):]}:{frames[-1].lineno} "
+                 f"{frames[-1].name}"
                  if frames else "?")
         phase = "graph" if getattr(self._capture, "trace", None) is not None else "eager"
         thread = "main" if threading.current_thread() is threading.main_thread() else "prefetch"

@@ -171,7 +171,7 @@ def cmd_plan(args) -> int:
     p = plan_capacity(args.rows, args.embedding_dim, args.optimizer, args.store, args.cache_mb,
                       args.host_cache_mb, args.engine, args.keep_snapshots,
                       args.changed_per_snapshot, args.world, args.physical_block_size,
-                      args.eviction, args.admit_sketch_mb)
+                      args.eviction, args.admit_sketch_mb, args.device)
     print(plan_json(p) if args.json else format_plan(p))
     return 0
 
@@ -227,7 +227,7 @@ def cmd_plot(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     from . import __version__
-    from .config import OPTIMIZERS
+    from .config import DEVICES, OPTIMIZERS
 
     ap = argparse.ArgumentParser(prog="one-embedding", description=__doc__)
     ap.add_argument("--version", action="version", version=f"one-embedding {__version__}",
@@ -311,6 +311,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--admit-sketch-mb", type=float, default=0.0,
                    help="RAM of the admission sketch per rank (training with --admit-min-count "
                         "> 1: its --admit-sketch-mb, 32 unless given) (default: 0, none)")
+    p.add_argument("--device", default="cpu", choices=DEVICES,
+                   help="as train's --device: on cuda the device tiers (the device cache, "
+                        "device_mem's table) are in GPU memory, planned apart from RAM "
+                        "(default: cpu)")
     p.add_argument("--json", action="store_true", help="one JSON object instead of a table")
     p.set_defaults(func=cmd_plan)
 

@@ -1,7 +1,7 @@
 """``one-embedding plan``: RAM per tier and disk of a table before it exists.
 
     one-embedding plan --rows 1e9 --embedding-dim 128 --optimizer adam --store cached_ssd \\
-        --cache-mb 8192 --keep-snapshots 3
+        --cache-mb 8192 --keep-snapshots 3 [--device cuda]
 
 Every figure comes from the constants and formulas the stores themselves use (imported, not
 copied): the line layout (``size_factor`` from the optimizer's states), the cache's reserved bytes
@@ -9,6 +9,11 @@ copied): the line layout (``size_factor`` from the optimizer's states), the cach
 directory (``CompactIndex``: 5-byte entries at 0.80-0.92 load) and staging buffers, its garbage
 bound (``GARBAGE_RATIO``) and compaction target; RocksDB's blob records, key SSTs, bloom filters,
 block cache and write buffers, and the space amplification at which a save reclaims garbage.
+
+``device="cuda"`` plans the tiers training with ``--device cuda`` builds (``chain.preset_tiers``):
+the "device" tiers in GPU memory (``DeviceCache.bytes_for``: no row number or used flag per way,
+as the CPU cache keeps; ``DeviceFullStore``: the rows and a hash index as ``MemoryStore``'s), the
+others in host RAM, each total apart. On "cpu" every tier is in RAM, the "device" ones included.
 
 Disk is given three ways: the live table right after a snapshot with no garbage; the steady state
 the garbage bound allows; and the peak with ``keep_snapshots`` retained snapshots, each taken after
@@ -21,7 +26,9 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 
+from .cache.device import DeviceCache
 from .cache.set_associative import SetAssociativeCache
+from .config import DEVICES
 from .errors import ConfigError
 from .lifecycle import META_COLUMNS, CountMinSketch
 from .store import rocksdb_store as rdb
@@ -48,13 +55,19 @@ ROCKSDB_TABLE_READER_BYTES = 1.25 + 0.15
 ROCKSDB_RECLAIM_SHARE = 0.45
 
 
+#: where a tier's bytes live: host RAM or the GPU's memory
+MEMORIES = ("host", "device")
+
+
 @dataclass
 class TierPlan:
+    """One tier per rank: ``ram_bytes`` are in ``memory`` (host RAM, or GPU memory)."""
     tier: str
     rows: int
     ram_bytes: int
     disk_bytes: int = 0
     note: str = ""
+    memory: str = "host"
 
 
 @dataclass
@@ -64,7 +77,9 @@ class CapacityPlan:
     line_size: int
     line_bytes: int
     tiers: list = field(default_factory=list)
-    ram_bytes: int = 0
+    ram_bytes: int = 0            # host RAM per rank
+    device_bytes: int = 0         # GPU memory per rank (device="cuda")
+    device: str = "cpu"
     disk_live_bytes: int = 0
     disk_steady_bytes: int = 0
     disk_peak_bytes: int = 0
@@ -76,7 +91,7 @@ class CapacityPlan:
 
 
 def _cache(name: str, budget_mb: float, line_size: int, rows: int, ways: int = 32,
-           setting: str = "cache_mb") -> TierPlan:
+           setting: str = "cache_mb", on_device: bool = False) -> TierPlan:
     cache_rows = int(budget_mb * 2**20 // (4 * line_size))
     if cache_rows < 1:
         flag = "--" + setting.replace("_", "-")
@@ -84,15 +99,21 @@ def _cache(name: str, budget_mb: float, line_size: int, rows: int, ways: int = 3
                           f"MB holds no line of {4 * line_size} bytes: give {flag} MB, e.g. "
                           f"{flag} 64")
     held = min(cache_rows, rows)
+    if on_device:
+        return TierPlan(name, held, DeviceCache.bytes_for(cache_rows, ways, line_size),
+                        note=f"{cache_rows:,} lines reserved", memory="device")
     return TierPlan(name, held, SetAssociativeCache.bytes_for(cache_rows, ways, line_size),
                     note=f"{cache_rows:,} lines reserved")
 
 
-def _memory_store(name: str, rows: int, line_size: int) -> TierPlan:
+def _memory_store(name: str, rows: int, line_size: int, on_device: bool = False) -> TierPlan:
+    """MemoryStore, or DeviceFullStore ``on_device``: the rows, and a hash index of 16-byte
+    buckets at most 0.7 full (both sized for ``rows``, training's capacity)."""
     buckets = 16
     while buckets * HASH_MAX_LOAD < rows:
         buckets *= 2
-    return TierPlan(name, rows, rows * 4 * line_size + buckets * HASH_BUCKET_BYTES)
+    return TierPlan(name, rows, rows * 4 * line_size + buckets * HASH_BUCKET_BYTES,
+                    memory="device" if on_device else "host")
 
 
 def _slots(rows: int, line_size: int, physical_block_size: int) -> tuple[TierPlan, int]:
@@ -118,11 +139,15 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
                   engine: str = "slots", keep_snapshots: int = 0,
                   changed_per_snapshot: float = 0.01, world: int = 1,
                   physical_block_size: int = 4096, eviction: bool = False,
-                  admit_sketch_mb: float = 0.0) -> CapacityPlan:
+                  admit_sketch_mb: float = 0.0, device: str = "cpu") -> CapacityPlan:
     """RAM per tier and disk of a table of ``rows`` keys (over all ranks; figures are per rank).
 
     eviction: rows carry the feature lifecycle's two columns (last-seen step, frequency: 8
-    bytes more a line); admit_sketch_mb: the admission sketch per rank (0: no admission)."""
+    bytes more a line); admit_sketch_mb: the admission sketch per rank (0: no admission);
+    device: "cpu" (every tier in RAM) or "cuda" (the "device" tiers in GPU memory)."""
+    if device not in DEVICES:
+        raise ConfigError(f"device={device!r}: choose one of {DEVICES}")
+    gpu = device == "cuda"
     if optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"optimizer={optimizer!r}: choose one of {sorted(OPTIMIZER_STATES)}")
     for name, value in (("rows", rows), ("embedding_dim", embedding_dim), ("world", world)):
@@ -137,19 +162,20 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
     line_size = (1 + OPTIMIZER_STATES[optimizer]) * embedding_dim + (META_COLUMNS if eviction else 0)
     per_rank = -(-rows // world)
     out = CapacityPlan(rows, per_rank, line_size, 4 * line_size, keep_snapshots=keep_snapshots,
-                       changed_per_snapshot=changed_per_snapshot)
+                       changed_per_snapshot=changed_per_snapshot, device=device)
     k, f = keep_snapshots, changed_per_snapshot
     if store in ("device_mem", "cached_host_mem"):
         if store == "cached_host_mem":
-            out.tiers.append(_cache("device.lru", cache_mb, line_size, per_rank))
-        bottom = _memory_store("host.full" if store == "cached_host_mem" else "device.full",
-                               per_rank, line_size)
+            out.tiers.append(_cache("device.lru", cache_mb, line_size, per_rank, on_device=gpu))
+            bottom = _memory_store("host.full", per_rank, line_size)
+        else:
+            bottom = _memory_store("device.full", per_rank, line_size, on_device=gpu)
         out.tiers.append(bottom)
         snapshot = per_rank * (8 + 4 * line_size)  # keys.npy + lines.npy: a copy each
         out.disk_live_bytes = out.disk_steady_bytes = snapshot
         out.disk_peak_bytes = max(1, k) * snapshot
     elif store == "cached_ssd":
-        out.tiers.append(_cache("device.lru", cache_mb, line_size, per_rank))
+        out.tiers.append(_cache("device.lru", cache_mb, line_size, per_rank, on_device=gpu))
         if host_cache_mb:
             out.tiers.append(_cache("host.lru", host_cache_mb, line_size, per_rank,
                                     setting="host_cache_mb"))
@@ -174,7 +200,8 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
         width = CountMinSketch.width_for(admit_sketch_mb, 4)
         out.tiers.append(TierPlan("admission sketch", 0, 4 * width * 2,
                                   note=f"4 x {width:,} 16-bit counters"))
-    out.ram_bytes = sum(t.ram_bytes for t in out.tiers)
+    out.ram_bytes = sum(t.ram_bytes for t in out.tiers if t.memory == "host")
+    out.device_bytes = sum(t.ram_bytes for t in out.tiers if t.memory == "device")
     for t in out.tiers:
         t.disk_bytes = int(t.disk_bytes)
     return out
@@ -189,15 +216,25 @@ def _size(n: float) -> str:
 
 
 def format_plan(p: CapacityPlan) -> str:
-    """The plan as a markdown table and a few lines of totals."""
+    """The plan as a markdown table and a few lines of totals (on "cuda" RAM and GPU memory in
+    columns of their own)."""
+    gpu = p.device == "cuda"
+    head = "| tier | rows | RAM | GPU memory | disk | note |" if gpu else \
+        "| tier | rows | RAM | disk | note |"
     lines = [f"{p.rows:,} rows ({p.rows_per_rank:,} per rank), lines of {p.line_size} floats "
-             f"({p.line_bytes} B). Per rank:", "",
-             "| tier | rows | RAM | disk | note |", "|---|---|---|---|---|"]
+             f"({p.line_bytes} B), training on {p.device}. Per rank:", "",
+             head, "|---" * head.count(" | ") + "|---|"]
     for t in p.tiers:
-        lines.append(f"| {t.tier} | {t.rows:,} | {_size(t.ram_bytes)} | "
+        size = _size(t.ram_bytes)
+        memory = (f"{size if t.memory == 'host' else '-'} | {size if t.memory == 'device' else '-'}"
+                  if gpu else size)
+        lines.append(f"| {t.tier} | {t.rows:,} | {memory} | "
                      f"{_size(t.disk_bytes) if t.disk_bytes else '-'} | {t.note} |")
-    lines += ["", f"RAM in all: {_size(p.ram_bytes)}",
-              f"disk, live table after a snapshot: {_size(p.disk_live_bytes)}",
+    lines += ["", f"RAM in all: {_size(p.ram_bytes)}"]
+    if gpu:
+        lines.append(f"GPU memory in all: {_size(p.device_bytes)} (the tables' tiers; the dense "
+                     "model, its batches and the step's buffers come on top)")
+    lines += [f"disk, live table after a snapshot: {_size(p.disk_live_bytes)}",
               f"disk, steady state (garbage at its bound): {_size(p.disk_steady_bytes)}",
               f"disk, peak with {p.keep_snapshots} retained snapshot(s) of "
               f"{p.changed_per_snapshot:.1%} changed rows each: {_size(p.disk_peak_bytes)} "

@@ -315,6 +315,14 @@ class DeviceCache(_OnDevice, Tier):
         return int(self._rows.nbytes + self._way_keys.nbytes + self._way_stamp.nbytes
                    + self._way_freq.nbytes + self._way_dirty.nbytes)
 
+    @staticmethod
+    def bytes_for(rows: int, ways: int, line_size: int) -> int:
+        """``memory_bytes`` of a device cache of ``rows`` lines (rounded down to whole sets) of
+        ``line_size`` floats: per way its line, key, stamp and frequency (8 bytes each) and dirty
+        flag (the capacity planner's figure under ``--device cuda``)."""
+        ways = min(int(ways), int(rows))
+        return (int(rows) // ways) * ways * (4 * int(line_size) + 3 * 8 + 1)
+
     def _state(self) -> tuple:
         return self._way_keys, self._way_stamp, self._way_freq, self._rows, np.int32(self.ways), \
             np.int32(self.line_size)
