@@ -99,6 +99,12 @@ class TierChain:
         self._last_event = self.launch.record() if self.launch is not None else None
         self._staged = None         # the end of the last copy out of a staging buffer
         self._buffers: dict = {}    # name -> host staging bytes, grown on demand
+        # a put's evictions from a device cache not taken yet: (level, ev_keys (n,), ev_lines
+        # (n, line_size), leaving (n,) bool) device arrays (``DeviceCache.insert_pending``).
+        # Reading how many lines left would stall the step's thread; the next call takes them
+        # first (under the lock, before anything else can look for them), the next lookup in
+        # the same read as its misses
+        self._pending = None
 
     @property
     def bottom(self) -> StoreTier:
@@ -172,7 +178,10 @@ class TierChain:
                 self.counters[0].record_write(live.reshape(()), 0)
             return
         with self._lock, self._device_order():
-            self._write_from(0, keys, lines, self.launch is not None)
+            if self.launch is not None:
+                self._write_device(0, keys, lines, on_device=True, defer=True)
+            else:
+                self._write_from(0, keys, lines)
 
     def flush(self) -> None:
         """Write every cache level down, top first, so the bottom store holds the newest lines.
@@ -209,12 +218,32 @@ class TierChain:
         return self._ordered()
 
     @contextlib.contextmanager
-    def _ordered(self):
+    def _ordered(self, settle: bool = True):
+        """Orders the call's device work after the previous call's; ``settle``: first writes
+        down the lines the last put evicted (``_pending``), if not taken yet."""
         self.launch.wait(self._last_event)
         try:
+            if settle:
+                self._settle()
             yield
         finally:
             self._last_event = self.launch.record()
+
+    def _settle(self) -> None:
+        """Writes the last put's evicted lines down (one read: how many left)."""
+        if self._pending is not None:
+            self._write_down(device_ops.count_true(self.xp, self._pending[3],
+                                                   "cache evictions to host tier"))
+
+    def _write_down(self, count: int) -> None:
+        """Takes ``_pending``, whose ``count`` evicted lines (known on the host) go down to the
+        level below the cache that evicted them."""
+        level, ev_keys, ev_lines, leaving = self._pending
+        self._pending = None
+        self.counters[level].record_write(0, count)
+        if count:
+            taken = device_ops.positions_of(self.xp, leaving, count)
+            self._write_device(level + 1, ev_keys[taken], ev_lines[taken], on_device=True)
 
     def _host_buffer(self, name: str, shape: tuple, dtype) -> np.ndarray:
         """A host staging array (page-locked on a GPU), reused from call to call; the caller has
@@ -254,13 +283,24 @@ class TierChain:
                                              xp.asarray(xp.count_nonzero(~found)))
             return lines, found
         rows = xp.arange(n, dtype=xp.int64)  # rows of `lines` still missing
-        with self._lock, self._ordered():
+        with self._lock, self._ordered(settle=False):
             for tier, counters in zip(self.tiers[:self.n_device], self.counters[:self.n_device]):
                 if rows.shape[0] == 0:
                     break
-                missing = tier.find(keys, lines, rows)
+                if self._pending is not None and hasattr(tier, "find_missing"):
+                    # the misses and the last put's evictions counted in one read; the evicted
+                    # lines go down before any tier below is searched
+                    miss = tier.find_missing(keys, lines, rows)
+                    m, evicted = device_ops.count_each(
+                        xp, (miss, self._pending[3]), "miss keys and evictions to host tier")
+                    self._write_down(evicted)
+                    missing = device_ops.positions_of(xp, miss, m)
+                else:
+                    self._settle()
+                    missing = tier.find(keys, lines, rows)
                 counters.record_find(keys.shape[0], missing.shape[0])
                 keys, rows = keys[missing], rows[missing]
+            self._settle()
             if rows.shape[0] and self.n_device < len(self.tiers):
                 rows = self._lookup_host(keys, lines, rows)
         found = xp.ones(n, dtype=xp.bool_)
@@ -296,7 +336,10 @@ class TierChain:
         lines[rows[hit]] = staged_lines[hit]
         return rows[device_ops.positions_of(xp, ~staged_found, n_missing)]
 
-    def _write_device(self, level: int, keys, lines, on_device: bool) -> None:
+    def _write_device(self, level: int, keys, lines, on_device: bool, defer: bool = False) -> None:
+        """``_write_from`` of a device chain. defer: a device cache with a level below keeps its
+        evictions on the device, to be taken by the next call (``_pending``); the caller
+        settled the last ones."""
         for i in range(level, len(self.tiers)):
             if on_device and not self._on_device[i]:        # device lines go down to the host
                 keys, lines = self._to_host(keys, "down_keys"), self._to_host(lines, "down_lines")
@@ -304,6 +347,11 @@ class TierChain:
             elif self._on_device[i] and not on_device:      # host lines restored into a device tier
                 keys, lines = self._to_device(keys), self._to_device(lines)
                 on_device = True
+            if defer and on_device and i + 1 < len(self.tiers) and \
+                    hasattr(self.tiers[i], "insert_pending"):
+                self._pending = (i, *self.tiers[i].insert_pending(keys, lines))
+                self.counters[i].record_write(keys.shape[0], 0)
+                return
             ev_keys, ev_lines = self.tiers[i].insert_or_assign(keys, lines)
             self.counters[i].record_write(keys.shape[0], ev_keys.shape[0])
             if ev_keys.shape[0] == 0:

@@ -330,6 +330,13 @@ class DeviceCache(_OnDevice, Tier):
     def find(self, keys, out, out_rows):
         """keys: (n,) uint64; out: (N, line_size) float32; out_rows: (n,) int64 -> missing (m,)
         int64 ascending. Hits are copied into ``out[out_rows]`` and touched (recency, frequency)."""
+        missing = self.find_missing(keys, out, out_rows)
+        if missing.shape[0] == 0:
+            return self._xp.empty(0, dtype=self._xp.int64)
+        return device_ops.flatnonzero(self._xp, missing, "miss keys to host tier")
+
+    def find_missing(self, keys, out, out_rows):
+        """``find`` without its read: -> (n,) bool device mask of the keys not held."""
         launch, xp = self._launch, self._xp
         keys = device_ops.device_array(launch, "keys", keys, np.uint64, ndim=1)
         out = device_ops.device_array(launch, "out", out, np.float32, ndim=2, writable=True)
@@ -339,7 +346,7 @@ class DeviceCache(_OnDevice, Tier):
             raise InputError(f"out {tuple(out.shape)} / out_rows {tuple(out_rows.shape)} do not fit "
                              f"{n} keys and lines of {self.line_size} floats")
         if n == 0:
-            return xp.empty(0, dtype=xp.int64)
+            return xp.zeros(0, dtype=xp.bool_)
         order, starts, set_ids = group_by_set(xp, keys, self.n_sets)
         hit = xp.empty(n, dtype=xp.int32)
         way_keys, way_stamp, way_freq, rows, ways, line_size = self._state()
@@ -349,7 +356,7 @@ class DeviceCache(_OnDevice, Tier):
                                  order, starts, set_ids, np.int64(set_ids.shape[0]),
                                  np.int64(self._clock), out_rows, out, hit))
         self._clock += n
-        return device_ops.flatnonzero(xp, hit == 0, "miss keys to host tier")
+        return hit == 0
 
     def insert_or_assign(self, keys, lines):
         """keys: (n,) uint64 unique, lines: (n, line_size) float32.
@@ -359,6 +366,17 @@ class DeviceCache(_OnDevice, Tier):
         leaves once, with its newer line. Evicted clean lines (flushed since their last write:
         the level below holds the same) are dropped. Every written line is dirty.
         """
+        ev_keys, ev_lines, leaving = self.insert_pending(keys, lines)
+        if leaving.shape[0] == 0:
+            return ev_keys, ev_lines
+        taken = device_ops.flatnonzero(self._xp, leaving, "cache evictions to host tier")
+        return ev_keys[taken], ev_lines[taken]
+
+    def insert_pending(self, keys, lines):
+        """``insert_or_assign`` without its read: -> (ev_keys (n,) uint64, ev_lines (n,
+        line_size) float32, leaving (n,) bool), device arrays: the evicted dirty lines are
+        ``ev_keys[leaving]`` with ``ev_lines[leaving]``, in that order (the chain takes them
+        when it next needs the device's counts anyway)."""
         launch, xp = self._launch, self._xp
         keys = device_ops.device_array(launch, "keys", keys, np.uint64, ndim=1)
         lines = device_ops.device_array(launch, "lines", lines, np.float32, ndim=2)
@@ -366,7 +384,8 @@ class DeviceCache(_OnDevice, Tier):
         if lines.shape != (n, self.line_size):
             raise InputError(f"lines {tuple(lines.shape)} must be ({n}, {self.line_size})")
         if n == 0:
-            return xp.empty(0, dtype=xp.uint64), xp.empty((0, self.line_size), dtype=xp.float32)
+            return (xp.empty(0, dtype=xp.uint64), xp.empty((0, self.line_size), dtype=xp.float32),
+                    xp.zeros(0, dtype=xp.bool_))
         order, starts, set_ids = group_by_set(xp, keys, self.n_sets)
         ev_keys = xp.empty(n, dtype=xp.uint64)
         ev_lines = xp.empty((n, self.line_size), dtype=xp.float32)
@@ -380,9 +399,8 @@ class DeviceCache(_OnDevice, Tier):
                                  order, starts, set_ids, np.int64(set_ids.shape[0]),
                                  np.int64(self._clock), ev_keys, ev_lines, ev_flag, new_flag))
         self._clock += n
-        leaving = device_ops.flatnonzero(xp, ev_flag == 1, "cache evictions to host tier")
         self._size += new_flag.sum() - xp.count_nonzero(ev_flag)
-        return ev_keys[leaving], ev_lines[leaving]
+        return ev_keys, ev_lines, ev_flag == 1
 
     def _held(self, dirty_only: bool = False):
         """(keys (k,) uint64 sorted, rows (k,) int64): every held key (or every dirty one) and

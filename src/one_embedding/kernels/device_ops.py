@@ -595,6 +595,13 @@ def count_true(xp, mask, reason: str) -> int:
     return int(host_sync.scalar(xp.count_nonzero(mask), reason))
 
 
+def count_each(xp, masks, reason: str) -> list[int]:
+    """The number of True entries of each device array of ``masks``: one host read for them
+    all, counted once."""
+    counts = xp.stack([xp.asarray(xp.count_nonzero(m), dtype=xp.int64) for m in masks])
+    return [int(c) for c in host_sync.to_host(counts, reason)]
+
+
 def positions_of(xp, mask, n: int):
     """mask: (N,) bool with ``n`` True entries -> (n,) int64 ascending positions of them, without
     reading anything back and without CuPy's nonzero kernel: each True entry scatters its
