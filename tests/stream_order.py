@@ -543,7 +543,8 @@ def checked(seed: int = 0, max_lag: int = 2):
     launcher.stream = stream
     launcher.record = lambda: cupy.cuda.get_current_stream().record()
     launcher.wait = wait
-    launcher.synchronize = lambda event: host_sync.wait(event, "launcher.synchronize")
+    launcher.synchronize = lambda event, reason="launcher.synchronize": host_sync.wait(event,
+                                                                                       reason)
     launcher.done = lambda event: event is None or bool(event.done)
     for n in ("to_host", "scalar", "flag"):
         setattr(host_sync, n, host_read(saved_sync[n]))

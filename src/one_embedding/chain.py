@@ -105,6 +105,9 @@ class TierChain:
         # first (under the lock, before anything else can look for them), the next lookup in
         # the same read as its misses
         self._pending = None
+        # what a call let go of while another stream's queued work may still read it (the
+        # pending evictions, made on the put's stream, are taken on the lookup's)
+        self._held = None if self.launch is None else device_ops.HeldUntil(self.launch)
 
     @property
     def bottom(self) -> StoreTier:
@@ -238,12 +241,25 @@ class TierChain:
     def _write_down(self, count: int) -> None:
         """Takes ``_pending``, whose ``count`` evicted lines (known on the host) go down to the
         level below the cache that evicted them."""
+        down = self._take_pending(count)
+        if down is not None:
+            self._write_device(down[0], down[1], down[2], on_device=True)
+
+    def _take_pending(self, count: int):
+        """Takes ``_pending``, whose ``count`` evicted lines are known on the host -> (the level
+        they go down to, keys (count,) uint64, lines (count, line_size) float32) device arrays,
+        to be written there before that level is searched; None when none left."""
         level, ev_keys, ev_lines, leaving = self._pending
         self._pending = None
         self.counters[level].record_write(0, count)
+        down = None
         if count:
             taken = device_ops.positions_of(self.xp, leaving, count)
-            self._write_device(level + 1, ev_keys[taken], ev_lines[taken], on_device=True)
+            down = level + 1, ev_keys[taken], ev_lines[taken]
+        # made on the put's stream: CuPy's pool would hand their memory back to it at once,
+        # while this stream's reads of them may still be queued
+        self._held.hold((ev_keys, ev_lines, leaving), self.launch.record())
+        return down
 
     def _host_buffer(self, name: str, shape: tuple, dtype) -> np.ndarray:
         """A host staging array (page-locked on a GPU), reused from call to call; the caller has
@@ -265,6 +281,19 @@ class TierChain:
         self.transfers.to_host(out.nbytes)
         return out
 
+    def _to_host_all(self, arrays, reason: str) -> list[np.ndarray]:
+        """Host copies of device arrays ``arrays`` ((array, staging buffer name) pairs), queued
+        together into their staging buffers and waited for once: one read for them all. The
+        caller has waited for every copy out of the buffers (``_staged``)."""
+        outs = []
+        for a, name in arrays:
+            out = self._host_buffer(name, tuple(a.shape), a.dtype)
+            self.launch.to_host_async(self.xp.ascontiguousarray(a), out)
+            self.transfers.to_host(out.nbytes)
+            outs.append(out)
+        self.launch.wait_for_copies(reason)
+        return outs
+
     def _to_device(self, a: np.ndarray):
         self.transfers.to_device(a.nbytes)
         return self.launch.to_device(a)
@@ -283,17 +312,22 @@ class TierChain:
                                              xp.asarray(xp.count_nonzero(~found)))
             return lines, found
         rows = xp.arange(n, dtype=xp.int64)  # rows of `lines` still missing
+        down = None     # evicted lines bound for the first host tier, not written there yet
         with self._lock, self._ordered(settle=False):
             for tier, counters in zip(self.tiers[:self.n_device], self.counters[:self.n_device]):
                 if rows.shape[0] == 0:
                     break
                 if self._pending is not None and hasattr(tier, "find_missing"):
                     # the misses and the last put's evictions counted in one read; the evicted
-                    # lines go down before any tier below is searched
+                    # lines go down before any tier below is searched: a device tier's at
+                    # once, the first host tier's with the miss keys' copy (one wait for both)
                     miss = tier.find_missing(keys, lines, rows)
                     m, evicted = device_ops.count_each(
                         xp, (miss, self._pending[3]), "miss keys and evictions to host tier")
-                    self._write_down(evicted)
+                    down = self._take_pending(evicted)
+                    if down is not None and self._on_device[down[0]]:
+                        self._write_device(*down, on_device=True)
+                        down = None
                     missing = device_ops.positions_of(xp, miss, m)
                 else:
                     self._settle()
@@ -302,18 +336,30 @@ class TierChain:
                 keys, rows = keys[missing], rows[missing]
             self._settle()
             if rows.shape[0] and self.n_device < len(self.tiers):
-                rows = self._lookup_host(keys, lines, rows)
+                rows = self._lookup_host(keys, lines, rows, down)
+            elif down is not None:
+                self._write_device(*down, on_device=True)
         found = xp.ones(n, dtype=xp.bool_)
         found[rows] = False
         return lines, found
 
-    def _lookup_host(self, keys, lines, rows):
+    def _lookup_host(self, keys, lines, rows, down=None):
         """The host tiers' part of a lookup. keys: (m,) uint64 the device tiers missed; lines:
-        the device result; rows: (m,) int64 their rows in it -> the rows still missing."""
+        the device result; rows: (m,) int64 their rows in it -> the rows still missing. down:
+        ``_take_pending``'s evicted lines for the first host tier, written there first (their
+        copy and the keys' share one wait)."""
         xp, launch = self.xp, self.launch
         m = keys.shape[0]
-        launch.synchronize(self._staged)      # the staging buffers are free again
-        host_keys = self._to_host(keys, "keys", reason="miss keys to host tier")
+        if not launch.done(self._staged):     # the staging buffers are free again (the
+            launch.synchronize(self._staged)  # read of the counts before has mostly seen to it)
+        if down is None:
+            (host_keys,) = self._to_host_all(((keys, "keys"),), "miss keys to host tier")
+        else:
+            level, down_keys, down_lines = down
+            down_keys, down_lines, host_keys = self._to_host_all(
+                ((down_keys, "down_keys"), (down_lines, "down_lines"), (keys, "keys")),
+                "evicted lines and miss keys to host tier")
+            self._write_device(level, down_keys, down_lines, on_device=False)
         staging = self._host_buffer("lines", (m, self.line_size), np.float32)
         remaining = np.arange(m, dtype=np.int64)
         for tier, counters in zip(self.tiers[self.n_device:], self.counters[self.n_device:]):
@@ -342,7 +388,8 @@ class TierChain:
         settled the last ones."""
         for i in range(level, len(self.tiers)):
             if on_device and not self._on_device[i]:        # device lines go down to the host
-                keys, lines = self._to_host(keys, "down_keys"), self._to_host(lines, "down_lines")
+                keys, lines = self._to_host_all(((keys, "down_keys"), (lines, "down_lines")),
+                                                "lines down to host tier")
                 on_device = False
             elif self._on_device[i] and not on_device:      # host lines restored into a device tier
                 keys, lines = self._to_device(keys), self._to_device(lines)

@@ -296,3 +296,45 @@ def _staging_without_the_wait(self, batch, ring, slot):
         np.copyto(buf, a)
     ring[slot] = bufs
     return bufs
+
+
+@pytest.mark.parametrize("held", [True, False])
+def test_a_puts_evictions_taken_on_another_stream_stay_held_until_read(tmp_path, monkeypatch, held):
+    """A put leaves its cache's evictions on the device (made on the put's stream); the next
+    lookup takes them on its own stream (the prefetch thread's) and lets go of them while its
+    reads are queued. The chain holds them until that stream has passed them; without the hold
+    the put's stream allocates their memory again under the reads (the race the checker found
+    on 2026-12-07 at the slow pace, 2 runs in 5)."""
+    import cupy
+    import stream_order
+
+    import one_embedding as oe
+    from one_embedding.kernels import device_ops
+
+    if not held:
+        monkeypatch.setattr(device_ops.HeldUntil, "hold", lambda self, obj, event: None)
+    line = 8
+    store = oe.make_cached_host_mem_store_options(16 * 4 * line / 2**20, str(tmp_path), 1000,
+                                                  size_factor=1)
+    with stream_order.checked(max_lag=0) as hazards:
+        emb = oe.MultiTableEmbedding("t", line, np.float32, np.int64,
+                                     [oe.make_table_options(oe.make_normal_initializer(0, 0.1))],
+                                     store, device="cuda")
+        chain = emb._shard._chain
+        keys = cupy.arange(1, 201, dtype=cupy.uint64)
+        chain.put(keys, cupy.ones((200, line), dtype=cupy.float32))   # 200 lines, room for 16
+        assert chain._pending is not None
+        with chain.launch.stream():                                    # the lookup's stream
+            chain.launch.wait(chain._last_event)   # ordered after the put, as every call is
+            count = device_ops.count_true(chain.xp, chain._pending[3], "test: evictions")
+            down = chain._take_pending(count)
+        assert count > 0 and down[1].shape == (count,)
+        del down
+        gc.collect()
+        cupy.zeros(4 * 200 * line)                 # the put's stream allocates again
+        emb.close()
+    if held:
+        assert not hazards, "\n".join(hazards)
+    else:
+        frees = [h for h in hazards if h.startswith("use after free")]
+        assert any("insert_pending" in h for h in frees), "\n".join(hazards) or "no hazard found"

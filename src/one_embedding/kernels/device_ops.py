@@ -98,16 +98,27 @@ class Launcher:
     def wait(self, event) -> None:
         """Work issued on the current stream from now on runs after ``event`` (None: no wait)."""
 
-    def synchronize(self, event) -> None:
+    def synchronize(self, event, reason: str = "launcher.synchronize") -> None:
         """Block the calling thread until ``event`` completed (None: at once). Host work is
-        complete when issued: nothing to wait for, but a wait on an event is counted as on a
-        GPU, so that the dry run counts what the device would do."""
+        complete when issued: nothing to wait for, but a wait on an event is counted (under
+        ``reason``) as on a GPU, so that the dry run counts what the device would do."""
         if event is not None:
-            host_sync.flag(True, "launcher.synchronize")
+            host_sync.flag(True, reason)
 
     def done(self, event) -> bool:
         """True when ``event`` completed (None always has)."""
         return True
+
+    def wait_for_copies(self, reason: str) -> None:
+        """Block until the copies to the host queued so far on the current stream
+        (``to_host_async``) have landed: one read, counted under ``reason`` on every launcher
+        (here the copies landed when queued; counted as on a GPU, which waits here once for them
+        all)."""
+        event = self.record()
+        if event is None:
+            host_sync.flag(True, reason)
+        else:
+            self.synchronize(event, reason)
 
 
 class HeldUntil:
@@ -185,8 +196,8 @@ class CupyLauncher(Launcher):
         if event is not None:
             self.xp.cuda.get_current_stream().wait_event(event)
 
-    def synchronize(self, event) -> None:
-        host_sync.wait(event, "launcher.synchronize")
+    def synchronize(self, event, reason: str = "launcher.synchronize") -> None:
+        host_sync.wait(event, reason)
 
     def done(self, event) -> bool:
         return event is None or bool(event.done)
