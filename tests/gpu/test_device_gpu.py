@@ -444,7 +444,7 @@ def test_smart_decay_adam_rows_are_the_cpu_update(n, dim):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("exchange", ["fp32", "fp16", "int8"])
 def test_codec_equals_codec_py_byte_for_byte(exchange, dtype, shape):
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import codec_ops
     from one_embedding.parallel import codec
 
     cp = _cp()
@@ -454,14 +454,14 @@ def test_codec_equals_codec_py_byte_for_byte(exchange, dtype, shape):
         rows[0] = 0.0                       # f = 0
         rows[1, :1] = 127.0                 # exact .5 ties in x * 127 / f
         rows[1, 1:shape[1] // 2] = 0.5
-    payload = device_ops.encode(cp.asarray(rows), exchange)
+    payload = codec_ops.encode(cp.asarray(rows), exchange)
     want = codec.encode(rows, exchange)
     _exact(payload, want)
-    _exact(device_ops.decode(payload, exchange, shape[1]), codec.decode(want, exchange, shape[1]))
+    _exact(codec_ops.decode(payload, exchange, shape[1]), codec.decode(want, exchange, shape[1]))
 
 
 def test_fp16_codec_rounds_every_float32_class_as_numpy():
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import codec_ops
     from one_embedding.parallel import codec
 
     cp = _cp()
@@ -469,15 +469,15 @@ def test_fp16_codec_rounds_every_float32_class_as_numpy():
     bits = rng.integers(0, 2**32, 1_000_000, dtype=np.uint64).astype(np.uint32).view(np.float32)
     values = bits[~np.isnan(bits)]          # NaN payload bits are not specified
     values = values[: values.size // 64 * 64].reshape(-1, 64)
-    payload = device_ops.encode(cp.asarray(values), "fp16")
+    payload = codec_ops.encode(cp.asarray(values), "fp16")
     with np.errstate(over="ignore"):
         _exact(payload, codec.encode(values, "fp16"))
-    _exact(device_ops.decode(payload, "fp16", 64), codec.decode(_get(payload), "fp16", 64))
+    _exact(codec_ops.decode(payload, "fp16", 64), codec.decode(_get(payload), "fp16", 64))
 
 
 def test_int8_codec_of_nan_and_inf_rows_is_the_cpu_codec():
     """A row holding NaN or inf: f = NaN, q = 0 on the GPU too (warps of real lanes)."""
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import codec_ops
     from one_embedding.parallel import codec
 
     cp = _cp()
@@ -485,10 +485,10 @@ def test_int8_codec_of_nan_and_inf_rows_is_the_cpu_codec():
     for r, c, v in [(1, 3, np.nan), (2, 99, np.inf), (3, 0, -np.inf), (5, 40, np.nan), (5, 41, np.inf),
                     (63, 31, np.nan), (62, 32, np.inf)]:
         rows[r, c] = v
-    payload = device_ops.encode(cp.asarray(rows), "int8")
+    payload = codec_ops.encode(cp.asarray(rows), "int8")
     want = codec.encode(rows, "int8")
     _exact(payload, want)
-    decoded, want_rows = _get(device_ops.decode(payload, "int8", 100)), codec.decode(want, "int8", 100)
+    decoded, want_rows = _get(codec_ops.decode(payload, "int8", 100)), codec.decode(want, "int8", 100)
     np.testing.assert_array_equal(decoded, want_rows)      # NaN where NaN (its payload bits are
     assert np.isnan(decoded[[1, 2, 3, 5, 62, 63]]).all()   # the platform's), the rest exact
     _exact(decoded[~np.isnan(want_rows)], want_rows[~np.isnan(want_rows)])

@@ -352,7 +352,7 @@ def test_two_builds_in_one_process_keep_their_own_kernels(tmp_path, emulation_li
     not take over the first's kernels: C++'s GNU-unique statics (the kernel registry) are bound
     process-wide unless the builds hide them, and then every later launch of the first library ran
     the second's code with the first's scheduler state (seen in the full suite: a segfault)."""
-    from one_embedding.kernels import device_ops
+    from one_embedding.kernels import codec_ops
     from one_embedding.parallel import codec
 
     if shutil.which("g++") is None:
@@ -365,8 +365,8 @@ def test_two_builds_in_one_process_keep_their_own_kernels(tmp_path, emulation_li
     rows = np.random.default_rng(3).standard_normal((5, 40)).astype(np.float32)
     original = EmulatedLauncher(emulation_lib, cm.EMBEDDING_FAMILIES)
     other = EmulatedLauncher(changed, cm.EMBEDDING_FAMILIES, source_dir=tmp_path)
-    assert (device_ops.encode(rows, "int8", launch=other)[:, :40] == 7).all()
-    np.testing.assert_array_equal(device_ops.encode(rows, "int8", launch=original),
+    assert (codec_ops.encode(rows, "int8", launch=other)[:, :40] == 7).all()
+    np.testing.assert_array_equal(codec_ops.encode(rows, "int8", launch=original),
                                   codec.encode(rows, "int8"))
 
 

@@ -39,7 +39,7 @@ from one_embedding.cache.set_associative import SetAssociativeCache
 from one_embedding.errors import CapacityError, ConfigError, InputError
 from one_embedding.initializers import fill_initial_values, initial_values
 from one_embedding.kernels import cuda_module as cm
-from one_embedding.kernels import device_init, device_ops, device_unique, reference
+from one_embedding.kernels import codec_ops, device_init, device_ops, device_unique, reference
 from one_embedding.optim import SGD, Adam
 from one_embedding.parallel import codec
 from one_embedding.parallel.unique import segment_sum, unique_ids
@@ -683,11 +683,11 @@ def test_codec_equals_codec_py_byte_for_byte(launch, exchange, dtype):
     rng = np.random.default_rng(13)
     for rows in [_codec_rows(rng, dtype), np.zeros((0, 8), dtype), np.zeros((4, 0), dtype),
                  rng.standard_normal((1, 1)).astype(dtype)]:
-        payload = device_ops.encode(rows, exchange, launch=launch)
+        payload = codec_ops.encode(rows, exchange, launch=launch)
         want = codec.encode(rows, exchange)
         assert payload.shape == want.shape and payload.dtype == np.uint8
         np.testing.assert_array_equal(payload, want)
-        decoded = device_ops.decode(payload, exchange, rows.shape[1], launch=launch)
+        decoded = codec_ops.decode(payload, exchange, rows.shape[1], launch=launch)
         want_rows = codec.decode(want, exchange, rows.shape[1])
         assert decoded.dtype == np.float32
         np.testing.assert_array_equal(decoded.view(np.int32), want_rows.view(np.int32))
@@ -704,20 +704,20 @@ def test_fp16_codec_rounds_every_float32_class_as_numpy(launch):
     values = np.concatenate([bits.view(np.float32), near * rng.uniform(1, 2, near.size).astype(np.float32),
                              special]).reshape(-1, 8)
     values = values[~np.isnan(values).any(axis=1)]      # NaN payload bits are not specified
-    payload = device_ops.encode(values, "fp16", launch=launch)
+    payload = codec_ops.encode(values, "fp16", launch=launch)
     with np.errstate(over="ignore"):                    # overflow to inf is the point
         np.testing.assert_array_equal(payload, codec.encode(values, "fp16"))
-    back = device_ops.decode(payload, "fp16", 8, launch=launch)
+    back = codec_ops.decode(payload, "fp16", 8, launch=launch)
     np.testing.assert_array_equal(back.view(np.int32), codec.decode(payload, "fp16", 8).view(np.int32))
-    nan = device_ops.encode(np.full((1, 2), np.nan, np.float32), "fp16", launch=launch)
-    assert np.isnan(device_ops.decode(nan, "fp16", 2, launch=launch)).all()
+    nan = codec_ops.encode(np.full((1, 2), np.nan, np.float32), "fp16", launch=launch)
+    assert np.isnan(codec_ops.decode(nan, "fp16", 2, launch=launch)).all()
 
 
 def test_codec_argument_checks(launch):
     with pytest.raises(ConfigError):
-        device_ops.encode(np.zeros((2, 2), np.float32), "bf16", launch=launch)
+        codec_ops.encode(np.zeros((2, 2), np.float32), "bf16", launch=launch)
     with pytest.raises(InputError):
-        device_ops.decode(np.zeros((2, 7), np.uint8), "int8", 4, launch=launch)
+        codec_ops.decode(np.zeros((2, 7), np.uint8), "int8", 4, launch=launch)
 
 
 # ---------------------------------------------------------------- the glue launches what exists

@@ -25,7 +25,7 @@ import pytest
 from one_embedding import options as opt_mod
 from one_embedding.cache.device import DeviceHashIndex
 from one_embedding.chain import build_chain
-from one_embedding.kernels import device_ops
+from one_embedding.kernels import codec_ops, device_ops
 from one_embedding.parallel import codec
 from one_embedding.tiers import HashIndex
 
@@ -69,10 +69,10 @@ def test_int8_codec_of_nan_and_inf_rows_is_defined_and_equal_on_both_backends(la
     rows = _poisoned_rows(dtype)
     with np.errstate(invalid="raise"):          # no undefined float -> int8 cast on the host
         want = codec.encode(rows, "int8")
-    payload = device_ops.encode(rows, "int8", launch=launch)
+    payload = codec_ops.encode(rows, "int8", launch=launch)
     np.testing.assert_array_equal(payload, want)
     decoded = codec.decode(want, "int8", rows.shape[1])
-    np.testing.assert_array_equal(device_ops.decode(payload, "int8", rows.shape[1], launch=launch)
+    np.testing.assert_array_equal(codec_ops.decode(payload, "int8", rows.shape[1], launch=launch)
                                   .view(np.int32), decoded.view(np.int32))
     assert np.isnan(decoded[1:]).all()                      # a poisoned row: all NaN
     assert (want[1:, :40] == 0).all()                       # q = 0, no undefined cast

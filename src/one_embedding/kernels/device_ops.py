@@ -1,7 +1,8 @@
 """The embedding side's operations on device arrays, launching the CUDA kernels of
-``cuda/{embedding,optim,codec}.cu``: the device twins of ``reference.gather_rows``, the row
-optimizers' numba kernels and ``parallel.codec`` (those of ``parallel.unique``, unique + inverse
-and segment sums, are in ``device_unique``; the initial values' in ``device_init``).
+``cuda/{embedding,optim}.cu``: the device twins of ``reference.gather_rows`` and the row
+optimizers' numba kernels (those of ``parallel.unique``, unique + inverse and segment sums, are
+in ``device_unique``; of ``parallel.codec`` in ``codec_ops``; the initial values' in
+``device_init``), and the launchers every device module takes.
 
 Every function takes ``launch``, a ``Launcher``: the array module that holds the arrays (``xp``)
 and a way to run a kernel. The default, ``cupy_launcher()``, runs the kernels with CuPy on the
@@ -537,65 +538,6 @@ def run_update(optimizer, lines, grad_shape: tuple, step: int, launch: Launcher,
     launch_threads(launch, "optim", "smart_decay_adam_steps", np.float32, n,
                    (lines, np.int32(lines.shape[1]), np.int64(n), np.int64(t), np.int32(step_col)))
     return None if bad is None else bad.view(launch.xp.bool_)
-
-
-# ---------------------------------------------------------------- row codecs
-
-
-def encode(rows, exchange_dtype: str, launch: Launcher | None = None):
-    """rows: (n, E) float -> payload (n, row_bytes) uint8, byte for byte ``parallel.codec.encode``.
-
-    fp32: a view of the float32 rows; fp16: round to nearest even on the bits (exact, whatever
-    the flush mode); int8: per-row scale and quantization in float32 in codec.py's order (a row
-    whose values are float32-subnormal may quantize differently under flush-to-zero).
-    """
-    launch = resolve(launch)
-    xp = launch.xp
-    rows = device_array(launch, "rows", rows, None, ndim=2)
-    dtype = _float_dtype("rows", rows)
-    n, dim = rows.shape
-    if exchange_dtype == "fp32":
-        if n * dim == 0:
-            return xp.empty((n, 4 * dim), dtype=xp.uint8)
-        return xp.ascontiguousarray(rows, dtype=xp.float32).view(xp.uint8).reshape(n, 4 * dim)
-    if exchange_dtype == "fp16":
-        payload = xp.empty((n, 2 * dim), dtype=xp.uint8)
-        if n * dim:
-            launch_threads(launch, "codec", "fp16_encode", dtype, n * dim,
-                           (rows, np.int64(n * dim), payload.view(xp.uint16)))
-        return payload
-    if exchange_dtype == "int8":
-        payload = xp.empty((n, dim + 4), dtype=xp.uint8)
-        launch_warps(launch, "codec", "int8_encode", dtype, n, (rows, np.int64(n), np.int32(dim), payload))
-        return payload
-    raise ConfigError(f"exchange_dtype={exchange_dtype!r}: choose fp32, fp16 or int8")
-
-
-def decode(payload, exchange_dtype: str, dim: int, launch: Launcher | None = None):
-    """payload: (n, row_bytes) uint8 -> rows (n, dim) float32, as ``parallel.codec.decode``."""
-    launch = resolve(launch)
-    xp = launch.xp
-    payload = device_array(launch, "payload", payload, np.uint8, ndim=2)
-    n = payload.shape[0]
-    dim = int(dim)
-    width = {"fp32": 4 * dim, "fp16": 2 * dim, "int8": dim + 4}.get(exchange_dtype)
-    if width is None:
-        raise ConfigError(f"exchange_dtype={exchange_dtype!r}: choose fp32, fp16 or int8")
-    if payload.shape[1] != width:
-        raise InputError(f"payload rows of {payload.shape[1]} bytes are not {exchange_dtype} rows "
-                         f"of dim {dim} ({width} bytes)")
-    out = xp.empty((n, dim), dtype=xp.float32)
-    if n * dim == 0:
-        return out
-    if exchange_dtype == "fp32":
-        return payload.view(xp.float32).reshape(n, dim)
-    if exchange_dtype == "fp16":
-        launch_threads(launch, "codec", "fp16_decode", np.float32, n * dim,
-                       (payload.view(xp.uint16), np.int64(n * dim), out))
-    else:
-        launch_threads(launch, "codec", "int8_decode", np.float32, n * dim,
-                       (payload, np.int64(n), np.int32(dim), out))
-    return out
 
 
 # ---------------------------------------------------------------- counted compaction

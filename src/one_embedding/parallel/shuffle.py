@@ -19,7 +19,7 @@ row); ``Traffic`` counts the bytes a rank sends to the other ranks.
 
 On a GPU (``launch``: the embedding's device launcher) keys, rows and gradients stay device arrays
 and the local steps run their device twins (``kernels.device_unique``: unique, segment sums;
-``kernels.device_ops``: codecs) with the same results; only the per-rank counts are host arrays
+``kernels.codec_ops``: codecs) with the same results; only the per-rank counts are host arrays
 (a communicator takes them so: NCCL's sends and receives are sized on the host). With several
 ranks that is the step's one read; both dedups keep their counts on the device (the local one's
 placeholders are grouped after every owner's keys; the owner's keys, with ``fixed_capacity``,
@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..hashing import xxh64_u64 as _xxh64_u64
-from ..kernels import device_ops, device_unique
+from ..kernels import codec_ops, device_unique
 from . import codec
 from .comm import Communicator
 from .unique import first_occurrence, segment_sum, unique_ids
@@ -189,9 +189,9 @@ def _exchange_rows(comm: Communicator, rows: np.ndarray, send_counts, recv_count
     if exchange_dtype == "fp32":
         return comm.alltoallv(rows, send_counts, recv_counts), sent
     if launch is not None:
-        payload = comm.alltoallv(device_ops.encode(rows, exchange_dtype, launch), send_counts,
+        payload = comm.alltoallv(codec_ops.encode(rows, exchange_dtype, launch), send_counts,
                                  recv_counts)
-        return device_ops.decode(payload, exchange_dtype, dim, launch), sent
+        return codec_ops.decode(payload, exchange_dtype, dim, launch), sent
     payload = comm.alltoallv(codec.encode(rows, exchange_dtype), send_counts, recv_counts)
     return codec.decode(payload, exchange_dtype, dim), sent
 
