@@ -12,6 +12,7 @@ import time
 import traceback
 
 from .errors import ConfigError, OneEmbeddingError
+from .interrupts import interrupt_of
 from .store.file_limit import raise_open_file_limit
 
 
@@ -55,7 +56,10 @@ def cmd_train(args) -> int:
     try:
         final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress,
                       metrics_stdout=args.json)
-    except KeyboardInterrupt as e:  # Ctrl-C: say what is saved and how to go on (main exits 130)
+    except (KeyboardInterrupt, SystemError) as e:  # Ctrl-C: say what is saved and how to go on
+        e = interrupt_of(e)                         # (main exits 130)
+        if e is None:
+            raise
         rank = default_comm().rank
         if rank != 0:
             # rank 0 reports and ends the job (main: MPI_Abort) at once; rank 1 reports instead
@@ -63,7 +67,7 @@ def cmd_train(args) -> int:
             time.sleep(1.0)
         if rank <= 1:
             print(_interrupted(e, cfg, getattr(args, "argv", None)), file=sys.stderr, flush=True)
-        raise
+        raise e
     if default_comm().rank != 0:  # with several ranks, rank 0 alone reports (as it logs)
         return 0
     from .run_summary import train_summary
@@ -380,7 +384,9 @@ def main(argv=None) -> int:
     except BrokenPipeError:  # the reader of our output went away (e.g. `| head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
-    except BaseException:
+    except BaseException as e:
+        if interrupt_of(e) is not None:  # a Ctrl-C that a compiled extension made a SystemError
+            return _end_job(130)
         if _other_ranks():
             traceback.print_exc()
             _end_job(1)

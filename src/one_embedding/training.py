@@ -35,6 +35,7 @@ from .kernels.layout_ops import InteractionInput
 from .config import MODELS, OPTIMIZERS, STORES, TrainConfig, make_row_optimizer
 from .backend import array_namespace, embedding_device, to_numpy
 from .errors import ConfigError
+from .interrupts import CtrlC, interrupt_of, iterating
 from . import host_sync
 from .metrics import log_loss, roc_auc
 from .nn import amp
@@ -83,13 +84,14 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
     rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
     model.eval()
     labels, logits = [], []
-    for i, batch in enumerate(loader):
-        if max_batches and i >= max_batches:
-            break
-        batch = rank_block(batch, rank, world)
-        dense = array_namespace(next(model.parameters()).data).asarray(batch.dense)
-        logits.append(to_numpy(model(dense, batch.ids)).astype(np.float64))
-        labels.append(batch.labels)
+    with iterating(loader) as batches:
+        for i, batch in enumerate(batches):
+            if max_batches and i >= max_batches:
+                break
+            batch = rank_block(batch, rank, world)
+            dense = array_namespace(next(model.parameters()).data).asarray(batch.dense)
+            logits.append(to_numpy(model(dense, batch.ids)).astype(np.float64))
+            labels.append(batch.labels)
     model.train()
     if world > 1:
         labels = [comm.allgather(np.concatenate(labels) if labels else np.empty(0, np.float32))]
@@ -165,6 +167,7 @@ class Trainer:
         # steps left out of the steady-state samples/s
         self.skip_steps = max(1, cfg.steps // 10) if cfg.steps else 0
         self.resumed_from = None
+        self.ctrl_c = CtrlC()   # entered by run(); its check() passes until then
         if resume_from is not None:
             self._restore(resume_from)
         self.is_chief = self.comm.rank == 0  # rank 0 alone writes metrics and the progress bar
@@ -283,9 +286,10 @@ class Trainer:
         for epoch in epochs:
             self.train_loader.set_epoch(epoch, start_batch=start if epoch == first else 0)
             produced = 0
-            for batch in feed:
-                produced += 1
-                yield epoch, rank_block(batch, self.comm.rank, self.comm.world)
+            with iterating(feed) as epoch_feed:  # closed with this generator (``source``)
+                for batch in epoch_feed:
+                    produced += 1
+                    yield epoch, rank_block(batch, self.comm.rank, self.comm.world)
             if cfg.steps is not None and produced == 0 and (epoch != first or start == 0):
                 # with --steps the epochs repeat: an empty one would loop for ever
                 raise ConfigError("the training split produced no full batch: lower --batch-size")
@@ -412,17 +416,21 @@ class Trainer:
 
     def run(self) -> dict:
         """Train as configured, evaluate, snapshot; returns the final record (also written).
-        Ctrl-C raises ``TrainingInterrupted``, naming the checkpoint a resume continues from."""
-        try:
-            return self._run()
-        except TrainingInterrupted:
-            raise
-        except KeyboardInterrupt as e:
-            # the disk says what is saved: an interrupted save published nothing, and a
-            # finished one may have pruned older checkpoints already
-            path = self.cfg.persistent_path
-            saved = resumable_checkpoint(path, self.comm.world) if path else None
-            raise TrainingInterrupted(self.progress.step, path, saved) from e
+        Ctrl-C raises ``TrainingInterrupted``, naming the checkpoint a resume continues from
+        (one that a compiled extension lost is raised at the next step: ``interrupts``)."""
+        with CtrlC() as self.ctrl_c:
+            try:
+                return self._run()
+            except TrainingInterrupted:
+                raise
+            except (KeyboardInterrupt, SystemError) as e:
+                if interrupt_of(e) is None:
+                    raise
+                # the disk says what is saved: an interrupted save published nothing, and a
+                # finished one may have pruned older checkpoints already
+                path = self.cfg.persistent_path
+                saved = resumable_checkpoint(path, self.comm.world) if path else None
+                raise TrainingInterrupted(self.progress.step, path, saved) from e
 
     def _run(self) -> dict:
         cfg, progress = self.cfg, self.progress
@@ -445,7 +453,7 @@ class Trainer:
 
             bar = tqdm(total=cfg.steps, initial=progress.step, unit="step", file=sys.stderr,
                        dynamic_ncols=True)
-        batches = self.epoch_batches()
+        source = batches = self.epoch_batches()
         if cfg.steps is not None:   # the prefetch thread prepares no batch past the last step
             batches = itertools.islice(batches, max(0, cfg.steps - progress.step))
         prefetcher = Prefetcher(batches, self.embedding, depth=cfg.prefetch_depth,
@@ -460,6 +468,7 @@ class Trainer:
                 wait = t0
                 for (epoch, batch), state in prefetcher:
                     progress.phase_seconds["wait"] += time.perf_counter() - wait
+                    self.ctrl_c.check()
                     if self.checks is not None:
                         self.checks.step = progress.step + 1
                     loss = self.train_step(batch, state)
@@ -488,6 +497,10 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
+        # the loader's read-ahead thread stops here, where a Ctrl-C is raised, not when the
+        # generator is collected (a Ctrl-C there is printed as ignored and lost)
+        source.close()
+        self.ctrl_c.check()
         self.read_losses(pending)  # the loader ran out before --steps
         record = self.finish()
         self.write(record)
