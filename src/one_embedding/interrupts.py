@@ -58,16 +58,12 @@ class CtrlC:
 
 def interrupt_of(error: BaseException | None) -> KeyboardInterrupt | None:
     """The Ctrl-C behind ``error``: ``error`` itself when it is a ``KeyboardInterrupt``, the
-    ``KeyboardInterrupt`` a compiled extension turned into a ``SystemError`` (its cause), else
-    None."""
-    seen: set[int] = set()
-    while error is not None and id(error) not in seen:
-        if isinstance(error, KeyboardInterrupt):
-            return error
-        if not isinstance(error, SystemError):
-            return None
-        seen.add(id(error))
-        error = error.__cause__ or error.__context__
+    ``KeyboardInterrupt`` a compiled extension turned into a ``SystemError`` (CPython makes it
+    the SystemError's cause), else None."""
+    if isinstance(error, KeyboardInterrupt):
+        return error
+    if isinstance(error, SystemError) and isinstance(error.__cause__, KeyboardInterrupt):
+        return error.__cause__
     return None
 
 

@@ -167,7 +167,6 @@ class Trainer:
         # steps left out of the steady-state samples/s
         self.skip_steps = max(1, cfg.steps // 10) if cfg.steps else 0
         self.resumed_from = None
-        self.ctrl_c = CtrlC()   # entered by run(); its check() passes until then
         if resume_from is not None:
             self._restore(resume_from)
         self.is_chief = self.comm.rank == 0  # rank 0 alone writes metrics and the progress bar
@@ -418,9 +417,9 @@ class Trainer:
         """Train as configured, evaluate, snapshot; returns the final record (also written).
         Ctrl-C raises ``TrainingInterrupted``, naming the checkpoint a resume continues from
         (one that a compiled extension lost is raised at the next step: ``interrupts``)."""
-        with CtrlC() as self.ctrl_c:
+        with CtrlC() as ctrl_c:
             try:
-                return self._run()
+                return self._run(ctrl_c)
             except TrainingInterrupted:
                 raise
             except (KeyboardInterrupt, SystemError) as e:
@@ -432,7 +431,7 @@ class Trainer:
                 saved = resumable_checkpoint(path, self.comm.world) if path else None
                 raise TrainingInterrupted(self.progress.step, path, saved) from e
 
-    def _run(self) -> dict:
+    def _run(self, ctrl_c: CtrlC) -> dict:
         cfg, progress = self.cfg, self.progress
         done = cfg.steps is not None and progress.step >= cfg.steps
         if done and self._finished():
@@ -468,7 +467,7 @@ class Trainer:
                 wait = t0
                 for (epoch, batch), state in prefetcher:
                     progress.phase_seconds["wait"] += time.perf_counter() - wait
-                    self.ctrl_c.check()
+                    ctrl_c.check()
                     if self.checks is not None:
                         self.checks.step = progress.step + 1
                     loss = self.train_step(batch, state)
@@ -500,7 +499,7 @@ class Trainer:
         # the loader's read-ahead thread stops here, where a Ctrl-C is raised, not when the
         # generator is collected (a Ctrl-C there is printed as ignored and lost)
         source.close()
-        self.ctrl_c.check()
+        ctrl_c.check()
         self.read_losses(pending)  # the loader ran out before --steps
         record = self.finish()
         self.write(record)
