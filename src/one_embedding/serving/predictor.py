@@ -17,7 +17,8 @@ is renamed, and kept while leased), so what is checked is what is served. A chec
 before its lease is skipped for the next newest. ``refresh()`` checks the new checkpoint's files
 that the one being served does not share (new SSTs, blob files, slot segments: every byte, by
 CRC32) before it switches; a damaged one is refused (the follower logs it) and the served one
-stays.
+stays. A refresh never goes back in steps, except when the served checkpoint was deleted (a run
+started over with ``--overwrite``): then the run's newest is served, whatever its step.
 """
 from __future__ import annotations
 
@@ -95,6 +96,14 @@ class _Served:
     retired: bool = False
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)  # users, retired
 
+    def deleted(self) -> bool:
+        """Whether training deleted this checkpoint (``--overwrite`` starts the run over,
+        retention drops it): a lease then holds a ``.del-`` folder, and whatever the run holds
+        now is what to serve, even at a lower step. A checkpoint saved again under its name
+        (``.old-``) is not deleted: its newer self is served once it is listed."""
+        return any(os.path.basename(held.folder_now()).startswith(".del-")
+                   for held in self.leases)
+
     def close(self) -> None:
         self.table.close()
         for held in self.leases:
@@ -120,8 +129,8 @@ class Predictor:
         for _ in range(2):  # a second listing if every checkpoint listed was deleted meanwhile
             sets = _checkpoint_sets(self.path, snapshot)
             if not sets:
-                what = f"a complete checkpoint named {snapshot!r}" if snapshot else \
-                    "a complete checkpoint"
+                what = f"complete checkpoint named {snapshot!r}" if snapshot else \
+                    "complete checkpoint"
                 raise SnapshotError(f"{self.path!r} holds no {what} (every rank's part, with "
                                     "the training state): train with --persistent-path there first")
             for choice in reversed(sets):  # newest first
@@ -176,7 +185,7 @@ class Predictor:
         # checked as a load checks it (every file's size, the CRC32 of the files it does not
         # share; on a refresh also of the shared files new to this checkpoint): a damaged
         # snapshot is refused, never served
-        known = _file_ids(served.table.ranks) if served is not None else set()
+        known = _file_ids(served) if served is not None else set()
         manifests = []
         for f in folders:
             manifest = read_manifest(f, name)
@@ -214,8 +223,8 @@ class Predictor:
         cur = self._current
         if choice is None or (choice[0], choice[1], choice[2]) == (cur.step, cur.created, cur.name):
             return False
-        if (choice[0], choice[1]) < (cur.step, cur.created):
-            return False
+        if (choice[0], choice[1]) < (cur.step, cur.created) and not cur.deleted():
+            return False  # an older checkpoint (a resume from it): the served one stays
         try:
             fresh = self._open(choice, served=cur)
         except _Gone:  # deleted meanwhile: the next look finds what replaced it
@@ -377,25 +386,28 @@ def _file_id(path: str):
     return st.st_dev, st.st_ino
 
 
-def _file_ids(ranks) -> set:
+def _file_ids(served: _Served) -> set:
     """Identities of every data file the served snapshot's ranks read: the files their
-    manifests list and, for slot snapshots, the segments' rows files."""
+    manifests list and, for slot snapshots, the segments' rows files. Each rank's files are
+    looked up where its lease holds them now: once training saved the snapshot again under its
+    name, the name's folder holds the new snapshot, whose files are not the served ones."""
     ids = set()
-    for rows in ranks:
+    for rows, held in zip(served.table.ranks, served.leases):
+        folder = held.folder_now()
         for rel in rows.manifest.get("files", {}):
-            ids.add(_file_id(os.path.join(rows.folder, *rel.split("/"))))
-        for info in _segment_infos(rows):
+            ids.add(_file_id(os.path.join(folder, *rel.split("/"))))
+        for info in _segment_infos(rows, folder):
             ids.add(_file_id(rows.store.pool.path(info.id, "rows", rows.pool_folder())))
     ids.discard(None)
     return ids
 
 
-def _segment_infos(rows) -> list:
-    """The segments a slots snapshot lists (``slots.json``), else []."""
+def _segment_infos(rows, folder: str) -> list:
+    """The segments a slots snapshot in ``folder`` lists (``slots.json``), else []."""
     if rows.store is None or not hasattr(rows.store, "pool"):
         return []
     try:
-        with open(os.path.join(rows.folder, "slots.json"), "rb") as f:
+        with open(os.path.join(folder, "slots.json"), "rb") as f:
             layout = json.loads(f.read())
     except (OSError, ValueError):
         return []
@@ -407,7 +419,7 @@ def _check_new_segments(table: ServedTable, known: set) -> None:
     checked against its CRC32 before the snapshot is served (SnapshotError naming the file)."""
     for rows in table.ranks:
         pool_dir, store = rows.pool_folder(), rows.store
-        for info in _segment_infos(rows):
+        for info in _segment_infos(rows, rows.folder):
             if _file_id(store.pool.path(info.id, "rows", pool_dir)) not in known:
                 store.pool.check(info, pool_dir, store.pool.block_bytes, full=True)
 

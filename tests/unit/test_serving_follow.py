@@ -1,0 +1,87 @@
+"""The Predictor follows the run it serves: a checkpoint saved again under its name is checked
+against the files the served one reads (where its lease holds them), and a run started over
+(``--overwrite``) is followed even though its steps start again from 0."""
+import json
+import os
+
+import numpy as np
+import pytest
+
+from one_embedding.config import TrainConfig
+from one_embedding.errors import SnapshotError
+from one_embedding.serving import Predictor
+from one_embedding.training import train
+
+
+def _run(path, steps, **kw):
+    cfg = TrainConfig(steps=steps, batch_size=128, synthetic_rows=5000, store="cached_ssd",
+                      engine="slots", cache_mb=0.1, persistent_path=str(path), eval_batches=1,
+                      **kw)
+    train(cfg, metrics_path=os.devnull, progress=False)
+
+
+def _segment_ids(snapshot_folder) -> set:
+    layout = json.loads((snapshot_folder / "slots.json").read_text())
+    return {seg["id"] for seg in layout["segments"]}
+
+
+def _flip_byte(path, at=100):
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)
+        f.seek(at)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def test_final_saved_again_with_damaged_new_segments_is_refused(tmp_path):
+    """Training resumes and saves `final` again while `final` is served: the served folder is
+    renamed to `.old-final-*` and the name holds the new snapshot. Its new slot segments are
+    checked against those the served `final` reads (found through the lease, not the name,
+    which would count the new segments as already served and check none)."""
+    path = tmp_path / "run"
+    _run(path, 4)
+    snaps = path / "0-1" / "snapshots"
+    with Predictor(path, cache_mb=0) as p:
+        keys = np.arange(5000)
+        served = p.lookup(keys)
+        before = _segment_ids(snaps / "final")
+        _run(path, 8, resume=True)
+        new = _segment_ids(snaps / "final") - before
+        assert new, "the resumed run's final shares every segment with the served one"
+        for seg in new:
+            _flip_byte(path / "0-1" / "slots" / "segments" / f"{seg:016x}.rows")
+        with pytest.raises(SnapshotError, match="fails its checksum"):
+            p.refresh()
+        assert p.snapshot == "final"
+        np.testing.assert_array_equal(p.lookup(keys), served)
+
+
+def test_a_run_started_over_is_followed_from_its_first_checkpoint(tmp_path):
+    """`train --overwrite` deletes the served run's checkpoints and starts again from step 0:
+    the served `final` (step 8) is deleted, the new run's `final` (step 4) is older by step but
+    it is what the run holds; refresh switches to it."""
+    path = tmp_path / "run"
+    _run(path, 8)
+    with Predictor(path, cache_mb=0) as p:
+        keys = np.arange(5000)
+        old = p.lookup(keys)
+        _run(path, 4, overwrite=True, seed=7)
+        assert p.refresh() is True
+        with Predictor(path, cache_mb=0) as fresh:
+            now = fresh.lookup(keys)
+        assert not np.array_equal(now, old)
+        np.testing.assert_array_equal(p.lookup(keys), now)
+        assert p.refresh() is False
+
+
+def test_an_older_checkpoint_does_not_replace_the_served_newer_one(tmp_path):
+    """A refresh never goes back in steps while the served checkpoint still exists: here the
+    newest listed is `step-4` (followed by name) while `final` (step 8, not deleted) is
+    served, and `final` stays."""
+    path = tmp_path / "run"
+    _run(path, 8, snapshot_interval=4, keep_snapshots=0)
+    with Predictor(path, cache_mb=0) as p:
+        assert p.snapshot == "final"
+        p.requested = "step-4"  # now only step-4 (older) is listed; final is not deleted
+        assert p.refresh() is False
+        assert p.snapshot == "final"
