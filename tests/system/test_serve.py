@@ -233,6 +233,14 @@ def test_bad_requests_get_a_4xx_naming_the_problem(server):
         assert status == 400, (payload[:60], status, reply)
         assert json.loads(reply)["error"]
     assert server.raw("GET", "/v2/nowhere")[0] == 404
+    # a version the model does not have (its one version is "1"): 404 on every route
+    for method, url in (("POST", "/v2/models/embedding/versions/7/infer"),
+                        ("GET", "/v2/models/embedding/versions/7"),
+                        ("GET", "/v2/models/embedding/versions/7/ready")):
+        status, reply = server.raw(method, url, json.dumps({"inputs": []}).encode())
+        assert status == 404 and "no version '7'" in json.loads(reply)["error"], (url, reply)
+    assert c.infer("embedding", [keys_input([1])], model_version="1").as_numpy(
+        "embeddings").shape == (1, E)
     # and it still serves
     assert c.is_server_live()
     assert c.infer("embedding", [keys_input([1, 2])]).as_numpy("embeddings").shape == (2, E)
@@ -318,13 +326,25 @@ def test_grpc_refuses_what_rest_refuses_with_the_matching_status(server):
         "unknown datatype": (keys_request(datatype="INT99", contents=[1, 2]), "INT99"),
         "negative shape": (keys_request(shape=[-2], contents=[1]), "non-negative"),
         "2**64 elements": (keys_request(shape=[2**32, 2**32], raw=[b""]), "0 bytes of raw"),
+        # found by a fault campaign (2026-12-07): both were INTERNAL
+        "70 dimensions": (keys_request(shape=[1] * 69 + [2], contents=[1, 2]), "70 dimensions"),
+        "past int64": (keys_request(shape=[2**62, 2**62, 0], raw=[b""]), "cannot be made"),
     }
     for what, (req, words) in raw_cases.items():
         with pytest.raises(grpc.RpcError) as e:
             stub.ModelInfer(req)
         assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT, (what, e.value)
         assert words in e.value.details(), (what, e.value.details())
-    for call in (lambda: g.is_model_ready("nope"), lambda: g.get_model_metadata("nope")):
+    int8 = pb.ModelInferRequest(model_name="embedding")
+    int8.inputs.add(name="keys", datatype="INT8", shape=[1]).contents.int_contents.append(300)
+    with pytest.raises(grpc.RpcError) as e:
+        stub.ModelInfer(int8)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "INT8" in e.value.details()
+    for call in (lambda: g.is_model_ready("nope"), lambda: g.get_model_metadata("nope"),
+                 lambda: g.is_model_ready("embedding", "7"),
+                 lambda: g.get_model_metadata("embedding", "7"),
+                 lambda: g.infer("embedding", grpc_inputs(keys=(np.array([1]), "INT64")),
+                                 model_version="7")):
         with pytest.raises(InferenceServerException) as e:
             call()
         assert e.value.status() == "StatusCode.NOT_FOUND"

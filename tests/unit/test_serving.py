@@ -133,12 +133,57 @@ def test_decode_binary_and_json_tensors():
     # 2**64 elements: an int64 product wraps to 0 and matched the empty data (then a 500)
     (b'{"inputs": [{"name": "k", "shape": [4294967296, 4294967296], "datatype": "FP32", '
      b'"parameters": {"binary_data_size": 0}}]}', b"", "0 bytes of binary data for shape"),
+    # found by a fault campaign (2026-12-07): each was a 500 or a silently coerced 200
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": ["INT64"], "data": [1]}]}', None,
+     r"datatype \['INT64'\] is not one of"),
+    (b'{"inputs": [{"name": "k", "shape": [18446744073709551616, 0], "datatype": "INT64", '
+     b'"data": []}]}', None, "cannot be made"),
+    (b'{"inputs": [{"name": "k", "shape": [0, 9223372036854775808], "datatype": "INT64", '
+     b'"data": []}]}', None, "cannot be made"),
+    (b'{"inputs": [{"name": "k", "shape": [' + b"1, " * 40 + b'1], "datatype": "INT64", '
+     b'"data": [1]}]}', None, "41 dimensions"),
+    (b'{"inputs":' + b"[" * 100000 + b"]" * 100000 + b"}", None, "nested too deeply"),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "INT64", "data": [1]}], '
+     b'"outputs": 5}', None, '"outputs" is 5'),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "INT64", "data": [1]}], '
+     b'"outputs": [{"name": ["x"]}]}', None, 'string "name"'),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "INT64", "data": [1]}], '
+     b'"outputs": [{"name": "x", "parameters": "p"}]}', None, "must be an object"),
+    (b'{"inputs": [{"name": "k", "shape": [2], "datatype": "INT64", "data": [1.7, 2.2]}]}',
+     None, "1.7 is a float"),
+    (b'{"inputs": [{"name": "k", "shape": [2], "datatype": "INT64", "data": [true, false]}]}',
+     None, "True is a bool"),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "INT64", "data": [NaN]}]}', None,
+     "nan is a float"),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "FP32", "data": ["1"]}]}', None,
+     "'1' is a str"),
+    (b'{"inputs": [{"name": "k", "shape": [1], "datatype": "INT8", "data": [300]}]}', None,
+     "out of its range"),
+    (b'{"inputs": [{"name": "k", "shape": [2], "datatype": "INT64", "data": [[1, 2], [3]]}]}',
+     None, "is a list"),
 ])
 def test_decode_refuses_malformed_requests(head, binary, match):
     header = None if binary is None else str(len(head))
     with pytest.raises(ProtocolError, match=match) as e:
         decode_request(head + (binary or b""), header)
     assert e.value.status == 400
+
+
+@pytest.mark.parametrize("header", ["-1", "1_0", "abc", " 5", "\u0665", "\xff\xfe"])
+def test_a_header_length_that_is_not_plain_digits_is_refused(header):
+    with pytest.raises(ProtocolError, match="is not a number of bytes") as e:
+        decode_request(b'{"inputs": []}', header)
+    assert e.value.status == 400
+
+
+def test_json_data_of_the_declared_type_and_nested_rows_decode():
+    _, tensors = decode_request(json.dumps({"inputs": [
+        {"name": "k", "shape": [2], "datatype": "INT64", "data": [[1], [2]]},
+        {"name": "d", "shape": [1, 2], "datatype": "FP32", "data": [[1, 2.5]]},
+        {"name": "b", "shape": [2], "datatype": "BOOL", "data": [True, False]}]}).encode(), None)
+    np.testing.assert_array_equal(tensors["k"], np.array([1, 2], np.int64))
+    np.testing.assert_array_equal(tensors["d"], np.array([[1.0, 2.5]], np.float32))
+    np.testing.assert_array_equal(tensors["b"], np.array([True, False]))
 
 
 def test_encode_binary_and_json_outputs():
@@ -334,7 +379,9 @@ def test_columnwise_parse_equals_the_elementwise_one():
     want = KeyScheme().keys(values, present)
     for form in (hexes, hexes.astype(str), hexes.astype(bytes)):
         np.testing.assert_array_equal(criteo.keys(form), want)
-    for bad, match in (("zz", "not a hex"), ("5\x00", "not a hex"), ("1" * 17, "64 bits")):
+    for bad, match in (("zz", "not a hex"), ("5\x00", "not a hex"), ("1" * 17, "64 bits"),
+                       (" 7", "not a hex"), ("+7", "not a hex"), ("1_0", "not a hex"),
+                       ("0x1f", "not a hex"), ("-1", "not a hex"), ("\u0660", "not a hex")):
         wrong = hexes.copy()
         wrong[3, 4] = bad
         with pytest.raises(InputError, match=rf"categorical\[3, 4\].*{match}"):

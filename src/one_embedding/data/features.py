@@ -16,6 +16,7 @@ same one to raw requests, so there is no training / serving skew:
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -118,17 +119,19 @@ class FeatureTransform:
                 raise InputError(f"categorical[{i}, {j}] is {v!r}: pass strings")
             if v == "":
                 continue
-            try:
-                number = int(v, base)
-            except ValueError:
+            if not _PLAIN_DIGITS[base].fullmatch(v):  # int() would take " 7", "+7", "1_0", "٧"
                 raise InputError(f"categorical[{i}, {j}] = {v!r} is not a "
-                                 f"{'hex' if base == 16 else 'decimal'} value") from None
-            if not 0 <= number < 1 << 64:
+                                 f"{'hex' if base == 16 else 'decimal'} value (ASCII digits "
+                                 "only)")
+            number = int(v, base)
+            if not number < 1 << 64:
                 raise InputError(f"categorical[{i}, {j}] = {v!r} does not fit 64 bits")
             values[i, j], present[i, j] = number, True
         return values, present
 
 
+#: what the element-wise parse takes, per base: plain ASCII digits, as the column-wise one
+_PLAIN_DIGITS = {10: re.compile(r"[0-9]+"), 16: re.compile(r"[0-9a-fA-F]+")}
 #: digit value of each ASCII code (99: not a digit)
 _DIGITS = np.full(128, 99, np.uint64)
 _DIGITS[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)

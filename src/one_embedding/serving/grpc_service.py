@@ -27,8 +27,9 @@ import time
 
 import numpy as np
 
-from .protocol import DTYPES, ProtocolError, _element_count, bytes_elements
-from .service import Service, model_metadata
+from .protocol import (DTYPES, ProtocolError, _element_count, bytes_elements, check_datatype,
+                       shaped)
+from .service import Service, check_version, model_metadata
 
 log = logging.getLogger("one_embedding.serve")
 
@@ -58,8 +59,7 @@ def decode_infer_request(request) -> dict:
     tensors = {}
     for k, spec in enumerate(request.inputs):
         name, dtype, shape = spec.name, spec.datatype, list(spec.shape)
-        if dtype not in DTYPES:
-            raise ProtocolError(f"input {name!r}: datatype {dtype!r} is not one of {sorted(DTYPES)}")
+        check_datatype(dtype, name)
         count = _element_count(shape, name)
         if raw:
             data = raw[k]
@@ -78,11 +78,15 @@ def decode_infer_request(request) -> dict:
                 raise ProtocolError(f"input {name!r}: its contents hold {len(values)} elements, "
                                     f"its shape {count}" + ("" if field else
                                                             f" ({dtype} goes as raw contents)"))
-            array = np.array(list(values), dtype=object) if dtype == "BYTES" else \
-                np.array(values, dtype=DTYPES[dtype])
+            try:
+                array = np.array(list(values), dtype=object) if dtype == "BYTES" else \
+                    np.array(values, dtype=DTYPES[dtype])
+            except (OverflowError, ValueError, TypeError):
+                raise ProtocolError(f"input {name!r}: a value of its contents is out of "
+                                    f"{dtype}'s range") from None
         if name in tensors:
             raise ProtocolError(f"input {name!r} is given twice")
-        tensors[name] = array.reshape(shape)
+        tensors[name] = shaped(array, shape, name)
     return tensors
 
 
@@ -117,14 +121,14 @@ def make_servicer(service: Service):
 
         async def ModelReady(self, request, context):
             try:
-                model_metadata(predictor, request.name)
+                model_metadata(predictor, request.name, request.version)
             except ProtocolError as e:
                 await refuse(context, e)
             return pb.ModelReadyResponse(ready=True)
 
         async def ModelMetadata(self, request, context):
             try:
-                meta = model_metadata(predictor, request.name)
+                meta = model_metadata(predictor, request.name, request.version)
             except ProtocolError as e:
                 await refuse(context, e)
             return pb.ModelMetadataResponse(name=meta["name"], versions=meta["versions"],
@@ -137,6 +141,7 @@ def make_servicer(service: Service):
             # client reading /metrics after its answer finds its request there
             name, started, snapshot = request.model_name, time.perf_counter(), None
             try:
+                check_version(name, request.model_version)
                 tensors = decode_infer_request(request)
                 outputs, snapshot = await service.submit_async(name, tensors)
                 asked = [o.name for o in request.outputs]

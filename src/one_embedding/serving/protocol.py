@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import struct
 
 import numpy as np
@@ -33,11 +34,52 @@ class ProtocolError(Exception):
         self.status = status
 
 
+#: the most dimensions an input's shape may have (numpy's own limit is 64)
+MAX_DIMS = 32
+
+
+def check_datatype(dtype, name: str) -> None:
+    """ProtocolError unless ``dtype`` is one of the protocol's datatype names."""
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ProtocolError(f"input {name!r}: datatype {dtype!r} is not one of {sorted(DTYPES)}")
+
+
 def _element_count(shape, name: str) -> int:
     if not isinstance(shape, list) or not all(isinstance(d, int) and not isinstance(d, bool)
                                                and d >= 0 for d in shape):
         raise ProtocolError(f"input {name!r}: shape {shape!r} must be a list of non-negative ints")
+    if len(shape) > MAX_DIMS:
+        raise ProtocolError(f"input {name!r}: its shape has {len(shape)} dimensions; at most "
+                            f"{MAX_DIMS} are taken")
     return math.prod(shape)  # Python ints: exact however large (np.prod's int64 wraps)
+
+
+def shaped(array: np.ndarray, shape: list, name: str) -> np.ndarray:
+    """``array`` (its elements already counted against ``shape``) reshaped as declared; a shape
+    numpy cannot make (a dimension past int64, or an array too big to address, even of 0
+    elements) is the request's ProtocolError."""
+    try:
+        return array.reshape(shape)
+    except (ValueError, OverflowError) as e:
+        raise ProtocolError(f"input {name!r}: shape {shape!r} cannot be made ({e})") from None
+
+
+def requested_outputs(request: dict) -> list:
+    """The names of the request's ``outputs`` (none: every output), checked before the model
+    runs: a list of objects, each with a string ``name`` and optional object ``parameters``."""
+    outputs = request.get("outputs")
+    if outputs is None:
+        return []
+    if not isinstance(outputs, list):
+        raise ProtocolError(f'"outputs" is {outputs!r}; it must be a list of objects with a '
+                            '"name" (or left out for every output)')
+    for spec in outputs:
+        if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+            raise ProtocolError(f'every entry of "outputs" needs a string "name"; got {spec!r}')
+        if not isinstance(spec.get("parameters") or {}, dict):
+            raise ProtocolError(f"output {spec['name']!r}: parameters {spec['parameters']!r} "
+                                "must be an object")
+    return [spec["name"] for spec in outputs]
 
 
 _U32 = struct.Struct("<I")
@@ -132,10 +174,9 @@ def decode_request(body: bytes, header_length: str | None) -> tuple[dict, dict]:
     if header_length is None:
         json_part, rest = body, b""
     else:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise ProtocolError(f"{HEADER}: {header_length!r} is not a number") from None
+        if not re.fullmatch(r"[0-9]{1,19}", header_length):
+            raise ProtocolError(f"{HEADER}: {header_length!r} is not a number of bytes")
+        n = int(header_length)
         if not 0 <= n <= len(body):
             raise ProtocolError(f"{HEADER}: {n} is outside the body's {len(body)} bytes")
         json_part, rest = body[:n], body[n:]
@@ -143,15 +184,17 @@ def decode_request(body: bytes, header_length: str | None) -> tuple[dict, dict]:
         request = json.loads(json_part)
     except (ValueError, UnicodeDecodeError) as e:
         raise ProtocolError(f"the request's JSON does not parse: {e}") from None
+    except RecursionError:
+        raise ProtocolError("the request's JSON is nested too deeply to parse") from None
     if not isinstance(request, dict) or not isinstance(request.get("inputs"), list):
         raise ProtocolError('the request must be a JSON object with an "inputs" list')
+    requested_outputs(request)
     tensors, offset = {}, 0
     for spec in request["inputs"]:
         if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
             raise ProtocolError('every input needs a "name", "shape" and "datatype"')
         name, dtype = spec["name"], spec.get("datatype")
-        if dtype not in DTYPES:
-            raise ProtocolError(f"input {name!r}: datatype {dtype!r} is not one of {sorted(DTYPES)}")
+        check_datatype(dtype, name)
         count = _element_count(spec.get("shape"), name)
         params = spec.get("parameters") or {}
         size = params.get("binary_data_size") if isinstance(params, dict) else None
@@ -175,7 +218,7 @@ def decode_request(body: bytes, header_length: str | None) -> tuple[dict, dict]:
             raise ProtocolError(f'input {name!r} has neither "data" nor binary_data_size')
         if name in tensors:
             raise ProtocolError(f"input {name!r} is given twice")
-        tensors[name] = array.reshape(spec["shape"])
+        tensors[name] = shaped(array, spec["shape"], name)
     if offset != len(rest):
         raise ProtocolError(f"{len(rest) - offset} bytes of binary data after the JSON header "
                             "belong to no input")
@@ -191,10 +234,22 @@ def _json_data(data, dtype: str, count: int, name: str) -> np.ndarray:
         if not all(isinstance(v, str) for v in flat):
             raise ProtocolError(f"input {name!r}: BYTES data must be strings")
         return flat
+    values = flat.tolist()
+    kinds = set(map(type, values))
+    if not kinds <= _JSON_TYPES[np.dtype(DTYPES[dtype]).kind]:
+        bad = next(v for v in values if type(v) not in _JSON_TYPES[np.dtype(DTYPES[dtype]).kind])
+        raise ProtocolError(f"input {name!r}: its data is not {dtype} ({bad!r} is a "
+                            f"{type(bad).__name__}): send JSON numbers of that type")
     try:
-        return np.array(flat.tolist(), dtype=DTYPES[dtype])
+        return np.array(values, dtype=DTYPES[dtype])
     except (TypeError, ValueError, OverflowError):
-        raise ProtocolError(f"input {name!r}: its data is not {dtype}") from None
+        raise ProtocolError(f"input {name!r}: its data is not {dtype} (a value out of its "
+                            "range)") from None
+
+
+#: the JSON values each numpy kind takes: integers only as integers (a float is not truncated
+#: into an id, a string not parsed), floats as integers or floats, booleans as booleans
+_JSON_TYPES = {"i": {int}, "u": {int}, "f": {int, float}, "b": {bool}}
 
 
 def wants_binary(request: dict, output: str) -> bool:
@@ -209,7 +264,7 @@ def wants_binary(request: dict, output: str) -> bool:
 
 def encode_response(request: dict, model: str, outputs: dict, parameters: dict) -> tuple[bytes, dict]:
     """outputs: {name: ndarray (FP32)} -> (body, headers) of the protocol's response."""
-    asked = [s.get("name") for s in request.get("outputs") or [] if isinstance(s, dict)]
+    asked = requested_outputs(request)
     unknown = [a for a in asked if a not in outputs]
     if unknown:
         raise ProtocolError(f"model {model!r} has no output {unknown[0]!r}; it has "

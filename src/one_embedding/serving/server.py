@@ -25,7 +25,7 @@ import time
 from ..errors import OneEmbeddingError
 from .predictor import Predictor
 from .protocol import HEADER, ProtocolError, decode_request, encode_response
-from .service import Service, model_inputs, model_metadata, run_model
+from .service import Service, check_version, model_inputs, model_metadata, run_model
 
 log = logging.getLogger("one_embedding.serve")
 
@@ -69,13 +69,15 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
 
     async def metadata(request):
         try:
-            return JSONResponse(model_metadata(predictor, request.path_params["model"]))
+            return JSONResponse(model_metadata(predictor, request.path_params["model"],
+                                               request.path_params.get("version")))
         except ProtocolError as e:
             return error(e)
 
     async def model_ready(request):
         try:
-            model_metadata(predictor, request.path_params["model"])
+            model_metadata(predictor, request.path_params["model"],
+                           request.path_params.get("version"))
         except ProtocolError as e:
             return error(e)
         return JSONResponse({"name": request.path_params["model"], "ready": True})
@@ -99,15 +101,17 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
-    async def infer_asgi(name: str, scope, receive, send) -> None:
+    async def infer_asgi(name: str, version: str | None, scope, receive, send) -> None:
         """POST .../infer as a bare ASGI handler: the hot path skips Starlette's request,
         routing and middleware objects (~0.1 ms a request here)."""
         started, rows, snapshot = time.perf_counter(), 0, None
         headers = dict(scope["headers"])
         try:
+            check_version(name, version)
             body = await read_body(headers, receive)
             header = headers.get(HEADER.lower().encode())
-            decoded, tensors = decode_request(body, None if header is None else header.decode())
+            decoded, tensors = decode_request(
+                body, None if header is None else header.decode("latin-1"))
             outputs, snapshot = await service.submit_async(name, tensors)
             rows = next(iter(outputs.values())).shape[0]
             content, extra = encode_response(decoded, name, outputs, {"snapshot": snapshot})
@@ -152,14 +156,15 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
                             status_code=getattr(exc, "status_code", 404))
 
     app = Starlette(routes=routes, exception_handlers={404: not_found, 405: not_found})
-    infer_path = re.compile(r"/v2/models/([^/]+)(?:/versions/[^/]+)?/infer")
+    infer_path = re.compile(r"/v2/models/([^/]+)(?:/versions/([^/]+))?/infer")
 
     async def application(scope, receive, send):
         if scope["type"] == "http":
             match = infer_path.fullmatch(scope["path"])
             if match is not None:
                 if scope["method"] == "POST":
-                    return await infer_asgi(match.group(1), scope, receive, send)
+                    return await infer_asgi(match.group(1), match.group(2), scope, receive,
+                                            send)
                 return await _method_not_allowed(scope, send)
         return await app(scope, receive, send)
 

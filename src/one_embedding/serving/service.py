@@ -41,8 +41,21 @@ LATENCY_BUCKETS = (0.0005, 0.001, 0.002, 0.004, 0.008, 0.016, 0.032, 0.064, 0.12
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192)
 
 
-def model_metadata(predictor: Predictor, name: str) -> dict:
-    """The protocol's model metadata of ``name`` (ProtocolError 404 for an unknown one)."""
+#: the one version each model has: a checkpoint switch is the same model answering from newer
+#: rows (its answers name the checkpoint: ``parameters.snapshot``)
+MODEL_VERSION = "1"
+
+
+def check_version(name: str, version: str | None) -> None:
+    """ProtocolError 404 unless ``version`` (None or "": unspecified) is the model's one."""
+    if version not in (None, "", MODEL_VERSION):
+        raise ProtocolError(f"model {name!r} has no version {version!r}; its one version is "
+                            f"{MODEL_VERSION!r} (or leave the version out)", 404)
+
+
+def model_metadata(predictor: Predictor, name: str, version: str | None = None) -> dict:
+    """The protocol's model metadata of ``name`` (ProtocolError 404 for an unknown one, or a
+    version it does not have)."""
     dim = predictor.embedding_dim
     if name == "embedding":
         inputs = [{"name": "keys", "datatype": "INT64", "shape": [-1]}]
@@ -54,7 +67,8 @@ def model_metadata(predictor: Predictor, name: str) -> dict:
     else:
         raise ProtocolError(f"unknown model {name!r}: this server has 'embedding' and "
                             f"{predictor.model_name!r}", 404)
-    return {"name": name, "versions": ["1"], "platform": "one_embedding", "inputs": inputs,
+    check_version(name, version)
+    return {"name": name, "versions": [MODEL_VERSION], "platform": "one_embedding", "inputs": inputs,
             "outputs": outputs, "parameters": {"snapshot": predictor.snapshot}}
 
 
