@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 import time
@@ -190,9 +191,15 @@ def cmd_serve(args) -> int:
     except ImportError as e:
         raise ConfigError(f"serve needs the serve extra ({e.name} is missing): pip install "
                           "'one_embedding[serve]'") from None
-    for name in ("cache_mb", "poll_seconds", "max_request_mb"):
-        if not getattr(args, name) >= 0:
-            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be >= 0")
+    for name in ("cache_mb", "poll_seconds", "max_request_mb", "max_queue_delay_us",
+                 "shutdown_grace_seconds"):
+        if not 0 <= getattr(args, name) < math.inf:
+            raise ConfigError(f"--{name.replace('_', '-')} {getattr(args, name)} must be a "
+                              "finite number >= 0")
+    if args.scratch is not None and os.path.exists(args.scratch) \
+            and not os.path.isdir(args.scratch):
+        raise ConfigError(f"--scratch {args.scratch!r} is a file: pass a folder (it is created "
+                          "if missing)")
     if not 0 < args.port < 65536:
         raise ConfigError(f"--port {args.port} must be in 1..65535")
     if args.grpc_port is not None:
@@ -208,13 +215,12 @@ def cmd_serve(args) -> int:
     if args.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size {args.max_batch_size} must be >= 1 (1: no dynamic "
                           "batching)")
-    if not args.max_queue_delay_us >= 0:
-        raise ConfigError(f"--max-queue-delay-us {args.max_queue_delay_us} must be >= 0")
     if args.blas_threads < 1:
         raise ConfigError(f"--blas-threads {args.blas_threads} must be >= 1")
     serve(args.persistent_path, args.snapshot, args.host, args.port, args.cache_mb,
           args.poll_seconds, args.max_request_mb, args.scratch, args.grpc_port,
-          args.max_batch_size, args.max_queue_delay_us, args.blas_threads)
+          args.max_batch_size, args.max_queue_delay_us, args.blas_threads,
+          args.shutdown_grace_seconds)
     return 0
 
 
@@ -352,6 +358,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how often to look for a newer checkpoint (0: never; default 1)")
     p.add_argument("--max-request-mb", type=float, default=64.0,
                    help="largest request body accepted (default 64)")
+    p.add_argument("--shutdown-grace-seconds", type=float, default=10.0,
+                   help="after SIGTERM / Ctrl-C, how long requests in flight may finish before "
+                        "they are answered 503 and the server exits (default 10)")
     p.add_argument("--scratch", default=None,
                    help="folder for the private stores that read SSD snapshots (default: the "
                         "system's temporary folder; on the run's file system, RocksDB links "

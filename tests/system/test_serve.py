@@ -556,6 +556,32 @@ def test_sigterm_leaves_no_scratch_folder(run):
     assert not any(server.scratch.iterdir()), sorted(server.scratch.rglob("*"))
 
 
+def test_sigterm_with_a_client_stalled_in_its_body_exits_after_the_grace(run):
+    """A client that sent half its body and stopped kept SIGTERM waiting for ever; now the
+    request is answered 503 when --shutdown-grace-seconds ends, and the server exits (143)
+    without a traceback and without its scratch folder."""
+    server = Server(run, "--shutdown-grace-seconds", "1")
+    stalled = socket.create_connection(("127.0.0.1", server.port), timeout=30)
+    try:
+        stalled.sendall(b"POST /v2/models/embedding/infer HTTP/1.1\r\nHost: x\r\n"
+                        b"Content-Length: 100\r\n\r\n{\"inp")
+        time.sleep(0.5)
+        started = time.monotonic()
+        server.proc.terminate()
+        assert server.proc.wait(timeout=20) == 143
+        assert time.monotonic() - started < 15
+        reply = stalled.recv(4096)
+    finally:
+        stalled.close()
+        if server.proc.poll() is None:
+            server.proc.kill()
+    assert reply.startswith(b"HTTP/1.1 503"), reply
+    err = server.proc.stderr.read()
+    assert "Traceback" not in err, err
+    assert "answered 503" in err, err
+    assert not any(server.scratch.iterdir()), sorted(server.scratch.rglob("*"))
+
+
 def test_servers_killed_while_switching_leave_the_run_intact(tmp_path):
     """kill -9 of servers that switch snapshots every few hundred ms while training publishes
     and prunes: training finishes, every snapshot inspects clean, a new server serves `final`."""

@@ -200,6 +200,52 @@ def test_encode_binary_and_json_outputs():
         encode_response({"outputs": [{"name": "x"}]}, "dlrm", out, {})
 
 
+@pytest.mark.parametrize("orjson", [True, False])
+def test_json_data_reads_back_as_the_same_float32_values(orjson, monkeypatch):
+    """Every float32 (subnormals, extremes, -0.0, random bits) written as JSON data parses back,
+    through a double, to the same float32, with orjson and without it (``json``)."""
+    import builtins
+
+    if orjson:
+        pytest.importorskip("orjson")
+    else:
+        real_import = builtins.__import__
+
+        def no_orjson(name, *args, **kw):
+            if name == "orjson":
+                raise ImportError(name)
+            return real_import(name, *args, **kw)
+
+        monkeypatch.setattr(builtins, "__import__", no_orjson)
+    rng = np.random.default_rng(3)
+    bits = rng.integers(0, 2**32, 50_000, dtype=np.uint64).astype(np.uint32)
+    values = bits.view(np.float32)
+    values = np.concatenate([values[np.isfinite(values)], np.array(
+        [0.0, -0.0, 1e-45, -1e-45, 1.1754942e-38, 3.4028235e38, -3.4028235e38, 0.1], np.float32)])
+    out = {"embeddings": values.reshape(-1, 2) if values.size % 2 == 0 else values}
+    body, _ = encode_response({"id": 2**70}, "embedding", out, {"snapshot": "s"})
+    answer = json.loads(body)
+    assert answer["id"] == 2**70
+    got = np.array(answer["outputs"][0]["data"], np.float64).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), out["embeddings"].reshape(-1).view(np.uint32))
+    body, _ = encode_response({"id": "x"}, "embedding", out, {"snapshot": "s"})
+    got = np.array(json.loads(body)["outputs"][0]["data"], np.float64).astype(np.float32)
+    np.testing.assert_array_equal(got.view(np.uint32), out["embeddings"].reshape(-1).view(np.uint32))
+
+
+def test_an_answer_too_large_for_json_is_refused_naming_binary_output(monkeypatch):
+    from one_embedding.serving import protocol
+
+    monkeypatch.setattr(protocol, "MAX_JSON_ELEMENTS", 1000)
+    out = {"embeddings": np.zeros((100, 16), np.float32)}
+    with pytest.raises(ProtocolError, match="1,600 values.*binary_data_output") as e:
+        encode_response({}, "embedding", out, {})
+    assert e.value.status == 400
+    body, headers = encode_response({"parameters": {"binary_data_output": True}}, "embedding",
+                                    out, {})
+    assert len(body) - int(headers["Inference-Header-Content-Length"]) == 6400
+
+
 def test_a_damaged_snapshot_is_never_served(tmp_path):
     """A flipped byte in a checkpoint's rows is refused at open; a follower that meets one
     keeps serving the snapshot it has."""

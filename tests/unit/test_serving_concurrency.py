@@ -199,7 +199,13 @@ def test_a_cancelled_grpc_call_is_dropped_counted_499_and_the_server_goes_on(run
 
 @pytest.mark.parametrize("argv,words", [
     (["--max-batch-size", "0"], "--max-batch-size 0 must be >= 1"),
-    (["--max-queue-delay-us", "-5"], "--max-queue-delay-us -5.0 must be >= 0"),
+    (["--max-queue-delay-us", "-5"], "--max-queue-delay-us -5.0 must be a finite number >= 0"),
+    # infinite values passed the >= 0 check and broke the batcher / follower thread later
+    (["--max-queue-delay-us", "inf"], "--max-queue-delay-us inf must be a finite number"),
+    (["--poll-seconds", "inf"], "--poll-seconds inf must be a finite number"),
+    (["--cache-mb", "nan"], "--cache-mb nan must be a finite number"),
+    (["--shutdown-grace-seconds", "-1"], "--shutdown-grace-seconds -1.0 must be a finite"),
+    (["--scratch", __file__], "is a file: pass a folder"),
     (["--grpc-port", "8000"], "--grpc-port 8000 must be in 1..65535 and differ from --port 8000"),
     (["--grpc-port", "70000"], "--grpc-port 70000 must be in 1..65535"),
     (["--blas-threads", "0"], "--blas-threads 0 must be >= 1"),

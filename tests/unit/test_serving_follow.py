@@ -85,3 +85,22 @@ def test_an_older_checkpoint_does_not_replace_the_served_newer_one(tmp_path):
         p.requested = "step-4"  # now only step-4 (older) is listed; final is not deleted
         assert p.refresh() is False
         assert p.snapshot == "final"
+
+
+def test_the_metrics_count_each_switch_once_and_never_go_back():
+    """A switch is counted when the follower makes it (even to a checkpoint of the same name:
+    `final` saved again); a request the old checkpoint answers after the switch moves nothing."""
+    import types
+
+    pytest.importorskip("prometheus_client")
+    from one_embedding.serving.service import Metrics
+
+    m = Metrics(types.SimpleNamespace(snapshot="step-100"))
+    m.switched("step-200")   # the follower, after refresh()
+    m.served("step-200")     # GET /metrics reads the predictor's
+    m.switched("step-200")   # final saved again under its name: a second switch
+    text = m.exposition().decode()
+    lines = [line for line in text.splitlines() if line.startswith("one_embedding_snapshot")]
+    assert "one_embedding_snapshot_switches_total 2.0" in lines, lines
+    assert 'one_embedding_snapshot_info{snapshot="step-200"} 1.0' in lines, lines
+    assert not any('snapshot="step-100"' in line for line in lines), lines

@@ -139,7 +139,7 @@ def make_servicer(service: Service):
         async def ModelInfer(self, request, context):
             # counted before the answer goes out (aio's abort sends the status at once), so a
             # client reading /metrics after its answer finds its request there
-            name, started, snapshot = request.model_name, time.perf_counter(), None
+            name, started = request.model_name, time.perf_counter()
             try:
                 check_version(name, request.model_version)
                 tensors = decode_infer_request(request)
@@ -158,7 +158,7 @@ def make_servicer(service: Service):
                     response.raw_output_contents.append(array.tobytes())
                 rows = next(iter(outputs.values())).shape[0]
             except asyncio.CancelledError:  # the client cancelled the call or went away
-                service.answered(name, "grpc", 499, started, 0, snapshot)
+                service.answered(name, "grpc", 499, started, 0)
                 raise
             except ProtocolError as e:
                 if e.status >= 500:
@@ -169,9 +169,9 @@ def make_servicer(service: Service):
                 code, status = 500, grpc.StatusCode.INTERNAL
                 message = f"internal error: {type(e).__name__}: {e}"
             else:
-                service.answered(name, "grpc", 200, started, rows, snapshot)
+                service.answered(name, "grpc", 200, started, rows)
                 return response
-            service.answered(name, "grpc", code, started, 0, snapshot)
+            service.answered(name, "grpc", code, started, 0)
             await context.abort(status, message)
 
     return Servicer()

@@ -262,6 +262,32 @@ def wants_binary(request: dict, output: str) -> bool:
     return False
 
 
+#: the most output values an answer writes as JSON data (about 45 MB of text, 0.1 s to write
+#: with orjson here); more is refused with a pointer to binary output, so that one request
+#: cannot hold the event loop for seconds and the memory of gigabytes of text
+MAX_JSON_ELEMENTS = 1 << 22
+
+
+def _dumps(response: dict) -> bytes:
+    """The response as JSON bytes, its ``data`` arrays (float32) written by orjson straight
+    from numpy (each value the shortest text that reads back as the same float32: 20x faster
+    than ``json`` over ``tolist()``, half the bytes); ``json`` where orjson is missing or refuses
+    a value (a request ``id`` past 64 bits)."""
+    try:
+        import orjson
+    except ImportError:
+        orjson = None
+    if orjson is not None:
+        try:
+            return orjson.dumps(response, option=orjson.OPT_SERIALIZE_NUMPY)
+        except orjson.JSONEncodeError:
+            pass
+    for spec in response["outputs"]:
+        if isinstance(spec.get("data"), np.ndarray):
+            spec["data"] = spec["data"].tolist()
+    return json.dumps(response).encode()
+
+
 def encode_response(request: dict, model: str, outputs: dict, parameters: dict) -> tuple[bytes, dict]:
     """outputs: {name: ndarray (FP32)} -> (body, headers) of the protocol's response."""
     asked = requested_outputs(request)
@@ -271,6 +297,11 @@ def encode_response(request: dict, model: str, outputs: dict, parameters: dict) 
                             f"{sorted(outputs)}")
     names = asked or list(outputs)
     specs, blobs = [], []
+    as_json = sum(outputs[n].size for n in names if not wants_binary(request, n))
+    if as_json > MAX_JSON_ELEMENTS:
+        raise ProtocolError(f"the answer holds {as_json:,} values, over the {MAX_JSON_ELEMENTS:,} "
+                            "this server writes as JSON: ask for binary output (request "
+                            'parameters {"binary_data_output": true}) or send fewer rows', 400)
     for name in names:
         array = np.ascontiguousarray(outputs[name], np.float32)
         spec = {"name": name, "datatype": "FP32", "shape": list(array.shape)}
@@ -279,13 +310,13 @@ def encode_response(request: dict, model: str, outputs: dict, parameters: dict) 
             spec["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
         else:
-            spec["data"] = array.reshape(-1).tolist()
+            spec["data"] = array.reshape(-1)
         specs.append(spec)
     response = {"model_name": model, "model_version": "1", "outputs": specs,
                 "parameters": parameters}
     if "id" in request:
         response["id"] = request["id"]
-    head = json.dumps(response).encode()
+    head = _dumps(response)
     if not blobs:
         return head, {"content-type": "application/json"}
     return head + b"".join(blobs), {"content-type": "application/octet-stream",

@@ -104,7 +104,7 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
     async def infer_asgi(name: str, version: str | None, scope, receive, send) -> None:
         """POST .../infer as a bare ASGI handler: the hot path skips Starlette's request,
         routing and middleware objects (~0.1 ms a request here)."""
-        started, rows, snapshot = time.perf_counter(), 0, None
+        started, rows = time.perf_counter(), 0
         headers = dict(scope["headers"])
         try:
             check_version(name, version)
@@ -120,6 +120,14 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
             if e.status >= 500:
                 log.error("inference on %r failed: %s", name, e)
             status, content, extra = e.status, json.dumps({"error": str(e)}).encode(), {}
+        except asyncio.CancelledError:
+            # uvicorn cancels what is still in flight once a SIGTERM's grace ended (a
+            # client stalled in its body, a call that outlasted it): answered 503, not a
+            # traceback in the log
+            log.warning("a request to %r was still in flight when the shutdown's grace "
+                        "(--shutdown-grace-seconds) ended: answered 503", name)
+            status, extra = 503, {}
+            content = json.dumps({"error": "the server is shutting down"}).encode()
         except Exception as e:  # a server fault: logged, answered, and the server goes on
             log.exception("inference on %r failed", name)
             status = 500
@@ -131,7 +139,7 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
                 (b"content-length", str(len(content)).encode()),
                 *((k.lower().encode(), v.encode()) for k, v in extra.items())]})
             await send({"type": "http.response.body", "body": content})
-        service.answered(name, "rest", status, started, rows, snapshot)
+        service.answered(name, "rest", status, started, rows)
 
     async def metrics(request):
         if service.metrics is None:
@@ -211,15 +219,23 @@ class Follower:
         self._thread.join(timeout=5)
 
 
+#: seconds a SIGTERM / SIGINT waits for requests in flight (and connections that stall in the
+#: middle of a body) before the server cancels them and exits
+SHUTDOWN_GRACE_S = 10.0
+
+
 def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.0.1",
           port: int = 8000, cache_mb: float = 64.0, poll_seconds: float = 1.0,
           max_request_mb: float = DEFAULT_MAX_REQUEST_MB, scratch: str | None = None,
           grpc_port: int | None = None, max_batch_size: int = 1,
-          max_queue_delay_us: float = 0.0, blas_threads: int = 1) -> None:
+          max_queue_delay_us: float = 0.0, blas_threads: int = 1,
+          shutdown_grace_seconds: float = SHUTDOWN_GRACE_S) -> None:
     """Serve until interrupted: REST on ``port``, gRPC on ``grpc_port`` (None: no gRPC);
     dynamic batching when ``max_batch_size`` > 1 (a request waits up to ``max_queue_delay_us``
     microseconds for others); ``blas_threads``: BLAS threads per model call (requests already
-    run side by side: a second BLAS thread per call mostly waits for a core)."""
+    run side by side: a second BLAS thread per call mostly waits for a core);
+    ``shutdown_grace_seconds``: after SIGTERM / SIGINT, how long requests in flight may finish
+    (a client stalled in its body included) before they are answered 503 and the server exits."""
     import uvicorn
     from threadpoolctl import threadpool_limits
 
@@ -227,7 +243,7 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
 
     predictor = Predictor(persistent_path, snapshot=snapshot, cache_mb=cache_mb, scratch=scratch)
     service = Service(predictor, max_batch_size, max_queue_delay_us * 1e-6)
-    follower = Follower(predictor, poll_seconds, on_switch=service.metrics.served).start() \
+    follower = Follower(predictor, poll_seconds, on_switch=service.metrics.switched).start() \
         if poll_seconds > 0 else None
     grpc_server = None
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler
@@ -250,7 +266,7 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
         # inference path does not use
         uvicorn.run(create_app(service, max_request_mb), host=host, port=port,
                     log_level="warning", access_log=False, proxy_headers=False,
-                    server_header=False)
+                    server_header=False, timeout_graceful_shutdown=shutdown_grace_seconds)
     finally:
         if grpc_server is not None:
             grpc_server.stop(grace=2)

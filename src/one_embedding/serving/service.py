@@ -165,15 +165,21 @@ class Metrics:
         self.served(predictor.snapshot)
 
     def served(self, snapshot: str) -> None:
-        """The checkpoint answering now is ``snapshot``."""
+        """The checkpoint answering now is ``snapshot`` (the info gauge's label; counts nothing:
+        a request answered late by the checkpoint before a switch does not move it back)."""
         with self._lock:
             if snapshot == self._served:
                 return
             if self._served is not None:
                 self.snapshot.remove(self._served)
-                self.switches.inc()
             self.snapshot.labels(snapshot).set(1)
             self._served = snapshot
+
+    def switched(self, snapshot: str) -> None:
+        """The predictor switched checkpoints, to ``snapshot`` (the follower's call after each
+        switch: counted once each, even where the new checkpoint has the old one's name)."""
+        self.switches.inc()
+        self.served(snapshot)
 
     def answered(self, model: str, protocol: str, code: int, seconds: float, rows: int) -> None:
         """One inference request answered with status ``code`` after ``seconds``."""
@@ -403,16 +409,13 @@ class Service:
             return self.batcher.submit(*inputs).result()
         return self._run(name, inputs)
 
-    def answered(self, model: str, protocol: str, code: int, started: float, rows: int,
-                 snapshot: str | None = None) -> None:
+    def answered(self, model: str, protocol: str, code: int, started: float, rows: int) -> None:
         """Record one answered request in the metrics (no-op without them); a model this
         server does not have is counted as "unknown"."""
         if self.metrics is not None:
             if model not in ("embedding", self.predictor.model_name):
                 model = "unknown"
             self.metrics.answered(model, protocol, code, time.perf_counter() - started, rows)
-            if snapshot is not None:
-                self.metrics.served(snapshot)
 
     def close(self) -> None:
         if self.batcher is not None:
