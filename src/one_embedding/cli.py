@@ -133,7 +133,8 @@ def cmd_convert(args) -> int:
     from .data import convert_tsv_to_parquet
 
     info = convert_tsv_to_parquet(args.src, args.dst, has_label=not args.no_label,
-                                  on_bad_line=args.on_bad_line, layout=args.layout)
+                                  on_bad_line=args.on_bad_line, layout=args.layout,
+                                  overwrite=args.overwrite)
     print(json.dumps(info, default=str))
     return 0
 
@@ -264,7 +265,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("convert", help="Criteo TSV -> Parquet (streaming, with a progress bar)")
     p.add_argument("src", nargs="+", help="raw Criteo TSV file(s)")
-    p.add_argument("dst", help="output .parquet file or folder")
+    p.add_argument("dst", help="output .parquet file (a new one; --overwrite replaces one)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace an existing output file (never one of the sources)")
     p.add_argument("--no-label", action="store_true", help="Kaggle test.txt: no label column")
     p.add_argument("--on-bad-line", choices=("error", "skip"), default="error",
                    help="a malformed line: stop with its file and line number (error), or skip "

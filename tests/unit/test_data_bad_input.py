@@ -106,12 +106,47 @@ def test_convert_refuses_missing_source_folder_target_and_parquet_source(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["day_0", "done", "out"]
 
 
+def test_convert_never_replaces_a_source_or_an_existing_file_unasked(tmp_path):
+    """`convert day_0 day_0` made the raw TSV Parquet, and `convert day_0 day_1` (the output
+    forgotten) replaced the raw day_1: a source is never the output, an existing output only
+    with overwrite=True; a source without a row writes nothing."""
+    src = write_lines(tmp_path / "day_0", tsv_lines(10))
+    other = write_lines(tmp_path / "day_1", tsv_lines(12, seed=1))
+    raw = (src.read_bytes(), other.read_bytes())
+    with pytest.raises(InputError, match=r"output .*day_0 is also a source"):
+        convert_tsv_to_parquet(src, src, progress=False, overwrite=True)
+    with pytest.raises(InputError, match=r"output .*day_1 exists: pass --overwrite"):
+        convert_tsv_to_parquet(src, other, progress=False)
+    assert (src.read_bytes(), other.read_bytes()) == raw
+    out = tmp_path / "out.parquet"
+    assert convert_tsv_to_parquet(src, out, progress=False)["rows"] == 10
+    with pytest.raises(InputError, match="exists"):
+        convert_tsv_to_parquet(other, out, progress=False)
+    assert convert_tsv_to_parquet(other, out, progress=False, overwrite=True)["rows"] == 12
+    mine = tmp_path / "out.parquet.tmp"  # the temporary name of before: a file of the user's
+    mine.write_bytes(b"keep me")
+    empty = tmp_path / "empty.tsv"
+    empty.write_bytes(b"")
+    with pytest.raises(InputError, match=r"empty\.tsv: no row to convert \(no line\); nothing "
+                                         "was written"):
+        convert_tsv_to_parquet(empty, tmp_path / "e.parquet", progress=False)
+    bad = write_lines(tmp_path / "bad.tsv", ["x\ty"] * 5)
+    with pytest.raises(InputError, match="all 5 lines were malformed and skipped"):
+        convert_tsv_to_parquet(bad, tmp_path / "b.parquet", progress=False, on_bad_line="skip")
+    assert mine.read_bytes() == b"keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "bad.tsv", "day_0", "day_1", "empty.tsv", "out.parquet", "out.parquet.tmp"]
+
+
 def test_cli_convert_errors_are_one_line(tmp_path):
     from system.test_cli import run_cli  # tests/ is on sys.path (conftest)
 
     src = write_lines(tmp_path / "day_0", tsv_lines(10))
     for args, said in (((tmp_path / "nope", tmp_path / "o.parquet"), "nope: no such TSV file"),
-                       ((src, tmp_path), "is a folder: name the output file")):
+                       ((src, tmp_path), "is a folder: name the output file"),
+                       ((src, src), "is also a source"),
+                       ((src, write_lines(tmp_path / "day_1", tsv_lines(3))),
+                        "day_1 exists: pass --overwrite")):
         r = run_cli("convert", *args)
         assert r.returncode == 2 and said in r.stderr, r.stderr
         assert "Traceback" not in r.stderr and "error:" in r.stderr

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import json
 import os
+import uuid
 from typing import Iterator, Sequence
 
 import numpy as np
@@ -358,13 +359,17 @@ class _RawDenseTSVReader(CriteoTSVReader):
         return Chunk(dense, chunk.ids, chunk.labels, chunk.positions)
 
 
-def _check_convert_paths(paths: list[str], dst: str) -> None:
+def _check_convert_paths(paths: list[str], dst: str, overwrite: bool) -> None:
     """InputError, before anything is written, for a source that is missing, a folder or already
-    Parquet, and for a destination that is a folder or lies in a missing folder."""
+    Parquet, and for a destination that is one of the sources, a folder, lies in a missing folder
+    or exists (unless ``overwrite``)."""
     for path in paths:
         if is_parquet_file(path):  # also refuses missing paths and folders
             raise InputError(f"{path} is already a Parquet file: train on it directly, or pass "
                              f"the raw Criteo TSV file to convert")
+        if os.path.exists(dst) and os.path.samefile(path, dst):
+            raise InputError(f"output {dst} is also a source: name a new .parquet file as the "
+                             "last argument (the sources come before it)")
     if os.path.isdir(dst):
         stem = os.path.splitext(os.path.basename(paths[0]))[0]
         raise InputError(f"output {dst} is a folder: name the output file, e.g. "
@@ -372,6 +377,9 @@ def _check_convert_paths(paths: list[str], dst: str) -> None:
     folder = os.path.dirname(os.path.abspath(dst))
     if not os.path.isdir(folder):
         raise InputError(f"output {dst}: folder {folder} does not exist; create it first")
+    if os.path.exists(dst) and not overwrite:
+        raise InputError(f"output {dst} exists: pass --overwrite (overwrite=True) to replace it, "
+                         "or name a new file")
 
 
 def convert_tsv_to_parquet(src, dst, *, has_label: bool = True,
@@ -379,8 +387,9 @@ def convert_tsv_to_parquet(src, dst, *, has_label: bool = True,
                            row_group_rows: int = 1 << 18, compression: str = "snappy",
                            progress: bool = True, block_bytes: int = 1 << 20,
                            max_hex_digits: int | None = None,
-                           layout: str = "one_embedding") -> dict:
-    """Stream raw Criteo TSV file(s) ``src`` into one Parquet file ``dst``.
+                           layout: str = "one_embedding", overwrite: bool = False) -> dict:
+    """Stream raw Criteo TSV file(s) ``src`` into one Parquet file ``dst`` (an existing ``dst``
+    only with ``overwrite``; never one of the sources).
 
     layout: "one_embedding" (ours: dense ``log(max(x, 0) + 1)``) or "oneflow" (OneFlow's: dense
     ``raw + 1`` float32, missing -> 1, the log taken by the reader; module docstring). Both
@@ -390,8 +399,9 @@ def convert_tsv_to_parquet(src, dst, *, has_label: bool = True,
     written under a temporary name and renamed when complete. A tqdm bar counts input bytes.
     max_hex_digits: longest categorical accepted, default ``default_max_hex_digits(key_scheme)``
     (8 under the default key scheme, where a wider value would fold). A missing source, a folder
-    or a Parquet file as source, and a folder as ``dst`` are refused (InputError) up front.
-    Returns {"rows": int, "skipped": int, "row_groups": int}.
+    or a Parquet file as source, and a folder as ``dst`` are refused (InputError) up front;
+    sources that hold no row (empty, or every line skipped) after the fact, with no file
+    written. Returns {"rows": int, "skipped": int, "row_groups": int}.
     """
     from tqdm import tqdm
 
@@ -402,7 +412,7 @@ def convert_tsv_to_parquet(src, dst, *, has_label: bool = True,
                           "'oneflow'")
     paths = _paths(src)
     dst = os.fspath(dst)
-    _check_convert_paths(paths, dst)
+    _check_convert_paths(paths, dst, overwrite)
     if max_hex_digits is None:
         max_hex_digits = default_max_hex_digits(key_scheme)
     scheme = {"mode": key_scheme.mode, "mod": int(key_scheme.mod)}
@@ -415,7 +425,9 @@ def convert_tsv_to_parquet(src, dst, *, has_label: bool = True,
         metadata = {"version": FORMAT_VERSION, "dense": "log1p", "has_label": has_label,
                     "key_scheme": scheme}
     schema = parquet_schema(layout).with_metadata({key: json.dumps(metadata).encode()})
-    tmp = dst + ".tmp"
+    # a name of its own beside dst (dst + ".tmp" could be a file of the user's)
+    tmp = os.path.join(os.path.dirname(os.path.abspath(dst)),
+                       f".{os.path.basename(dst)}.{uuid.uuid4().hex[:12]}.tmp")
     total_bytes = sum(os.path.getsize(p) for p in paths)
     rows = skipped = groups = 0
     pending: list[Chunk] = []
@@ -454,6 +466,10 @@ def convert_tsv_to_parquet(src, dst, *, has_label: bool = True,
                 bar.update(os.path.getsize(path) - done)
                 skipped += reader.skipped
             flush(writer, final=True)
+        if rows == 0:
+            raise InputError(f"{', '.join(paths)}: no row to convert ("
+                             + (f"all {skipped:,} lines were malformed and skipped"
+                                if skipped else "no line") + "); nothing was written")
         os.replace(tmp, dst)
     except BaseException:
         if os.path.exists(tmp):
