@@ -55,7 +55,13 @@ def run_bench(cfg: TrainConfig, out_dir: str, stores=None) -> list[dict]:
 
     specs = parse_store_specs(stores)
     cfg = cfg.with_model_defaults()  # the header names the optimizer and lr the runs use
+    if os.path.exists(out_dir) and not os.path.isdir(out_dir):
+        raise ConfigError(f"--out {out_dir!r} is a file: name a folder for the results (it is "
+                          "created if missing)")
     os.makedirs(out_dir, exist_ok=True)
+    metrics_path = os.path.join(out_dir, "metrics.jsonl")
+    # this run's records only: appended to an earlier run's, they sat beside new summaries
+    open(metrics_path, "w").close()
     with tempfile.TemporaryDirectory(prefix="one_embedding_warmup_") as scratch:
         train(dataclasses.replace(cfg, store="cached_ssd", engine="slots", eval_interval=0,
                                   steps=min(cfg.steps or 20, 20), persistent_path=scratch),
@@ -69,8 +75,7 @@ def run_bench(cfg: TrainConfig, out_dir: str, stores=None) -> list[dict]:
                 run_cfg = dataclasses.replace(cfg, store=store, engine=engine,
                                               persistent_path=os.path.join(scratch, "table"),
                                               eval_interval=0, prefetch_depth=depth)
-                rec = train(run_cfg, metrics_path=os.path.join(out_dir, "metrics.jsonl"),
-                            progress=False)
+                rec = train(run_cfg, metrics_path=metrics_path, progress=False)
             finally:
                 shutil.rmtree(scratch, ignore_errors=True)
             run = {"store": spec, "prefetch_depth": depth, "samples_per_s": rec["samples_per_s"],

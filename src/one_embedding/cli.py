@@ -31,11 +31,28 @@ def _config(args):
     return TrainConfig.from_args(args)
 
 
-def _check_metrics_path(path: str | None) -> None:
+def _check_metrics_path(path: str | None, data=()) -> None:
     """--metrics must name a file that can be created or appended to, checked before training
-    (otherwise the run fails at its first log line, or worse, at its last)."""
+    (otherwise the run fails at its first log line, or worse, at its last); an existing one must
+    hold metrics records (JSON lines) and be none of the ``data`` files: records appended to a
+    TSV or Parquet file damaged the user's data."""
     if path is None:
         return
+    if os.path.isfile(path):
+        for source in data:
+            if os.path.exists(source) and os.path.samefile(source, path):
+                raise ConfigError(f"--metrics {path!r} is also a --data file: name a new file "
+                                  "for the records, e.g. --metrics run.jsonl")
+        with open(path, "rb") as f:
+            first = f.readline(1 << 16).strip()
+        try:
+            record = json.loads(first) if first else {}
+        except ValueError:
+            record = None
+        if not isinstance(record, dict):
+            raise ConfigError(f"--metrics {path!r} exists and does not hold metrics records (its "
+                              "first line is not a JSON object): records are appended to the "
+                              "file, so name a new file or an earlier run's --metrics file")
     folder = os.path.dirname(os.path.abspath(path))
     if os.path.isdir(path):
         raise ConfigError(f"--metrics {path!r} is a folder: give a file in it, e.g. --metrics "
@@ -53,7 +70,7 @@ def cmd_train(args) -> int:
     from .training import train
 
     cfg = _config(args)
-    _check_metrics_path(args.metrics)
+    _check_metrics_path(args.metrics, args.data)
     try:
         final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress,
                       metrics_stdout=args.json)

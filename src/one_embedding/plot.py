@@ -100,6 +100,13 @@ def _default_labels(paths: list[str]) -> list[str]:
             for p, n in zip(paths, names)]
 
 
+#: the first bytes of every PNG file: an existing --out that starts otherwise is not replaced
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+#: suffixes of other image formats: a PNG written under one of them would be misnamed
+OTHER_IMAGE_SUFFIXES = {".jpg", ".jpeg", ".svg", ".pdf", ".gif", ".tif", ".tiff", ".webp",
+                        ".eps", ".ps", ".bmp"}
+
+
 def plot_runs(paths, out, labels=None) -> list[Run]:
     """Draw loss, AUC and samples/s against step for every metrics file in ``paths`` into the PNG
     ``out``; returns the runs read. labels: one per path (default: the file names).
@@ -120,6 +127,16 @@ def plot_runs(paths, out, labels=None) -> list[Run]:
                           f"{os.path.join(out, 'curves.png')}")
     if not os.path.isdir(folder):
         raise ConfigError(f"--out {out!r}: its folder {folder!r} does not exist; create it first")
+    if os.path.splitext(out)[1].lower() in OTHER_IMAGE_SUFFIXES:
+        raise ConfigError(f"--out {out!r}: plot writes PNG; name the file .png")
+    if os.path.exists(out):
+        if any(os.path.exists(p) and os.path.samefile(p, out) for p in paths):
+            raise ConfigError(f"--out {out!r} is also one of the metrics files: name the image, "
+                              "e.g. --out curves.png")
+        with open(out, "rb") as f:
+            if f.read(8) != PNG_SIGNATURE:
+                raise ConfigError(f"--out {out!r} exists and is not a PNG image: name a new "
+                                  "file (an earlier plot's PNG is replaced)")
     labels = list(labels) if labels is not None else _default_labels(paths)
     runs = [read_metrics(p, label) for p, label in zip(paths, labels)]
 
