@@ -22,14 +22,17 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import os
 
 import numpy as np
 
 from .errors import LockedError, SnapshotError
-from .store.durable import fsync_path
+from .store.durable import file_crc32, fsync_path
 from .store.lock import PathLock
-from .store.snapshots import SnapshotDirectory, read_manifest
+from .store.snapshots import MANIFEST, SnapshotDirectory, read_manifest
+
+log = logging.getLogger("one_embedding.checkpoint")
 
 TRAINER_DIR = "trainer"
 ARRAYS = "arrays.npz"
@@ -110,15 +113,18 @@ def load_checkpoint(name: str, embedding, *, model=None, optimizer=None, lr_sche
     return {"state": record.get("state", {}), "config": record.get("config")}
 
 
-def checkpoints(rank_folder: str) -> list[tuple[int, str]]:
+def checkpoints(rank_folder: str, damaged: list | None = None) -> list[tuple[int, str]]:
     """The (step, name) of every complete checkpoint in a rank folder ``<path>/<r>-<P>``,
-    oldest first. Snapshots without training state, or with a damaged manifest, are left out."""
+    oldest first. Snapshots without training state, or with a damaged manifest, are left out
+    (the latter's SnapshotErrors appended to ``damaged`` when given)."""
     snaps = SnapshotDirectory(rank_folder, create=False)
     found = []
     for name in snaps.names():
         try:
             manifest = read_manifest(snaps.path(name), name)
-        except SnapshotError:
+        except SnapshotError as e:
+            if damaged is not None:
+                damaged.append(e)
             continue
         step = (manifest.get("checkpoint") or {}).get("step")
         if isinstance(step, int):
@@ -169,7 +175,11 @@ def newest_checkpoint(path: str, rank: int, world: int, comm) -> str | None:
     folders, the newest step all of them hold; failing that, the newest complete set saved by
     another number of ranks (its rows are re-sharded on load). None when there is none."""
     folders = rank_folders(path)
-    mine = checkpoints(folders[world][rank]) if rank in folders.get(world, {}) else []
+    damaged: list = []
+    mine = checkpoints(folders[world][rank], damaged) if rank in folders.get(world, {}) else []
+    for e in damaged:  # its step is unknown: it may have been the newest
+        log.warning("resume: a snapshot is left out, its manifest is damaged (%s); "
+                    "`one-embedding inspect %s` lists every snapshot", e, path)
     width = 256
     steps = np.full(width, -1, np.int64)
     steps[: min(width, len(mine))] = [s for s, _ in mine][-width:]
@@ -240,16 +250,31 @@ class TrainingInterrupted(KeyboardInterrupt):
 
 
 def saved_config(path: str, name: str) -> dict | None:
-    """The run config stored with checkpoint ``name`` (read from any rank folder holding it)."""
+    """The run config stored with checkpoint ``name`` (read from the first rank folder holding
+    it), checked against its manifest first: SnapshotError naming the file when it is damaged
+    (read unchecked, a damaged file passed for a config of defaults, and --resume called the
+    checkpoint another run's). None when no rank folder holds ``name``."""
     for ranks in rank_folders(path).values():
         for folder in ranks.values():
-            state = os.path.join(folder, "snapshots", name, TRAINER_DIR, STATE)
-            if os.path.isfile(state):
-                try:
-                    with open(state, "rb") as f:
-                        return json.loads(f.read()).get("config")
-                except (OSError, ValueError):
-                    continue
+            snap = SnapshotDirectory(folder, create=False).path(name)
+            if not os.path.isfile(os.path.join(snap, MANIFEST)):
+                continue
+            manifest = read_manifest(snap, name)
+            rel = f"{TRAINER_DIR}/{STATE}"
+            state = os.path.join(snap, TRAINER_DIR, STATE)
+            info = manifest.get("files", {}).get(rel)
+            if info is None:
+                raise SnapshotError(f"checkpoint {name!r} under {folder!r} holds no {rel}: it "
+                                    "is not a training checkpoint")
+            if not os.path.isfile(state) or os.path.getsize(state) != info["bytes"] \
+                    or file_crc32(state) != info["crc32"]:
+                raise SnapshotError(
+                    f"checkpoint {name!r} is damaged: {state!r} is missing, truncated or fails "
+                    f"its checksum (`one-embedding inspect {path}` lists every snapshot); to "
+                    f"resume from the checkpoint before it, move {snap!r} (in every rank "
+                    "folder) out of the way")
+            with open(state, "rb") as f:
+                return json.loads(f.read()).get("config")
     return None
 
 

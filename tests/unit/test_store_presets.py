@@ -83,3 +83,27 @@ def test_disk_full_during_save_keeps_last_snapshot(preset, tmp_path, monkeypatch
     np.testing.assert_array_equal(got[0], kept[0])
     np.testing.assert_array_equal(got[1], kept[1])
     emb.close()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_a_full_disk_under_a_host_store_snapshot_is_named_as_one(tmp_path, monkeypatch):
+    """np.save's short write on a full disk was an OSError without an errno ("77264 requested
+    and 14304 written"), so the message could not say the disk was full, and it promised a
+    previous snapshot of that name that never existed (found by a fault campaign)."""
+    from one_embedding.errors import SnapshotError
+    from one_embedding.store import durable
+
+    with pytest.raises(OSError) as e:
+        durable.write_array("/dev/full", np.ones(1 << 16, np.float32))
+    assert e.value.errno == errno.ENOSPC
+    opts = oe.make_cached_host_mem_store_options(0.001, str(tmp_path), 1000)
+    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None, opts)
+    emb(np.arange(50))
+    monkeypatch.setattr(memory, "write_array",
+                        lambda path, array: durable.write_array("/dev/full", array))
+    with pytest.raises((StoreError, SnapshotError), match=r"the disk of .* is full.*no snapshot "
+                                                          r"of that name existed"):
+        emb.save_snapshot("first")
+    monkeypatch.undo()
+    emb.close()
+

@@ -42,9 +42,17 @@ fsync_dir = fsync_path
 
 
 def write_array(path: str, array: np.ndarray) -> None:
-    """``np.save`` then fsync, so the bytes are on disk when this returns."""
+    """``array`` in ``.npy`` format (what ``np.load`` reads), then fsync, so the bytes are on
+    disk when this returns. Written through the file object, not ``np.save`` (whose
+    ``tofile`` reports a short write on a full disk as an OSError without an errno, which no
+    caller could tell from another fault): a full disk is ENOSPC here."""
+    from numpy.lib import format as npy
+
+    array = np.require(array, requirements="C")  # (ascontiguousarray makes a 0-d array 1-d)
     with open(path, "wb") as f:
-        np.save(f, np.ascontiguousarray(array), allow_pickle=False)
+        npy.write_array_header_1_0(f, npy.header_data_from_array_1_0(array))
+        if array.size:
+            f.write(memoryview(array.reshape(-1)).cast("B"))
         f.flush()
         os.fsync(f.fileno())
 

@@ -45,7 +45,7 @@ import uuid
 from typing import Callable
 
 from ..errors import SnapshotError
-from .durable import file_crc32, fsync_dir, write_bytes_atomic
+from .durable import disk_full, file_crc32, fsync_dir, write_bytes_atomic
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -218,10 +218,13 @@ class SnapshotDirectory:
         except OSError as e:
             # a full or failing disk: the previous snapshot of this name is still in place
             shutil.rmtree(tmp, ignore_errors=True)
+            what = f"the disk of {self.root!r} is full" if disk_full(e) else \
+                "an I/O error stopped it"
+            kept = "the previous snapshot of that name is intact" \
+                if os.path.exists(self.path(name)) else "no snapshot of that name existed"
             raise SnapshotError(
-                f"saving snapshot {name!r} under {self.root!r} failed ({e.strerror or e}); the "
-                "previous snapshot of that name is intact: free disk space and save again"
-            ) from e
+                f"saving snapshot {name!r} under {self.root!r} failed: {what} "
+                f"({e.strerror or e}); {kept}: free disk space and save again") from e
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
