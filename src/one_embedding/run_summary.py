@@ -38,7 +38,10 @@ def train_summary(final: dict, metrics_path: str | None = None,
         f"{final['model']}, {steps:,} steps of {batch:,} samples, {final['optimizer']} lr {final['lr']:g}, "
         f"store {store}: {final['train_seconds']:.1f} s of training",
         f"  eval:       AUC {_number(final['auc'], '.4f')}, logloss "
-        f"{_number(final['logloss'], '.4f')} ({final['eval_samples']:,} held-out samples)",
+        f"{_number(final['logloss'], '.4f')} ({final['eval_samples']:,} held-out samples)"
+        if final.get("eval_samples") else
+        "  eval:       none: the held-out split gave no full batch (raise --eval-fraction, or "
+        "lower --batch-size: evaluation reads whole batches)",
         f"  train loss: {final['loss_first_10pct']:.4f} -> {final['loss_last_10pct']:.4f} (mean "
         "step loss of the first 10% of steps -> of the last 10%)",
         f"  samples/s:  {_number(final['samples_per_s'], ',.0f')} {steady}, "
@@ -46,6 +49,9 @@ def train_summary(final: dict, metrics_path: str | None = None,
         f"  table:      {final['rows_stored']:,} rows stored, "
         f"{_number(100 * final['top_tier_hit_rate'], '.1f')}% of lookups hit the top tier",
     ]
+    if final.get("skipped_lines"):
+        lines.append(f"  input:      {final['skipped_lines']:,} malformed lines skipped "
+                     "(--on-bad-line skip)")
     if checkpoint:
         lines.append(f"  checkpoint: {checkpoint}")
     if metrics_path:

@@ -34,7 +34,7 @@ from .cuda_graph import StepGraph
 from .kernels.layout_ops import InteractionInput
 from .config import MODELS, OPTIMIZERS, STORES, TrainConfig, make_row_optimizer
 from .backend import array_namespace, embedding_device, to_numpy
-from .errors import ConfigError
+from .errors import ConfigError, InputError
 from .interrupts import CtrlC, interrupt_of, iterating
 from . import host_sync
 from .metrics import log_loss, roc_auc
@@ -89,6 +89,7 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
             if max_batches and i >= max_batches:
                 break
             batch = rank_block(batch, rank, world)
+            _check_eval_labels(to_numpy(batch.labels), i)
             dense = array_namespace(next(model.parameters()).data).asarray(batch.dense)
             logits.append(to_numpy(model(dense, batch.ids)).astype(np.float64))
             labels.append(batch.labels)
@@ -100,6 +101,17 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
         return {"auc": float("nan"), "logloss": float("nan"), "eval_samples": 0}
     y, z = np.concatenate(labels), np.concatenate(logits)
     return {"auc": roc_auc(y, z), "logloss": log_loss(y, z), "eval_samples": int(y.size)}
+
+
+def _check_eval_labels(labels: np.ndarray, batch: int) -> None:
+    """InputError for a held-out label outside [0, 1] or NaN, as the training loss refuses one:
+    AUC and log loss over such labels were reported as if they meant something."""
+    bad = ~((labels >= 0) & (labels <= 1))
+    if bad.any():
+        at = int(np.argmax(bad))
+        raise InputError(f"evaluation batch {batch}: labels[{at}] is {labels[at]}: labels must "
+                         "lie in [0, 1] (click = 1, no click = 0); the held-out rows hold a "
+                         "label that is not one")
 
 
 #: the feature lifecycle's counters in the final record, summed over the ranks
@@ -291,7 +303,12 @@ class Trainer:
                     yield epoch, rank_block(batch, self.comm.rank, self.comm.world)
             if cfg.steps is not None and produced == 0 and (epoch != first or start == 0):
                 # with --steps the epochs repeat: an empty one would loop for ever
-                raise ConfigError("the training split produced no full batch: lower --batch-size")
+                skipped = self.train_loader.skipped
+                raise ConfigError(
+                    f"the training split produced no full batch of {cfg.batch_size:,} rows: its "
+                    "data holds fewer rows than that"
+                    + (f" ({skipped:,} malformed lines were skipped)" if skipped else "")
+                    + ": check --data (an empty file?), or lower --batch-size")
 
     def device_feed(self):
         """What the training batches are read from: on a GPU, synthetic rows generated on the

@@ -173,6 +173,31 @@ def test_string_labels_are_refused_naming_file_and_column(tmp_path):
         ParquetReader(tmp_path / "strings.parquet")
 
 
+@pytest.mark.parametrize("bad", [7.0, -1.0, float("inf")])
+def test_labels_outside_0_1_are_refused_naming_file_row_group_and_row(tmp_path, bad):
+    """A label of 7 or -1 in a held-out row was never checked (the training loss checks its
+    own rows): evaluation printed an AUC over it. The reader names the row."""
+    columns = criteo_columns(rows=8)
+    labels = np.array([0, 1, 0, 1, 0, bad, 1, 0], np.float32)
+    columns["label"] = pa.array(labels)
+    pq.write_table(pa.table(columns), tmp_path / "labels.parquet", row_group_size=4)
+    with pytest.raises(InputError, match=rf"labels\.parquet: row group 1: row 5: label {bad} is "
+                                         r"not a click label"):
+        list(BatchLoader(tmp_path / "labels.parquet", 4))
+    columns["label"] = pa.array(np.array([0, 1, 0.5, 1, 0, 0.25, 1, 0], np.float32))
+    pq.write_table(pa.table(columns), tmp_path / "soft.parquet")  # soft labels: as training
+    assert sum(len(b) for b in BatchLoader(tmp_path / "soft.parquet", 4)) == 8
+
+
+def test_nan_labels_in_the_held_out_rows_are_refused_not_scored(tmp_path):
+    from one_embedding import training
+
+    with pytest.raises(InputError, match=r"evaluation batch 3: labels\[2\] is nan: labels must "
+                                         r"lie in \[0, 1\]"):
+        training._check_eval_labels(np.array([0, 1, np.nan, 1], np.float32), 3)
+    training._check_eval_labels(np.array([0, 1, 0.5, 1], np.float32), 0)
+
+
 def test_missing_column_in_our_schema_is_refused(tmp_path):
     path = small_parquet(tmp_path / "ours.parquet")
     table = pq.read_table(path)

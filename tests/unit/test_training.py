@@ -101,8 +101,35 @@ def test_epochs_without_steps_run_the_whole_split(tmp_path):
 
 def test_an_empty_training_split_is_a_config_error(tmp_path):
     cfg = TrainConfig(steps=3, **dict(TINY, synthetic_rows=100))
-    with pytest.raises(ConfigError, match="no full batch: lower --batch-size"):
+    with pytest.raises(ConfigError, match=r"no full batch of \d+ rows: its data holds fewer "
+                                          r"rows than that: check --data \(an empty file\?\), or "
+                                          "lower --batch-size"):
         train(cfg, metrics_path=str(tmp_path / "m.jsonl"), progress=False)
+
+
+def test_data_whose_every_line_was_skipped_is_named_so_not_blamed_on_the_batch_size(tmp_path):
+    junk = tmp_path / "junk.tsv"
+    junk.write_text("not\ta\tcriteo\tline\n" * 50)
+    cfg = TrainConfig(steps=3, batch_size=8, data=(str(junk),), on_bad_line="skip")
+    with pytest.raises(ConfigError, match=r"no full batch of 8 rows.*\(\d+ malformed lines were "
+                                          r"skipped\)"):
+        train(cfg, metrics_path=str(tmp_path / "m.jsonl"), progress=False)
+
+
+def test_the_summary_says_when_nothing_was_evaluated_and_what_was_skipped():
+    from one_embedding.run_summary import train_summary
+
+    final = {"steps": 10, "samples": 640, "store": "device_mem", "model": "dlrm",
+             "optimizer": "adagrad", "lr": 0.05, "train_seconds": 1.0, "auc": float("nan"),
+             "logloss": float("nan"), "eval_samples": 0, "loss_first_10pct": 0.7,
+             "loss_last_10pct": 0.5, "samples_per_s": 100.0, "samples_per_s_all": 90.0,
+             "rows_stored": 5, "top_tier_hit_rate": 1.0, "skipped_lines": 12}
+    text = train_summary(final)
+    assert "eval:       none: the held-out split gave no full batch (raise --eval-fraction" in text
+    assert "input:      12 malformed lines skipped" in text
+    final.update(eval_samples=100, auc=0.7, logloss=0.5, skipped_lines=0)
+    text = train_summary(final)
+    assert "AUC 0.7000" in text and "(100 held-out samples)" in text and "input:" not in text
 
 
 def test_trainer_takes_a_train_config_only():

@@ -192,6 +192,11 @@ def table_to_chunk(table: pa.Table, schema: str, first_row: int, where: str = ""
     where: prefix of error messages (the file and row group)."""
     n = table.num_rows
     labels = _column(table, LABEL_COLUMN, np.float32, where)
+    outside = (labels < 0) | (labels > 1) | np.isinf(labels)  # NaN: an unlabelled file's
+    if outside.any():
+        at = int(np.argmax(outside))
+        raise InputError(f"{where}row {first_row + at}: label {labels[at]} is not a click "
+                         "label (1 = click, 0 = no click)")
     if schema == "oneflow":
         # float64 holds every float32 / int32 raw + 1 exactly: the log is taken once, here
         raw_plus_one = np.empty((n, NUM_DENSE), np.float64)
