@@ -176,7 +176,7 @@ def _count(text: str) -> int:
         value = float(str(text).replace("_", ""))
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is not a number of rows (e.g. 2e6)") from None
-    if value < 1 or value != int(value):
+    if not (math.isfinite(value) and value >= 1 and value == int(value)):
         raise argparse.ArgumentTypeError(f"{text!r} must be a positive whole number of rows")
     return int(value)
 
@@ -410,6 +410,11 @@ def main(argv=None) -> int:
         return _end_job(2)
     except KeyboardInterrupt:
         return _end_job(130)
+    except MemoryError as e:  # numpy's names the array it could not allocate
+        print(f"one-embedding {args.command}: error: out of memory ({e or 'MemoryError'}): the "
+              "settings need more RAM than this machine has; lower the sizes (`one-embedding "
+              "plan` gives a table's RAM before it exists)", file=sys.stderr, flush=True)
+        return _end_job(1)
     except BrokenPipeError:  # the reader of our output went away (e.g. `| head`)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1

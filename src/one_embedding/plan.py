@@ -24,6 +24,7 @@ measured stores.
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import asdict, dataclass, field
 
 from .cache.device import DeviceCache
@@ -157,8 +158,16 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
         raise ConfigError(f"changed_per_snapshot={changed_per_snapshot!r} must be in [0, 1]")
     if keep_snapshots < 0:
         raise ConfigError(f"keep_snapshots={keep_snapshots!r} must be >= 0")
-    if not admit_sketch_mb >= 0:
-        raise ConfigError(f"admit_sketch_mb={admit_sketch_mb!r} must be >= 0")
+    for name, value in (("admit_sketch_mb", admit_sketch_mb), ("cache_mb", cache_mb),
+                        ("host_cache_mb", host_cache_mb)):
+        if not 0 <= value < math.inf:
+            raise ConfigError(f"{name}={value!r} (--{name.replace('_', '-')}) must be a finite "
+                              "number of MB >= 0")
+    if isinstance(physical_block_size, bool) or not isinstance(physical_block_size, int) \
+            or not 512 <= physical_block_size <= 65536 \
+            or physical_block_size & (physical_block_size - 1):
+        raise ConfigError(f"physical_block_size={physical_block_size!r} (--physical-block-size) "
+                          "must be a power of two in 512..65536, as the store takes it")
     line_size = (1 + OPTIMIZER_STATES[optimizer]) * embedding_dim + (META_COLUMNS if eviction else 0)
     per_rank = -(-rows // world)
     out = CapacityPlan(rows, per_rank, line_size, 4 * line_size, keep_snapshots=keep_snapshots,

@@ -91,3 +91,17 @@ def test_bench_out_that_is_a_file_is_refused_and_a_rerun_replaces_the_records(tm
     first = len((out / "metrics.jsonl").read_text().splitlines())
     run_bench(cfg, str(out), stores=["device_mem"])
     assert len((out / "metrics.jsonl").read_text().splitlines()) == first
+
+
+def test_out_of_memory_is_an_error_line_not_a_traceback(monkeypatch, capsys):
+    """`train --embedding-dim 100000000` ended in numpy's _ArrayMemoryError traceback."""
+    def too_big(args):
+        import numpy as np
+
+        return np.empty((1 << 62,), np.float64)
+
+    monkeypatch.setattr(cli, "cmd_plan", too_big)
+    assert cli.main(["plan", "--rows", "10", "--embedding-dim", "8", "--cache-mb", "1"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("one-embedding plan: error: out of memory (Unable to allocate"), err
+    assert "Traceback" not in err

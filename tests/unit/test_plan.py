@@ -113,6 +113,19 @@ def test_plan_command_prints_a_table_or_json_and_refuses_bad_input():
     momentum = run("--rows", "10", "--embedding-dim", "8", "--cache-mb", "1", "--optimizer",
                    "momentum")
     assert momentum.returncode == 2 and "invalid choice: 'momentum'" in momentum.stderr
+    # a fault campaign's (2026-12-07): tracebacks (OverflowError, ValueError, ZeroDivisionError),
+    # argparse's internal name, or a disk figure for a block size the store refuses
+    for args, said in ((("--rows", "inf"), "'inf' must be a positive whole number of rows"),
+                       (("--rows", "nan"), "'nan' must be a positive whole number of rows"),
+                       (("--rows", "10", "--cache-mb", "nan"), "cache_mb=nan (--cache-mb)"),
+                       (("--rows", "10", "--cache-mb", "1", "--host-cache-mb", "inf"),
+                        "host_cache_mb=inf (--host-cache-mb)"),
+                       (("--rows", "10", "--cache-mb", "1", "--physical-block-size", "0"),
+                        "physical_block_size=0"),
+                       (("--rows", "10", "--cache-mb", "1", "--physical-block-size", "1000"),
+                        "must be a power of two in 512..65536")):
+        r = run(*args, "--embedding-dim", "8")
+        assert r.returncode == 2 and said in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_plan_counts_the_lifecycle_columns_and_the_admission_sketch():
