@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import reprlib
 import threading
 
 import numpy as np
+
+from .errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -39,11 +42,25 @@ def array_namespace(*arrays):
     return np
 
 
-def to_numpy(a) -> np.ndarray:
-    """A host copy (or the same array when it already is numpy)."""
+def to_numpy(a, what: str = "array") -> np.ndarray:
+    """A host copy (or the same array when it already is numpy); a ragged nested list is an
+    ``InputError`` naming ``what`` (the argument: "ids", "table_ids", ...)."""
     if is_cupy_array(a):
         return a.get()
-    return np.asarray(a)
+    return as_array(np, a, what)
+
+
+def as_array(xp, a, what: str = "array"):
+    """``xp.asarray(a)``; a ragged nested list (rows of different lengths), which numpy refuses
+    with a ValueError, is an ``InputError`` naming ``what`` and the value."""
+    try:
+        return xp.asarray(a)
+    except ValueError as e:
+        pad = " (pad the short ones, e.g. with padding_idx)" if what == "ids" else ""
+        raise InputError(
+            f"{what}={reprlib.repr(a)} is not a rectangular array ({e}): give every row the "
+            f"same length{pad}"
+        ) from None
 
 
 def cupy_available() -> bool:

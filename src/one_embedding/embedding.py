@@ -26,11 +26,12 @@ operations (``kernels.device_ops``), and gives the same results.
 from __future__ import annotations
 
 import logging
+import numbers
 from typing import Sequence
 
 import numpy as np
 
-from .backend import default_embedding_device, is_cupy_array, to_numpy
+from .backend import as_array, default_embedding_device, is_cupy_array, to_numpy
 from .embedding_inputs import EmbeddingInputs, dtype_name, keys_as_uint64, resolve_key_type
 from .errors import ClosedError, ConfigError, InputError
 from .kernels import device_ops, device_unique, fused_update
@@ -98,6 +99,9 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
             raise ConfigError(f"dtype={dtype!r}: rows are stored and returned as float32; pass np.float32")
         self.dtype = np.dtype(np.float32)
         self.key_type = resolve_key_type(key_type)
+        if isinstance(seed, bool) or not isinstance(seed, numbers.Integral):
+            raise ConfigError(f"seed={seed!r} must be an integer (the initializers' seed): pass an "
+                              "int, e.g. seed=0")
         self.seed = int(seed)
         if isinstance(store_options, dict):          # OneFlow's dict form (store_dict.py)
             store_options = StoreOptions.from_dict(store_options)
@@ -186,7 +190,7 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
         if self.launch is not None:
             return self._prepare_on_device(ids, table_ids, comm)
         on_gpu = is_cupy_array(ids)
-        ids = self._validate_ids(to_numpy(ids))
+        ids = self._validate_ids(to_numpy(ids, "ids"))
         tables = self._resolve_table_ids(ids, table_ids).reshape(-1)
         keys = keys_as_uint64(ids.reshape(-1), self.key_type)
         keep = None
@@ -339,7 +343,7 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
         if state is None:
             raise InputError("backward() without a forward(): look the ids up first")
         xp = self.xp
-        grad = np.asarray(to_numpy(grad_out)) if xp is np else xp.asarray(grad_out)
+        grad = to_numpy(grad_out, "grad_out") if xp is np else as_array(xp, grad_out, "grad_out")
         want = state.ids_shape + (self.embedding_dim,)
         if grad.shape != want:
             raise InputError(f"grad_out has shape {grad.shape}; the last forward returned {want}")

@@ -8,10 +8,13 @@ CuPy arrays (``xp``); on the device path a range check is one counted host read
 """
 from __future__ import annotations
 
+import math
+import numbers
+
 import numpy as np
 
 from . import host_sync
-from .backend import to_numpy
+from .backend import as_array, to_numpy
 from .errors import ConfigError, InputError
 from .options import DEFAULT_INITIALIZER, TableOptions, check_initializer, make_table_options
 
@@ -53,6 +56,11 @@ class EmbeddingInputs:
         if tables is None:
             init = check_initializer(default_initializer or DEFAULT_INITIALIZER, "default_initializer")
             tables = [make_table_options([init] * len(self.column_dims))]
+        if isinstance(tables, TableOptions) or not hasattr(tables, "__iter__"):
+            raise ConfigError(
+                f"tables={tables!r} is not a list of tables: pass a list with one "
+                "make_table_options(...) per table, e.g. tables=[make_table_options(init)]"
+            )
         tables = tuple(tables)
         if not tables:
             raise ConfigError("tables is empty: give at least one make_table_options(...)")
@@ -69,13 +77,16 @@ class EmbeddingInputs:
 
     def _check_padding(self, padding_idx) -> int:
         info = np.iinfo(self.key_type)
-        if int(padding_idx) != padding_idx or not info.min <= padding_idx <= info.max:
-            raise ConfigError(f"padding_idx={padding_idx!r} is not a valid {self.key_type.name} key")
+        if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Real) \
+                or not math.isfinite(padding_idx) or int(padding_idx) != padding_idx \
+                or not info.min <= padding_idx <= info.max:
+            raise ConfigError(f"padding_idx={padding_idx!r} is not a valid {self.key_type.name} key: "
+                              f"pass an integer in [{info.min}, {info.max}] (or None)")
         return int(padding_idx)
 
     # ---------------------------------------------------------------- input validation
     def _validate_ids(self, ids, xp=np) -> np.ndarray:
-        ids = xp.asarray(ids)
+        ids = as_array(xp, ids, "ids")
         if ids.dtype.kind not in "iu":
             raise InputError(
                 f"ids have dtype {ids.dtype}; ids must be integers: cast them to {self.key_type.name}"
@@ -107,7 +118,8 @@ class EmbeddingInputs:
                 f"ids of shape {ids.shape} with {n_tables} tables and no table_ids: give ids of "
                 f"shape (..., {n_tables}) (column j = table j) or pass table_ids"
             )
-        table_ids = np.asarray(to_numpy(table_ids)) if xp is np else xp.asarray(table_ids)
+        table_ids = (to_numpy(table_ids, "table_ids") if xp is np
+                     else as_array(xp, table_ids, "table_ids"))
         if table_ids.dtype.kind not in "iu":
             raise InputError(f"table_ids have dtype {table_ids.dtype}; they must be integers")
         try:

@@ -75,7 +75,7 @@ class Optimizer:
                                   "the groups' 'params'")
             groups[0].parameters = list(self.parameters)  # the row optimizer had none
             groups[0].params = groups[0].params + list(self.parameters)
-        self.embeddings = _embeddings_by_group(groups, list(embeddings))
+        self.embeddings = _embeddings_by_group(groups, _embedding_list(embeddings))
         self.parameters = optimizer.params  # OneFlow's form: Optimizer(SGD(model.parameters()))
         self.loss_scaler = LossScaler.of(loss_scale)
         self.skipped = False
@@ -313,6 +313,21 @@ class Optimizer:
         for p in self.parameters:
             if p.grad is not None and id(p) not in done:
                 p.grad[...] = 0
+
+
+def _embedding_list(embeddings) -> list:
+    """``embeddings=`` as a list, each an embedding (OneFlow's form: ``embeddings=[emb]``)."""
+    if hasattr(embeddings, "check_optimizer") or not hasattr(embeddings, "__iter__") \
+            or isinstance(embeddings, (str, bytes, dict)):
+        raise ConfigError(f"embeddings={embeddings!r} is not a list of embeddings: pass a list, "
+                          "e.g. embeddings=[emb] (OneFlow's form), even for one embedding")
+    embeddings = list(embeddings)
+    for i, emb in enumerate(embeddings):
+        if not (hasattr(emb, "check_optimizer") and hasattr(emb, "bind_optimizer")):
+            raise ConfigError(f"embeddings[{i}]={emb!r} is not an embedding: pass "
+                              "embeddings=[emb, ...] of MultiTableEmbedding or "
+                              "MultiTableMultiColumnEmbedding")
+    return embeddings
 
 
 def _embeddings_by_group(groups, embeddings: list) -> list:

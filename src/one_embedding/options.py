@@ -6,6 +6,8 @@ OneEmbedding's names and defaults.
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Sequence, Union
 
@@ -23,6 +25,17 @@ def _finite(name: str, value) -> float:
     if not math.isfinite(v):
         raise ConfigError(f"{name}={value!r} must be finite")
     return v
+
+
+def _whole(value) -> bool:
+    """value is a whole number: an integer, or a finite float without a fraction (never raises
+    on nan, inf, strings or None; a bool is not a number here)."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool)
+            and math.isfinite(value) and int(value) == value)
+
+
+def _is_path(value) -> bool:
+    return isinstance(value, (str, os.PathLike)) and isinstance(os.fspath(value), str)
 
 
 @dataclass(frozen=True)
@@ -178,8 +191,7 @@ make_table = make_table_options
 
 
 def _count(name: str, value, low: int, flag: str, meaning: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or int(value) != value \
-            or value < low:
+    if not isinstance(value, (int, float)) or not _whole(value) or value < low:
         raise ConfigError(f"{name}={value!r} ({flag}) must be an integer >= {low}{meaning}")
     return int(value)
 
@@ -283,9 +295,14 @@ class CacheOptions:
         if self.location not in ("device", "host"):
             raise ConfigError(f"cache location {self.location!r} must be 'device' or 'host'")
         if self.policy != "full":
-            if self.budget_mb is None or not float(self.budget_mb) > 0:
+            budget = self.budget_mb
+            if isinstance(budget, bool) or not isinstance(budget, numbers.Real) \
+                    or not math.isfinite(budget) or not budget > 0:
+                arg, unset = (("cache_budget_mb", "") if self.location == "device" else
+                              ("host_cache_budget_mb", " (0: no host cache)"))
                 raise ConfigError(
-                    f"an {self.policy!r} cache needs cache_budget_mb > 0, got {self.budget_mb!r}"
+                    f"an {self.policy!r} cache needs {arg} > 0, got {arg}={budget!r}: pass the "
+                    f"cache's size in MiB as a finite number{unset}"
                 )
         if self.ways < 1:
             raise ConfigError(f"ways={self.ways} must be >= 1")
@@ -317,11 +334,18 @@ class StoreOptions:
             raise ConfigError(f"lifecycle={self.lifecycle!r}: build it with make_lifecycle_options(...)")
         if self.kind not in STORE_KINDS:
             raise ConfigError(f"store kind {self.kind!r} is not one of {STORE_KINDS}")
-        if self.capacity is not None and (int(self.capacity) != self.capacity or self.capacity <= 0):
+        path = self.persistent_path
+        if not (path is None or _is_path(path)
+                or isinstance(path, (list, tuple)) and path and all(map(_is_path, path))):
+            raise ConfigError(
+                f"persistent_path={path!r} must be a folder: a str or os.PathLike (or a list of "
+                "one per rank, or None for none), e.g. persistent_path='/data/table'"
+            )
+        if self.capacity is not None and (not _whole(self.capacity) or self.capacity <= 0):
             raise ConfigError(f"capacity={self.capacity!r} must be a positive integer (or None)")
-        if int(self.size_factor) != self.size_factor or not 1 <= self.size_factor <= 8:
+        if not _whole(self.size_factor) or not 1 <= self.size_factor <= 8:
             raise ConfigError(f"size_factor={self.size_factor!r} must be an integer in 1..8")
-        if self.storage_dim != -1 and (int(self.storage_dim) != self.storage_dim or self.storage_dim <= 0):
+        if self.storage_dim != -1 and (not _whole(self.storage_dim) or self.storage_dim <= 0):
             raise ConfigError(f"storage_dim={self.storage_dim!r} must be a positive integer or -1")
         pbs = self.physical_block_size
         if pbs not in (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
@@ -425,7 +449,8 @@ def make_cached_ssd_store_options(
     "rocksdb" (RocksDB through rocksdict).
     """
     caches = [CacheOptions(cache_policy, "device", cache_budget_mb)]
-    if host_cache_budget_mb and host_cache_budget_mb > 0:
+    # 0 (or None): no host cache; anything else is checked by CacheOptions (-5, nan: refused)
+    if host_cache_budget_mb not in (None, 0):
         caches.append(CacheOptions(cache_policy, "host", host_cache_budget_mb))
     return StoreOptions(
         "cached_ssd", persistent_path, capacity, size_factor, storage_dim, physical_block_size,
