@@ -73,6 +73,8 @@ def run_bench(cfg: TrainConfig, out_dir: str, stores=None) -> list[dict]:
             scratch = tempfile.mkdtemp(prefix="one_embedding_bench_")
             try:
                 run_cfg = dataclasses.replace(cfg, store=store, engine=engine,
+                                              host_cache_mb=cfg.host_cache_mb
+                                              if store == "cached_ssd" else 0.0,
                                               persistent_path=os.path.join(scratch, "table"),
                                               eval_interval=0, prefetch_depth=depth)
                 rec = train(run_cfg, metrics_path=metrics_path, progress=False)

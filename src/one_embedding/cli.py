@@ -70,6 +70,7 @@ def cmd_train(args) -> int:
     from .training import train
 
     cfg = _config(args)
+    cfg.check_flags_act()
     _check_metrics_path(args.metrics, args.data)
     try:
         final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress,
@@ -168,6 +169,17 @@ def cmd_inspect(args) -> int:
     for s in damaged:
         print(f"one-embedding inspect: damaged: {s['error']}", file=sys.stderr)
     return 1 if damaged else 0
+
+
+def _sample_rows(text: str) -> int:
+    """inspect --rows: a whole number >= 0."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"{text!r} must be a whole number of rows >= 0")
+    return value
 
 
 def _count(text: str) -> int:
@@ -298,7 +310,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "status 1 when one is damaged)")
     p.add_argument("path", help="the persistent_path (or its <rank>-<world> folder)")
     p.add_argument("--name", default=None, help="one snapshot (default: all)")
-    p.add_argument("--rows", type=int, default=3,
+    p.add_argument("--rows", type=_sample_rows, default=3,
                    help="sample rows per snapshot in the --json output (default: 3)")
     p.add_argument("--quick", action="store_true",
                    help="check the data a snapshot shares (SSTs, slot segments) by size and key "

@@ -22,6 +22,7 @@ import dataclasses
 import math
 import numbers
 import os
+import re
 import typing
 from dataclasses import dataclass, field
 
@@ -75,7 +76,8 @@ class TrainConfig:
     model: str = option("dlrm", group="model", choices=MODELS,
                         help="the model: DLRM, Deep & Cross Network or DeepFM")
     data: tuple[str, ...] = option(group="data", default_factory=lambda: ("synthetic",),
-                                   help="'synthetic', or Criteo TSV / Parquet files or folders")
+                                   help="'synthetic', or Criteo TSV / Parquet files (a "
+                                        "folder's: DIR/*)")
     synthetic_cardinalities: str = option(
         "kaggle", group="data", choices=tuple(sorted(CRITEO_CARDINALITIES)),
         help="--data synthetic: the per-column cardinalities of C1..C26: kaggle (Criteo Kaggle's "
@@ -282,6 +284,45 @@ class TrainConfig:
                               f"{self.warmup_steps}")
         self._check_run_settings()
 
+    def check_flags_act(self) -> None:
+        """The CLI's check of flags that act only with another one, refused alone (they were
+        silently ignored: found by a fault campaign); a value equal to the default is taken as
+        not given. Not made for every TrainConfig: a program may build one config for several
+        models, stores or sources and leave the others' settings in it."""
+        default = TrainConfig.__dataclass_fields__
+        given = lambda name: getattr(self, name) != default[name].default  # noqa: E731
+        synthetic = tuple(self.data) == ("synthetic",)
+        idle = [
+            ("engine", self.engine != "slots" and self.store != "cached_ssd",
+             f"picks the SSD engine of --store cached_ssd; --store {self.store} has none: use "
+             "--store cached_ssd or drop --engine"),
+            ("host_cache_mb", self.host_cache_mb > 0 and self.store != "cached_ssd",
+             f"sizes the RAM cache between the device cache and the SSD of --store cached_ssd; "
+             f"--store {self.store} has none: use --store cached_ssd or drop --host-cache-mb"),
+            ("synthetic_scale", given("synthetic_scale") and not synthetic,
+             "scales the synthetic source's tables; --data names files: drop it"),
+            ("zipf_alpha", given("zipf_alpha") and not synthetic,
+             "shapes the synthetic source's ids; --data names files: drop it"),
+            ("dnn", given("dnn") and self.model == "dlrm",
+             "is the DCN / DeepFM deep part; --model dlrm has --bottom-mlp and --top-mlp"),
+            ("cross_layers", given("cross_layers") and self.model != "dcn",
+             f"counts DCN's cross layers; --model {self.model} has none: drop it"),
+            ("decay_start", given("decay_start") and not self.decay_steps,
+             "starts the decay, which only --decay-steps N > 0 runs: add it or drop "
+             "--decay-start"),
+            ("keep_snapshots", given("keep_snapshots") and not self.persistent_path,
+             "counts the checkpoints kept in the run's folder, and there is none: add "
+             "--persistent-path DIR or drop it"),
+            ("snapshot_name", given("snapshot_name") and not self.persistent_path,
+             "names the final checkpoint in the run's folder, and there is none: add "
+             "--persistent-path DIR or drop it"),
+        ]
+        for name, idle_here, why in idle:
+            if idle_here:
+                value = getattr(self, name)
+                value = list(value) if isinstance(value, tuple) else value
+                raise ConfigError(f"{name}={value!r} (--{name.replace('_', '-')}) {why}")
+
     def _check_run_settings(self) -> None:
         """Settings that would otherwise fail only after training (snapshot name), fail while
         allocating (a cache beyond RAM) or give a meaningless result (no evaluation split)."""
@@ -297,6 +338,10 @@ class TrainConfig:
             check_snapshot_name(self.snapshot_name)
         except OneEmbeddingError as e:
             raise ConfigError(f"--snapshot-name: {e}") from None
+        if re.fullmatch(r"step-[0-9]+", self.snapshot_name):
+            raise ConfigError(f"snapshot_name={self.snapshot_name!r} (--snapshot-name) is the "
+                              "name of an interval checkpoint (--snapshot-interval writes "
+                              "step-N), which it would replace: choose another, e.g. 'final'")
         ram_mb = physical_memory_mb()
         if ram_mb is not None and self.admit_sketch_mb is not None \
                 and self.admit_sketch_mb > ram_mb:

@@ -28,6 +28,10 @@ def _snapshot_roots(path: str) -> list[str]:
     roots = sorted(os.path.join(path, d) for d in os.listdir(path)
                    if os.path.isdir(os.path.join(path, d, "snapshots"))) if os.path.isdir(path) else []
     if not roots:
+        if not os.path.exists(path):
+            raise SnapshotError(f"{path!r} does not exist: pass a run's --persistent-path")
+        if not os.path.isdir(path):
+            raise SnapshotError(f"{path!r} is a file: pass a run's --persistent-path folder")
         raise SnapshotError(f"{path!r} holds no snapshots/ folder (nor <rank>-<world>/snapshots/)")
     return roots
 

@@ -149,7 +149,8 @@ def test_add_arguments_works_on_any_parser():
     (["--cache-mb", "inf"], r"cache_mb=inf \(--cache-mb\): pass a finite number"),
     (["--cache-mb", "1e9"],
      r"cache_mb=1e\+09.*more than this machine's [\d,]+ MB of RAM.*--cache-mb \d+"),
-    (["--cache-mb", "1", "--host-cache-mb", "1e9"],
+    (["--cache-mb", "1", "--host-cache-mb", "1e9", "--store", "cached_ssd", "--persistent-path",
+      "{tmp}/t"],
      r"cache_mb=1, host_cache_mb=1e\+09 \(--cache-mb \+ --host-cache-mb = .*more than"),
     (["--eval-interval", "-5"], r"eval_interval=-5 \(--eval-interval\): use a value >= 0"),
     (["--snapshot-interval", "-1"],
@@ -157,7 +158,8 @@ def test_add_arguments_works_on_any_parser():
     (["--eval-fraction", "0"],
      r"eval_fraction=0.0 \(--eval-fraction\) holds out no rows.*e\.g\. 0\.05"),
     (["--eval-fraction", "1"], r"eval_fraction=1.0 \(--eval-fraction\) holds out every row"),
-    (["--snapshot-name", "../x"], r"--snapshot-name: snapshot name '\.\./x' is not allowed"),
+    (["--snapshot-name", "../x", "--persistent-path", "{tmp}/t"],
+     r"--snapshot-name: snapshot name '\.\./x' is not allowed"),
     (["--snapshot-name", ".hidden", "--persistent-path", "{tmp}/t"],
      r"--snapshot-name: snapshot name '\.hidden' is not allowed"),
     (["--metrics", "{tmp}/missing/m.jsonl"], r"--metrics '.*/missing/m\.jsonl': its folder .* does "
@@ -177,6 +179,24 @@ def test_add_arguments_works_on_any_parser():
      r"evict_interval=5 \(--evict-interval\).*only --steps-to-live > 0 runs.*add "
      r"--steps-to-live N"),
     (["--evict-interval", "5", "--max-rows", "1000"], r"evict_interval=5 .*add --steps-to-live N"),
+    # a fault campaign's (2026-12-07): more settings silently ignored alone
+    (["--engine", "rocksdb"], r"engine='rocksdb' \(--engine\) picks the SSD engine of --store "
+                              r"cached_ssd; --store device_mem has none"),
+    (["--store", "cached_host_mem", "--host-cache-mb", "5"],
+     r"host_cache_mb=5.0 \(--host-cache-mb\).*--store cached_host_mem has none"),
+    (["--data", "{tmp}/day_0.tsv", "--zipf-alpha", "1.2"],
+     r"zipf_alpha=1.2 \(--zipf-alpha\) shapes the synthetic source's ids"),
+    (["--data", "{tmp}/day_0.tsv", "--synthetic-scale", "0.5"],
+     r"synthetic_scale=0.5 \(--synthetic-scale\)"),
+    (["--dnn", "8"], r"dnn=\[8\] \(--dnn\) is the DCN / DeepFM deep part"),
+    (["--model", "deepfm", "--cross-layers", "2"],
+     r"cross_layers=2 \(--cross-layers\) counts DCN's cross layers; --model deepfm has none"),
+    (["--decay-start", "5"], r"decay_start=5 \(--decay-start\).*only --decay-steps N > 0"),
+    (["--keep-snapshots", "1"], r"keep_snapshots=1 \(--keep-snapshots\).*add --persistent-path"),
+    (["--snapshot-name", "best"], r"snapshot_name='best' \(--snapshot-name\).*add "
+                                  r"--persistent-path"),
+    (["--snapshot-name", "step-5", "--persistent-path", "{tmp}/t"],
+     r"snapshot_name='step-5' \(--snapshot-name\) is the name of an interval checkpoint"),
 ])
 def test_cli_refuses_bad_numbers_and_names_before_training(argv, message, tmp_path, capsys,
                                                            monkeypatch):
@@ -202,6 +222,15 @@ def test_config_refuses_a_cache_beyond_ram_and_names_the_ram(monkeypatch):
         TrainConfig(cache_mb=600, host_cache_mb=500)
     monkeypatch.setattr(config, "physical_memory_mb", lambda: None)  # the OS does not say
     TrainConfig(cache_mb=1e9)
+
+
+def test_a_program_may_leave_other_models_and_sources_settings_in_its_config():
+    """The CLI refuses a flag that acts only with another one; a TrainConfig built by a program
+    (one config for several models, stores or sources) keeps them without a word."""
+    cfg = TrainConfig(data=("day_0.tsv",), synthetic_scale=0.5, dnn=(8, 4), engine="rocksdb",
+                      host_cache_mb=4)
+    with pytest.raises(ConfigError, match=r"engine='rocksdb' \(--engine\)"):
+        cfg.check_flags_act()
 
 
 def test_seed_at_the_64_bit_limit_is_accepted():

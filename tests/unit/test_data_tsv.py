@@ -99,7 +99,8 @@ def test_kaggle_test_file_without_label(tmp_path):
     assert np.isnan(batch.labels).all()
     # read as labelled, line 1 is a valid 39-field stripped line whose label would be '-3'
     with pytest.raises(InputError, match=r"part\.tsv:1: .*label '-3' is not 0 or 1 \(an unlabelled "
-                                         r"test\.txt line\? pass has_label=False\)"):
+                                         r"test\.txt line\? pass has_label=False; convert "
+                                         r"--no-label\)"):
         read_criteo_tsv(path)
 
 

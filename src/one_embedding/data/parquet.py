@@ -65,7 +65,7 @@ def is_parquet_file(path) -> bool:
     InputError for a path that is missing or a folder (neither a Parquet nor a TSV file)."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise InputError(f"{path} is a folder: pass the files in it (e.g. {path}/*.parquet)")
+        raise InputError(f"{path} is a folder: pass the files in it (e.g. {path}/*)")
     try:
         with open(path, "rb") as f:
             return f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC

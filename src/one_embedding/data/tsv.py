@@ -138,7 +138,8 @@ def _explain(line: bytes, has_label: bool, min_fields: int, max_fields: int,
         text = field.decode("utf-8", "backslashreplace")
         if name == "label":
             if field not in (b"0", b"1"):
-                hint = " (an unlabelled test.txt line? pass has_label=False)" \
+                hint = (" (an unlabelled test.txt line? pass has_label=False; convert "
+                        "--no-label)") \
                     if count == max_fields - 1 else ""
                 return f"label {text!r} is not 0 or 1{hint}"
         elif name.startswith("I") and field:
@@ -347,8 +348,8 @@ class CriteoTSVReader:
             reason = _explain(line, self.has_label, min_fields, max_fields, self.max_hex_digits)
         shown = line[:120].decode("utf-8", "backslashreplace")
         raise InputError(f"{self.path}:{self._line_number(offset)}: bad Criteo line ({reason}): "
-                         f"{shown!r}; fix the file or pass on_bad_line='skip' to skip and count "
-                         f"such lines")
+                         f"{shown!r}; fix the file or pass on_bad_line='skip' (--on-bad-line "
+                         "skip) to skip and count such lines")
 
     def _parse(self, data: bytes, file_offset: int, stop: int | None, final: bool = False):
         """Rows of the whole lines in ``data``; final: ``data`` is the file's last line, which
@@ -419,7 +420,8 @@ class CriteoTSVReader:
         if self.on_bad_line == "error":
             raise InputError(f"{self.path}:{self._line_number(offset)}: a line longer than "
                              f"{MAX_LINE_BYTES} bytes without a newline (binary data?): "
-                             f"{data[:60]!r}; fix the file or pass on_bad_line='skip'")
+                             f"{data[:60]!r}; fix the file or pass on_bad_line='skip' "
+                             "(--on-bad-line skip)")
         self.skipped += 1
         offset += len(data)
         while True:

@@ -120,8 +120,9 @@ class Predictor:
                  scratch: str | None = None):
         self.path = os.fspath(persistent_path)
         if not os.path.isdir(self.path):
-            raise ConfigError(f"persistent_path {self.path!r} does not exist: pass the "
-                              "--persistent-path of a training run")
+            what = "is a file" if os.path.exists(self.path) else "does not exist"
+            raise ConfigError(f"persistent_path {self.path!r} {what}: pass the "
+                              "--persistent-path folder of a training run")
         if not cache_mb >= 0:
             raise ConfigError(f"cache_mb={cache_mb!r} must be >= 0")
         self.requested, self.cache_mb, self.scratch = snapshot, float(cache_mb), scratch
