@@ -127,6 +127,8 @@ class Predictor:
             raise ConfigError(f"cache_mb={cache_mb!r} must be >= 0")
         self.requested, self.cache_mb, self.scratch = snapshot, float(cache_mb), scratch
         self._lock = threading.Lock()
+        #: ((step, created, name), SnapshotError) of the newest checkpoint refused as damaged
+        self._refused = None
         for _ in range(2):  # a second listing if every checkpoint listed was deleted meanwhile
             sets = _checkpoint_sets(self.path, snapshot)
             if not sets:
@@ -219,17 +221,23 @@ class Predictor:
     def refresh(self) -> bool:
         """Switch to a newer complete checkpoint if training published one; True if it did.
         A newer one that fails its checks raises SnapshotError naming the file, and the one
-        being served stays."""
+        being served stays; asked again, the same checkpoint raises the same error without
+        being read again (a damaged TB-sized one was re-read in full at every poll)."""
         choice = self._newest()
         cur = self._current
         if choice is None or (choice[0], choice[1], choice[2]) == (cur.step, cur.created, cur.name):
             return False
         if (choice[0], choice[1]) < (cur.step, cur.created) and not cur.deleted():
             return False  # an older checkpoint (a resume from it): the served one stays
+        if self._refused is not None and self._refused[0] == choice[:3]:
+            raise self._refused[1]  # refused already: not read in full again every poll
         try:
             fresh = self._open(choice, served=cur)
         except _Gone:  # deleted meanwhile: the next look finds what replaced it
             return False
+        except SnapshotError as e:
+            self._refused = (choice[:3], e)
+            raise
         with self._lock:
             old, self._current = self._current, fresh
         self._retire(old)

@@ -194,6 +194,7 @@ class Follower:
     def __init__(self, predictor: Predictor, seconds: float, on_switch=None):
         self.predictor, self.seconds, self.on_switch = predictor, float(seconds), on_switch
         self._stop = threading.Event()
+        self._last_refusal = None
         self._thread = threading.Thread(target=self._run, name="one_embedding-follow", daemon=True)
 
     def start(self) -> "Follower":
@@ -208,8 +209,10 @@ class Follower:
                     if self.on_switch is not None:
                         self.on_switch(self.predictor.snapshot)
             except OneEmbeddingError as e:  # the newest checkpoint is damaged: refused
-                log.error("the newest checkpoint was refused: %s; still serving %r", e,
-                          self.predictor.snapshot)
+                if str(e) != self._last_refusal:  # once, not at every poll
+                    log.error("the newest checkpoint was refused: %s; still serving %r", e,
+                              self.predictor.snapshot)
+                    self._last_refusal = str(e)
             except Exception:  # a snapshot half-deleted under us: try again next time
                 log.exception("following the training path failed; still serving %r",
                               self.predictor.snapshot)
