@@ -273,6 +273,10 @@ class TrainConfig:
                 "time-to-live sweeps, which only --steps-to-live > 0 runs (--max-rows sweeps "
                 "whenever the table is over its limit): add --steps-to-live N or drop "
                 "--evict-interval")
+        if self.with_model_defaults().optimizer == "ftrl" and self.decay_steps:
+            raise ConfigError(f"decay_steps={self.decay_steps} with optimizer='ftrl': the decay "
+                              "ends at lr 0, which FTRL cannot take (it divides by lr; the run "
+                              "stopped there): use --decay-steps 0 with ftrl")
         if self.with_model_defaults().optimizer == "ftrl" and self.warmup_steps:
             raise ConfigError(f"warmup_steps={self.warmup_steps} with optimizer='ftrl': the "
                               "warmup gives the first update lr 0 (OneFlow's schedule), which "
@@ -367,6 +371,19 @@ class TrainConfig:
         if (optimizer, lr) == (self.optimizer, self.lr):
             return self
         return dataclasses.replace(self, optimizer=optimizer, lr=lr)
+
+    def resolved(self) -> "TrainConfig":
+        """This config with what None stands for spelled out, as a checkpoint records it (and
+        a resume compares it): the exchange's dtype (OneFlow's environment switch picks int8,
+        else fp32) and, with admission, the sketch's size."""
+        from .options import LifecycleOptions
+        from .parallel.codec import resolve_exchange_dtype
+
+        sketch = self.admit_sketch_mb
+        if sketch is None and self.admit_min_count > 1:
+            sketch = LifecycleOptions.sketch_mb
+        return dataclasses.replace(self, exchange_dtype=resolve_exchange_dtype(self.exchange_dtype),
+                                   admit_sketch_mb=sketch)
 
     # --- the command line, generated from the fields ---------------------------------------
 

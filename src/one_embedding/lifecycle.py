@@ -332,16 +332,20 @@ class Lifecycle:
         if self.sketch is not None:
             write_array(os.path.join(folder, SKETCH_FILE), self.sketch.counts)
 
-    def load(self, sources: list[tuple[str, dict]], resharded: bool) -> None:
+    def load(self, sources: list[tuple[str, dict]], resharded: bool,
+             takes_counters: bool = True) -> None:
         """Restore from snapshot folders and manifests (several: the old ranks of a snapshot
         of another world size, whose sketches add up; each key was counted by one of them).
-        A snapshot without a sketch leaves an empty one; counters are summed (``resharded``:
-        they were the old ranks'; each new rank reports its share of nothing: zeros)."""
+        A snapshot without a sketch leaves an empty one. Counters: the snapshot's; resharded,
+        the old ranks' summed on the new rank that ``takes_counters`` (rank 0), zeros on the
+        others, so that the run's totals (summed over the ranks) go on from where they were."""
         self.counters = LifecycleCounters()
-        if not resharded:
-            saved = (sources[0][1].get("lifecycle") or {}).get("counters")
-            if saved:
-                self.counters = LifecycleCounters(**saved)
+        if takes_counters or not resharded:
+            for _, manifest in sources if resharded else sources[:1]:
+                saved = (manifest.get("lifecycle") or {}).get("counters") or {}
+                for name, value in saved.items():
+                    if hasattr(self.counters, name):
+                        setattr(self.counters, name, getattr(self.counters, name) + int(value))
         if self.sketch is None:
             return
         fresh = CountMinSketch(self.sketch.width, self.sketch.depth)

@@ -37,3 +37,16 @@ def log_loss(labels, logits) -> float:
     y = np.asarray(labels, np.float64).reshape(-1)
     z = np.asarray(logits, np.float64).reshape(-1)
     return float(np.mean(np.maximum(z, 0) - z * y + np.log1p(np.exp(-np.abs(z)))))
+
+
+def check_labels(labels, where: str) -> None:
+    """InputError naming ``where`` for a label outside [0, 1] or NaN in ``labels`` (n,), as the
+    training loss refuses one: AUC and log loss over such labels look like figures and mean
+    nothing."""
+    y = np.asarray(labels)
+    bad = ~((y >= 0) & (y <= 1))
+    if bad.any():
+        at = int(np.argmax(bad))
+        raise InputError(f"{where}: labels[{at}] is {y[at]}: labels must lie in [0, 1] (click = "
+                         "1, no click = 0)")
+

@@ -180,7 +180,7 @@ class ShardSnapshots:
     def _load_lifecycle(self, sources: list, resharded: bool) -> None:
         """After a load (caller holds ``_state``): the lifecycle's sketch and counters from the
         snapshot, and the row count from the store."""
-        self._lifecycle.load(sources, resharded)
+        self._lifecycle.load(sources, resharded, takes_counters=self.rank == 0)
         self._rows = len(self._chain)
         self._new_rows_on_device = None  # counted rows of the table the load replaced
 

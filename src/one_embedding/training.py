@@ -34,10 +34,10 @@ from .cuda_graph import StepGraph
 from .kernels.layout_ops import InteractionInput
 from .config import MODELS, OPTIMIZERS, STORES, TrainConfig, make_row_optimizer
 from .backend import array_namespace, embedding_device, to_numpy
-from .errors import ConfigError, InputError
+from .errors import ConfigError
 from .interrupts import CtrlC, interrupt_of, iterating
 from . import host_sync
-from .metrics import log_loss, roc_auc
+from .metrics import check_labels, log_loss, roc_auc
 from .nn import amp
 from .optim.loss_scale import LossScaler
 from .checkpoint import (
@@ -89,7 +89,7 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
             if max_batches and i >= max_batches:
                 break
             batch = rank_block(batch, rank, world)
-            _check_eval_labels(to_numpy(batch.labels), i)
+            check_labels(to_numpy(batch.labels), f"evaluation batch {i}")
             dense = array_namespace(next(model.parameters()).data).asarray(batch.dense)
             logits.append(to_numpy(model(dense, batch.ids)).astype(np.float64))
             labels.append(batch.labels)
@@ -101,17 +101,6 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
         return {"auc": float("nan"), "logloss": float("nan"), "eval_samples": 0}
     y, z = np.concatenate(labels), np.concatenate(logits)
     return {"auc": roc_auc(y, z), "logloss": log_loss(y, z), "eval_samples": int(y.size)}
-
-
-def _check_eval_labels(labels: np.ndarray, batch: int) -> None:
-    """InputError for a held-out label outside [0, 1] or NaN, as the training loss refuses one:
-    AUC and log loss over such labels were reported as if they meant something."""
-    bad = ~((labels >= 0) & (labels <= 1))
-    if bad.any():
-        at = int(np.argmax(bad))
-        raise InputError(f"evaluation batch {batch}: labels[{at}] is {labels[at]}: labels must "
-                         "lie in [0, 1] (click = 1, no click = 0); the held-out rows hold a "
-                         "label that is not one")
 
 
 #: the feature lifecycle's counters in the final record, summed over the ranks
@@ -387,6 +376,14 @@ class Trainer:
                 cfg = self.cfg = replace(cfg, ftrl_convention=saved["ftrl_convention"])
             if cfg.admit_sketch_mb is None and cfg.admit_min_count > 1:  # the same
                 cfg = self.cfg = replace(cfg, admit_sketch_mb=saved["admit_sketch_mb"])
+            # compared as the runs used them, not as they were spelled: None is the sketch's
+            # default size, and the exchange's dtype OneFlow's environment switch picks (a
+            # checkpoint from before the dtype was recorded resolved it unseen: not compared)
+            cfg = self.cfg = cfg.resolved()
+            if saved.get("admit_sketch_mb") is None and cfg.admit_min_count > 1:
+                saved["admit_sketch_mb"] = cfg.admit_sketch_mb
+            if saved.get("exchange_dtype") is None:
+                saved["exchange_dtype"] = cfg.exchange_dtype
             free = RESUME_MAY_CHANGE | ({"ftrl_convention"} if cfg.optimizer != "ftrl" else set())
             if cfg.admit_min_count <= 1:  # no sketch: its size changes nothing (before issue
                 free = free | {"admit_sketch_mb"}  # 29 a config held 32 even without admission)
@@ -397,7 +394,7 @@ class Trainer:
                     f"changes results: {'; '.join(diffs)}. Use the checkpoint's values, or "
                     "--overwrite to start a new run")
             return name
-        cfg = self.cfg = cfg.with_model_defaults()  # a new run: the model's optimizer
+        cfg = self.cfg = cfg.with_model_defaults().resolved()  # a new run: the model's optimizer
         if cfg.ftrl_convention is None:  # a new run: OneFlow's formula
             self.cfg = replace(cfg, ftrl_convention="oneflow")
         if existing:
@@ -500,7 +497,7 @@ class Trainer:
                         self.read_losses(pending)
                         if bar is not None:
                             bar.set_postfix_str(progress_postfix(progress))
-                    if step % cfg.log_interval == 0 or step == 1:
+                    if step % cfg.log_interval == 0 or step == 1 or last:
                         graph = self.cuda_graph_status()
                         self.write({"event": "train", "step": step, "loss": progress.losses[-1],
                                     "samples_per_s": progress.samples / progress.train_seconds,

@@ -190,12 +190,12 @@ def test_labels_outside_0_1_are_refused_naming_file_row_group_and_row(tmp_path, 
 
 
 def test_nan_labels_in_the_held_out_rows_are_refused_not_scored(tmp_path):
-    from one_embedding import training
+    from one_embedding.metrics import check_labels
 
     with pytest.raises(InputError, match=r"evaluation batch 3: labels\[2\] is nan: labels must "
                                          r"lie in \[0, 1\]"):
-        training._check_eval_labels(np.array([0, 1, np.nan, 1], np.float32), 3)
-    training._check_eval_labels(np.array([0, 1, 0.5, 1], np.float32), 0)
+        check_labels(np.array([0, 1, np.nan, 1], np.float32), "evaluation batch 3")
+    check_labels(np.array([0, 1, 0.5, 1], np.float32), "evaluation batch 0")
 
 
 def test_missing_column_in_our_schema_is_refused(tmp_path):

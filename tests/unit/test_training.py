@@ -69,8 +69,10 @@ def test_trainer_steps_with_the_scheduled_rates(tmp_path):
     assert trainer.lr_schedule.last_step == 7 and trainer.progress.step == 7
     assert trainer.progress.samples == 7 * 128 == final["samples"]
     records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert [r["event"] for r in records] == ["config", "train", "eval", "final"]
+    # train records at step 1 and at the last step (7, not a multiple of --log-interval 10)
+    assert [r["event"] for r in records] == ["config", "train", "eval", "train", "final"]
     assert records[0]["steps"] == 7 and records[2]["step"] == 5
+    assert [r["step"] for r in records if r["event"] == "train"] == [1, 7]
     snapshots = sorted(p.name for p in (tmp_path / "table").glob("*/snapshots/*"))
     assert snapshots == ["final", "step-3", "step-6"]
     assert final["steps"] == 7 and 0.0 <= final["auc"] <= 1.0
