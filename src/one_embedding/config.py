@@ -300,6 +300,10 @@ class TrainConfig:
             ("engine", self.engine != "slots" and self.store != "cached_ssd",
              f"picks the SSD engine of --store cached_ssd; --store {self.store} has none: use "
              "--store cached_ssd or drop --engine"),
+            ("cache_mb", given("cache_mb") and self.store == "device_mem",
+             "sizes the device cache of the cached stores; --store device_mem keeps the whole "
+             "table in device memory: drop --cache-mb or use --store cached_host_mem / "
+             "cached_ssd"),
             ("host_cache_mb", self.host_cache_mb > 0 and self.store != "cached_ssd",
              f"sizes the RAM cache between the device cache and the SSD of --store cached_ssd; "
              f"--store {self.store} has none: use --store cached_ssd or drop --host-cache-mb"),

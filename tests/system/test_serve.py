@@ -489,12 +489,12 @@ def doc_serving_blocks(page: str, heading: str) -> list[str]:
 
 def run_blocks(blocks, port, scope=None, grpc_port=None) -> dict:
     """Run the blocks in order in one scope, the documented ports replaced by the test server's
-    (8001 is the gRPC port in a block that uses tritonclient.grpc, else a second REST server)."""
+    (8001: the gRPC port, beside REST's 8000; 8002: a second REST server, of a TSV run)."""
     scope = {} if scope is None else scope
     for code in blocks:
-        second = grpc_port if "grpcclient" in code else port
         code = code.replace("127.0.0.1:8000", f"127.0.0.1:{port}")
-        code = code.replace("127.0.0.1:8001", f"127.0.0.1:{second}")
+        code = code.replace("127.0.0.1:8001", f"127.0.0.1:{grpc_port}")
+        code = code.replace("127.0.0.1:8002", f"127.0.0.1:{port}")
         exec(compile(code, "docs", "exec"), scope)
     return scope
 

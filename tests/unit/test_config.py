@@ -180,6 +180,8 @@ def test_add_arguments_works_on_any_parser():
      r"--steps-to-live N"),
     (["--evict-interval", "5", "--max-rows", "1000"], r"evict_interval=5 .*add --steps-to-live N"),
     # a fault campaign's (2026-12-07): more settings silently ignored alone
+    (["--cache-mb", "128"], r"cache_mb=128.0 \(--cache-mb\) sizes the device cache of the "
+                            r"cached stores; --store device_mem keeps the whole table"),
     (["--engine", "rocksdb"], r"engine='rocksdb' \(--engine\) picks the SSD engine of --store "
                               r"cached_ssd; --store device_mem has none"),
     (["--store", "cached_host_mem", "--host-cache-mb", "5"],

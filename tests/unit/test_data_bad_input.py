@@ -138,6 +138,20 @@ def test_convert_never_replaces_a_source_or_an_existing_file_unasked(tmp_path):
         "bad.tsv", "day_0", "day_1", "empty.tsv", "out.parquet", "out.parquet.tmp"]
 
 
+@pytest.mark.parametrize("magic,name", [(b"\x1f\x8b\x08\x00", "gzip"),
+                                        (b"\x28\xb5\x2f\xfd", "zstd"),
+                                        (b"\xfd7zXZ\x00", "xz")])
+def test_a_compressed_source_is_named_so_not_read_as_one_bad_line(tmp_path, magic, name):
+    """Criteo 1TB ships day_N.gz: read as TSV it was one bad line, and the advice was to skip
+    bad lines (every line)."""
+    path = tmp_path / "day_0.gz"
+    path.write_bytes(magic + bytes(range(256)))
+    with pytest.raises(InputError, match=rf"day_0\.gz is {name}-compressed: decompress it first"):
+        BatchLoader(path, 4)
+    with pytest.raises(InputError, match=rf"is {name}-compressed"):
+        convert_tsv_to_parquet(path, tmp_path / "out.parquet", progress=False)
+
+
 def test_cli_convert_errors_are_one_line(tmp_path):
     from system.test_cli import run_cli  # tests/ is on sys.path (conftest)
 

@@ -103,7 +103,8 @@ def open_source(source, **reader_options):
     if kinds == {False}:
         return TSVSource(paths, **reader_options)
     raise ConfigError(f"mixed Parquet and TSV inputs {[os.fspath(p) for p in paths]}: "
-                      f"convert the TSV files first (convert_tsv_to_parquet) or load them apart")
+                      f"convert the TSV files first (one-embedding convert, or "
+                      f"convert_tsv_to_parquet) or load them apart")
 
 
 def split_mask(positions: np.ndarray, eval_fraction: float, split_seed: int) -> np.ndarray:

@@ -59,16 +59,28 @@ COLUMNS = (LABEL_COLUMN, *DENSE_COLUMNS, *SPARSE_COLUMNS)
 _ARROW_ERRORS = (OSError, pa.ArrowException)  # what pyarrow raises for unreadable bytes
 
 
+#: (magic bytes, format, the tool that decompresses it) of compressed files a source may be
+COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
+              (b"BZh", "bzip2", "bunzip2 -k"), (b"\xfd7zXZ", "xz", "unxz -k"))
+
+
 def is_parquet_file(path) -> bool:
     """True when ``path`` starts with Parquet's magic bytes, whatever its name.
 
-    InputError for a path that is missing or a folder (neither a Parquet nor a TSV file)."""
+    InputError for a path that is missing or a folder (neither a Parquet nor a TSV file), and
+    for a compressed file (Criteo 1TB ships ``day_N.gz``: read as TSV, its bytes were one bad
+    line, and the advice to skip bad lines would have dropped them all)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise InputError(f"{path} is a folder: pass the files in it (e.g. {path}/*)")
     try:
         with open(path, "rb") as f:
-            return f.read(len(PARQUET_MAGIC)) == PARQUET_MAGIC
+            head = f.read(8)
+        for magic, name, tool in COMPRESSED:
+            if head.startswith(magic):
+                raise InputError(f"{path} is {name}-compressed: decompress it first ({tool} "
+                                 f"{path}) and pass the file it gives")
+        return head[:len(PARQUET_MAGIC)] == PARQUET_MAGIC
     except FileNotFoundError:
         raise InputError(f"{path}: no such TSV file or Parquet file; check the path") from None
     except OSError as e:
