@@ -61,6 +61,7 @@ from .pipeline import Prefetcher
 from .training_progress import MetricsWriter, TrainProgress, progress_postfix
 from .training_setup import (
     build_model,
+    check_same_config,
     device_namespace,
     make_loaders,
     make_lr_schedule,
@@ -139,6 +140,7 @@ class Trainer:
         self.xp = device_namespace(cfg.device)      # no GPU for --device cuda: refused here
         self.comm = training_comm(cfg.comm, self.xp is not np)
         share_cores(self.comm.local_size)
+        check_same_config(cfg, self.comm)
         if cfg.batch_size % self.comm.world:
             raise ConfigError(f"batch_size={cfg.batch_size} (--batch-size, the global batch) does "
                               f"not split into {self.comm.world} equal rank blocks: use a "

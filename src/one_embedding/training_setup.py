@@ -125,3 +125,32 @@ def rank_block(batch, rank: int, world: int):
     n = batch.labels.shape[0]
     lo, hi = (rank * n) // world, ((rank + 1) * n) // world
     return type(batch)(batch.dense[lo:hi], batch.ids[lo:hi], batch.labels[lo:hi])
+
+
+def check_same_config(cfg: TrainConfig, comm) -> None:
+    """ConfigError on every rank, naming the fields, when the ranks were started with different
+    settings (``mpiexec -n 1 A : -n 1 B``, or an environment variable set on one machine only):
+    compared as the runs would use them, before any rank exchanges a row. Unchecked, different
+    steps or batch sizes hung the job, a different lr trained silently otherwise, and different
+    row widths ended in an MPI error naming nothing."""
+    if comm.world == 1:
+        return
+    import json
+    from dataclasses import asdict
+
+    mine = json.dumps(asdict(cfg.with_model_defaults().resolved()), sort_keys=True,
+                      default=str).encode()
+    sizes = comm.allgather(np.array([len(mine)], np.int64))
+    every = comm.allgather(np.frombuffer(mine, np.uint8))
+    ends = np.cumsum(sizes)
+    configs = [json.loads(every[end - size:end].tobytes())
+               for size, end in zip(sizes.tolist(), ends.tolist())]
+    differ = sorted(k for k in configs[0] if any(c.get(k) != configs[0][k] for c in configs[1:]))
+    if differ:
+        shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {c.get(k)!r}"
+                                              for r, c in enumerate(configs))
+                          for k in differ[:6])
+        raise ConfigError(f"the ranks were started with different settings ({shown}): start "
+                          "every rank with the same flags and environment (mpiexec -n P "
+                          "one-embedding train ...)")
+

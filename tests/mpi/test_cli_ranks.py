@@ -87,6 +87,27 @@ def test_an_error_on_one_rank_ends_the_job(tmp_path):
     assert time.monotonic() - t < 60
 
 
+@pytest.mark.parametrize("env,flags,differs", [
+    ([], ["--steps", "20"], "steps: rank 0 30, rank 1 20"),               # hung in a collective
+    ([], ["--steps", "30", "--lr", "0.5"], "lr: rank 0 0.05, rank 1 0.5"),  # trained otherwise
+    (["-env", "ONEFLOW_ONE_EMBEDDING_ENABLE_QUANTIZED_COMM", "1"], ["--steps", "30"],
+     "exchange_dtype: rank 0 'fp32', rank 1 'int8'"),                   # an MPI error naming nothing
+])
+def test_ranks_started_with_different_settings_are_refused_naming_them(tmp_path, env, flags,
+                                                                       differs):
+    """`mpiexec -n 1 A : -n 1 B`, or an environment variable on one machine only (found by a
+    fault campaign): refused on every rank before any row is exchanged."""
+    train_args = [sys.executable, "-m", "one_embedding", "train", *SMALL, "--optimizer", "sgd"]
+    cmd = [mpiexec(), "-n", "1", *train_args, "--steps", "30", ":", "-n", "1", *env,
+           *train_args, *flags]
+    t = time.monotonic()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0
+    assert f"the ranks were started with different settings ({differs}" in proc.stderr, \
+        proc.stderr[-2000:]
+    assert time.monotonic() - t < 60
+
+
 def published_steps(rank_folder) -> set[int]:
     """Steps of the interval checkpoints published in one rank's folder (complete: manifest)."""
     snapshots = rank_folder / "snapshots"
