@@ -86,10 +86,14 @@ def save_checkpoint(name: str, embedding, *, model=None, optimizer=None, lr_sche
                             extra_fields={"checkpoint": {"step": step, "files": [ARRAYS, STATE]}})
 
 
-def load_checkpoint(name: str, embedding, *, model=None, optimizer=None, lr_schedule=None) -> dict:
+def load_checkpoint(name: str, embedding, *, model=None, optimizer=None, lr_schedule=None,
+                    world: int | None = None) -> dict:
     """Load checkpoint ``name``: the embedding's rows, and the state of whichever of model /
-    optimizer / lr_schedule is given. Returns ``{"state": ..., "config": ...}`` as saved."""
-    manifest = embedding.load_snapshot(name)
+    optimizer / lr_schedule is given; ``world``: of the set saved by that many ranks (default:
+    this world's, else the newest other set holding it). Returns ``{"state": ..., "config":
+    ...}`` as saved."""
+    manifest = embedding.load_snapshot(name) if world is None else \
+        embedding.load_snapshot(name, saved_by=world)
     if "checkpoint" not in manifest:
         raise SnapshotError(f"snapshot {name!r} holds embedding rows only, no training state: "
                             "it was saved by save_snapshot, not save_checkpoint")
@@ -170,10 +174,12 @@ def snapshots_under(path: str) -> list[str]:
     return found
 
 
-def newest_checkpoint(path: str, rank: int, world: int, comm) -> str | None:
-    """The name of the newest checkpoint every rank can resume from: in this world's rank
-    folders, the newest step all of them hold; failing that, the newest complete set saved by
-    another number of ranks (its rows are re-sharded on load). None when there is none."""
+def newest_checkpoint(path: str, rank: int, world: int, comm) -> tuple[str, int] | None:
+    """(name, world it was saved by) of the newest checkpoint every rank can resume from: the
+    newest step among this world's checkpoints that all its rank folders hold and every
+    complete set saved by another number of ranks (re-sharded on load), this world's first at
+    an equal step. None when there is none. (It took this world's whenever it had one: a run
+    resumed on 1 rank after steps 31-60 ran on 2 went back to step 30.)"""
     folders = rank_folders(path)
     damaged: list = []
     mine = checkpoints(folders[world][rank], damaged) if rank in folders.get(world, {}) else []
@@ -187,36 +193,60 @@ def newest_checkpoint(path: str, rank: int, world: int, comm) -> str | None:
     common = set(every[0][every[0] >= 0].tolist())
     for row in every[1:]:
         common &= set(row[row >= 0].tolist())
+    found = []  # (step, this world's, name, world)
     if common:
         best = max(common)
-        return max(n for s, n in mine if s == best)
-    for other in sorted(folders, reverse=True):
-        ranks = folders[other]
+        found.append((best, 1, max(n for s, n in mine if s == best), world))
+    for other, (step, name) in _other_worlds_newest(folders, world).items():
+        found.append((step, 0, name, other))
+    if not found:
+        return None
+    _, _, name, saved_by = max(found)
+    return name, saved_by
+
+
+def final_of_any_world(path: str, name: str, step: int) -> bool:
+    """Whether every rank folder of some complete set under ``path`` holds checkpoint ``name``
+    at ``step`` (a run finished there, by whatever number of ranks)."""
+    for world, ranks in rank_folders(path).items():
+        if sorted(ranks) == list(range(world)) and all(
+                dict((n, s) for s, n in checkpoints(ranks[r])).get(name) == step
+                for r in range(world)):
+            return True
+    return False
+
+
+def _other_worlds_newest(folders: dict, world: int) -> dict:
+    """{P: (step, name)} of the newest checkpoint every rank folder of each complete set saved
+    by P != ``world`` ranks holds."""
+    out = {}
+    for other, ranks in folders.items():
         if other == world or sorted(ranks) != list(range(other)):
             continue
         per_rank = [dict((s, n) for s, n in checkpoints(ranks[r])) for r in range(other)]
         shared = set(per_rank[0]).intersection(*per_rank[1:])
         if shared:
-            return per_rank[0][max(shared)]
-    return None
+            out[other] = (max(shared), per_rank[0][max(shared)])
+    return out
 
 
 def resumable_checkpoint(path: str, world: int) -> tuple[int, str] | None:
     """(step, name) of the checkpoint ``--resume`` would continue from, read from the disk
-    alone (no collective: for a run that is being interrupted): the newest step that every rank
-    folder of ``world`` visible here holds; failing that, the newest complete set saved by
-    another number of ranks. None when there is none."""
+    alone (no collective: for a run that is being interrupted): the newest step among those
+    every rank folder of ``world`` visible here holds and the complete sets saved by another
+    number of ranks, this world's first at an equal step. None when there is none."""
     folders = rank_folders(path)
-    for other in [world] + sorted((w for w in folders if w != world), reverse=True):
-        ranks = folders.get(other, {})
-        if not ranks or (other != world and sorted(ranks) != list(range(other))):
-            continue
+    found = [(step, 0, name) for step, name in _other_worlds_newest(folders, world).values()]
+    ranks = folders.get(world, {})
+    if ranks:
         per_rank = [dict(checkpoints(folder)) for folder in ranks.values()]
         shared = set(per_rank[0]).intersection(*per_rank[1:])
         if shared:
-            step = max(shared)
-            return step, per_rank[0][step]
-    return None
+            found.append((max(shared), 1, per_rank[0][max(shared)]))
+    if not found:
+        return None
+    step, _, name = max(found)
+    return step, name
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -249,12 +279,15 @@ class TrainingInterrupted(KeyboardInterrupt):
         return f"{saved}: resume=True (--resume) continues from it" if how_to_resume else saved
 
 
-def saved_config(path: str, name: str) -> dict | None:
+def saved_config(path: str, name: str, world: int | None = None) -> dict | None:
     """The run config stored with checkpoint ``name`` (read from the first rank folder holding
-    it), checked against its manifest first: SnapshotError naming the file when it is damaged
-    (read unchecked, a damaged file passed for a config of defaults, and --resume called the
-    checkpoint another run's). None when no rank folder holds ``name``."""
-    for ranks in rank_folders(path).values():
+    it; of the set saved by ``world`` ranks when given), checked against its manifest first:
+    SnapshotError naming the file when it is damaged (read unchecked, a damaged file passed for
+    a config of defaults, and --resume called the checkpoint another run's). None when no rank
+    folder holds ``name``."""
+    for saved_by, ranks in rank_folders(path).items():
+        if world is not None and saved_by != world:
+            continue
         for folder in ranks.values():
             snap = SnapshotDirectory(folder, create=False).path(name)
             if not os.path.isfile(os.path.join(snap, MANIFEST)):

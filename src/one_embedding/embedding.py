@@ -475,13 +475,15 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
                                     extra_files)
         self.comm.barrier()  # a snapshot is complete once every rank has written its part
 
-    def load_snapshot(self, snapshot_name: str) -> dict:
+    def load_snapshot(self, snapshot_name: str, saved_by: int | None = None) -> dict:
         """Clear the caches and restore exactly the state saved under ``name``; returns its
         manifest (with ``"folder"``, where extra files saved with it are).
 
         A snapshot saved by another number of ranks is re-sharded on load: each rank keeps the
-        saved rows of the keys it owns now."""
-        manifest = self._owner().load_snapshot(snapshot_name, {"key_type": self.key_type.name})
+        saved rows of the keys it owns now. saved_by: the number of ranks whose snapshot to
+        load, where several sets hold the name (default: this world's, else the newest other)."""
+        manifest = self._owner().load_snapshot(snapshot_name, {"key_type": self.key_type.name},
+                                               saved_by=saved_by)
         self._pending.clear()
         self._last = None
         return manifest

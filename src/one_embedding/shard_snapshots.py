@@ -88,7 +88,7 @@ class ShardSnapshots:
             self._chain.collect_garbage()
             return gone
 
-    def load_snapshot(self, name: str, expected: dict) -> dict:
+    def load_snapshot(self, name: str, expected: dict, saved_by: int | None = None) -> dict:
         """Clear the caches and restore exactly the rows saved under ``name``; the manifest must
         match ``expected`` and this shard's layout, and hold the state of the bound optimizer.
         Returns the manifest, with ``"folder"``: this rank's snapshot folder (or, re-sharded,
@@ -106,6 +106,12 @@ class ShardSnapshots:
             # load into any embedding whose line_size is the writer's storage_dim
             del want["embedding_dims"]
         engine = self.manifest_fields()["engine"]
+        if saved_by is not None and saved_by != self.world:
+            roots = self._other_world_sources(name, saved_by)
+            if not roots:
+                raise SnapshotError(f"no complete set of {saved_by} rank folders holds snapshot "
+                                    f"{name!r} under {self.store_options.persistent_path!r}")
+            return self._import_snapshot(name, roots, want)
         if name in snaps.names() and snaps.open(name, want, verify=False)[1]["engine"] != engine:
             # written by another engine (or by a table writer): read row by row
             return self._import_snapshot(name, [self.path], want)
@@ -184,9 +190,10 @@ class ShardSnapshots:
         self._rows = len(self._chain)
         self._new_rows_on_device = None  # counted rows of the table the load replaced
 
-    def _other_world_sources(self, name: str) -> list[str]:
+    def _other_world_sources(self, name: str, world: int | None = None) -> list[str]:
         """The rank folders ``<base>/<r>-<P>`` of the newest complete set (every r of some P
-        other than this world) that hold snapshot ``name``; [] when there is none."""
+        other than this world; of ``world`` ranks when given) that hold snapshot ``name``; []
+        when there is none."""
         base = self.store_options.persistent_path
         if not isinstance(base, (str, os.PathLike)) or not os.path.isdir(base):
             return []
@@ -194,7 +201,7 @@ class ShardSnapshots:
         for entry in os.listdir(base):
             m = re.fullmatch(r"(\d+)-(\d+)", entry)
             folder = os.path.join(base, entry)
-            if m and int(m.group(2)) != self.world and \
+            if m and int(m.group(2)) != self.world and world in (None, int(m.group(2))) and \
                     name in SnapshotDirectory(folder, create=False).names():
                 by_world.setdefault(int(m.group(2)), {})[int(m.group(1))] = folder
         complete = [(max(os.path.getmtime(f) for f in ranks.values()), world, ranks)

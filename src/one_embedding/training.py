@@ -40,10 +40,11 @@ from . import host_sync
 from .metrics import check_labels, log_loss, roc_auc
 from .nn import amp
 from .optim.loss_scale import LossScaler
+from .resume_config import resumed_config
 from .checkpoint import (
     TrainingInterrupted,
     checkpoints,
-    config_differences,
+    final_of_any_world,
     load_checkpoint,
     newest_checkpoint,
     prune_checkpoints,
@@ -106,18 +107,6 @@ def evaluate(model, loader, max_batches: int, comm=None) -> dict:
 
 #: the feature lifecycle's counters in the final record, summed over the ranks
 LIFECYCLE_FIELDS = ("admitted_rows", "not_admitted_lookups", "evicted_rows")
-
-#: config fields a resumed run may change: they change how long it runs, what it reports, and how
-#: fast, never its results (every store and cache size trains bit-identically)
-#: what a setting added later was, in effect, before it existed: a checkpoint whose config lacks
-#: it resumes with this value (Ftrl computed only TensorFlow's convention before issue 23)
-LEGACY_CONFIG = {"ftrl_convention": "tensorflow"}
-
-RESUME_MAY_CHANGE = {"steps", "epochs", "log_interval", "eval_interval", "eval_batches", "snapshot_interval",
-                     "snapshot_name", "keep_snapshots", "prefetch_depth", "read_ahead", "cache_mb",
-                     "host_cache_mb", "capacity", "resume", "overwrite", "persistent_path",
-                     "cuda_graph", "comm"}
-
 
 class Trainer:
     """Loaders, model, optimizer, LR schedule and metrics writer built from one config.
@@ -357,45 +346,17 @@ class Trainer:
         cfg = self.cfg
         existing = snapshots_under(cfg.persistent_path) if cfg.persistent_path else []
         if cfg.resume:
-            name = newest_checkpoint(cfg.persistent_path, self.comm.rank, self.comm.world,
-                                     self.comm)
-            if name is None:
+            newest = newest_checkpoint(cfg.persistent_path, self.comm.rank, self.comm.world,
+                                       self.comm)
+            if newest is None:
                 raise ConfigError(
                     f"--resume: persistent_path {cfg.persistent_path!r} holds no complete "
                     f"checkpoint ({len(existing)} snapshot(s) without training state): train "
                     "without --resume, with --snapshot-interval N to write checkpoints")
-            saved = saved_config(cfg.persistent_path, name)
-            # a field the checkpoint's version did not have yet had its default value then, or
-            # the value LEGACY_CONFIG gives for what the code did before the field existed
-            saved = {**asdict(TrainConfig()), **LEGACY_CONFIG, **(saved or {})}
-            if cfg.optimizer is None:  # unset: continue as the checkpoint's run did
-                cfg = self.cfg = replace(cfg, optimizer=saved["optimizer"])
-            if cfg.lr is None:
-                lr = saved["lr"] if cfg.optimizer == saved["optimizer"] else None
-                cfg = self.cfg = replace(cfg, lr=lr)
-            cfg = self.cfg = cfg.with_model_defaults()
-            if cfg.ftrl_convention is None:  # unset: continue as the checkpoint's run did
-                cfg = self.cfg = replace(cfg, ftrl_convention=saved["ftrl_convention"])
-            if cfg.admit_sketch_mb is None and cfg.admit_min_count > 1:  # the same
-                cfg = self.cfg = replace(cfg, admit_sketch_mb=saved["admit_sketch_mb"])
-            # compared as the runs used them, not as they were spelled: None is the sketch's
-            # default size, and the exchange's dtype OneFlow's environment switch picks (a
-            # checkpoint from before the dtype was recorded resolved it unseen: not compared)
-            cfg = self.cfg = cfg.resolved()
-            if saved.get("admit_sketch_mb") is None and cfg.admit_min_count > 1:
-                saved["admit_sketch_mb"] = cfg.admit_sketch_mb
-            if saved.get("exchange_dtype") is None:
-                saved["exchange_dtype"] = cfg.exchange_dtype
-            free = RESUME_MAY_CHANGE | ({"ftrl_convention"} if cfg.optimizer != "ftrl" else set())
-            if cfg.admit_min_count <= 1:  # no sketch: its size changes nothing (before issue
-                free = free | {"admit_sketch_mb"}  # 29 a config held 32 even without admission)
-            diffs = config_differences(saved, asdict(cfg), free)
-            if diffs:
-                raise ConfigError(
-                    f"--resume: the configuration differs from checkpoint {name!r}'s in what "
-                    f"changes results: {'; '.join(diffs)}. Use the checkpoint's values, or "
-                    "--overwrite to start a new run")
-            return name
+            name, saved_by = newest
+            saved = saved_config(cfg.persistent_path, name, saved_by)
+            cfg = self.cfg = resumed_config(cfg, saved, name)
+            return newest
         cfg = self.cfg = cfg.with_model_defaults().resolved()  # a new run: the model's optimizer
         if cfg.ftrl_convention is None:  # a new run: OneFlow's formula
             self.cfg = replace(cfg, ftrl_convention="oneflow")
@@ -410,11 +371,12 @@ class Trainer:
             self.comm.barrier()
         return None
 
-    def _restore(self, name: str) -> None:
-        """Load checkpoint ``name``: rows, dense weights and optimizer state, LR schedule,
-        dropout counters, progress, data position."""
+    def _restore(self, newest: tuple[str, int]) -> None:
+        """Load checkpoint (name, saved by that many ranks): rows, dense weights and optimizer
+        state, LR schedule, dropout counters, progress, data position."""
+        name, saved_by = newest
         record = load_checkpoint(name, self.embedding, model=self.model, optimizer=self.optimizer,
-                                 lr_schedule=self.lr_schedule)
+                                 lr_schedule=self.lr_schedule, world=saved_by)
         state = record["state"]
         saved = state["progress"]
         self.progress = TrainProgress(**{**saved, "phase_seconds": dict(saved["phase_seconds"])})
@@ -553,6 +515,9 @@ class Trainer:
         folder = rank_path(cfg.persistent_path, self.comm.rank, self.comm.world, cfg.store)
         have = dict((n, s) for s, n in checkpoints(folder)) if os.path.isdir(folder) else {}
         mine = have.get(cfg.snapshot_name) == self.progress.step
+        # or a set saved by another number of ranks holds it (the run finished there)
+        mine = mine or final_of_any_world(cfg.persistent_path, cfg.snapshot_name,
+                                          self.progress.step)
         return bool(self.comm.allreduce_sum(np.array([float(not mine)]))[0] == 0)
 
     def finish(self) -> dict:

@@ -108,6 +108,23 @@ def test_ranks_started_with_different_settings_are_refused_naming_them(tmp_path,
     assert time.monotonic() - t < 60
 
 
+def test_resume_takes_the_newest_checkpoint_of_any_number_of_ranks(tmp_path):
+    """1 rank to step 8, 2 ranks to 16, 1 rank again: it resumed from its own step 8 (the
+    2-rank steps discarded), and a run the 2 ranks finished ran again on 1 rank (found by a
+    fault campaign)."""
+    path = tmp_path / "run"
+    args = ["--optimizer", "sgd", "--store", "cached_ssd", "--persistent-path", path,
+            "--snapshot-interval", 4]
+    train(tmp_path, 1, *args, "--steps", 8, name="a")
+    train(tmp_path, 2, *args, "--steps", 16, "--resume", name="b")
+    _, records = train(tmp_path, 1, *args, "--steps", 20, "--resume", name="c")
+    (resumed,) = [r for r in records if r["event"] == "resume"]
+    assert resumed["step"] == 16, resumed
+    proc, _ = train(tmp_path, 2, *args, "--steps", 20, "--resume", name="d", check=False)
+    assert proc.returncode == 2 and "the run is already at step 20" in proc.stderr, \
+        proc.stderr[-2000:]
+
+
 def published_steps(rank_folder) -> set[int]:
     """Steps of the interval checkpoints published in one rank's folder (complete: manifest)."""
     snapshots = rank_folder / "snapshots"
