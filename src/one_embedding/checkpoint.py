@@ -164,6 +164,33 @@ def rank_folders(path: str) -> dict[int, dict[int, str]]:
     return out
 
 
+def why_no_checkpoint(path: str) -> str:
+    """What keeps ``path``'s snapshots from a complete checkpoint, per set of rank folders (a
+    rank's folder missing, no step every rank holds, snapshots without training state), and
+    what to do; for --resume's refusal (it said "snapshots without training state" where a
+    rank's folder was missing)."""
+    sets = rank_folders(path)
+    said = []
+    for world, ranks in sorted(sets.items()):
+        missing = [f"{r}-{world}" for r in range(world) if r not in ranks]
+        if missing:
+            said.append(f"the set of {world} rank(s) lacks the folder(s) {', '.join(missing)}")
+            continue
+        steps = [set(s for s, _ in checkpoints(ranks[r])) for r in range(world)]
+        if not any(steps):
+            said.append(f"the {world} rank folder(s) hold(s) no checkpoint (snapshots without "
+                        "training state only)")
+        else:
+            said.append(f"no step is held by all {world} rank folders (steps per rank: "
+                        + "; ".join(f"{r}-{world}: {sorted(s)[-3:] or 'none'}"
+                                    for r, s in enumerate(steps)) + ")")
+    if not said:
+        return ("it holds no rank folder (<rank>-<world>): train without --resume, with "
+                "--snapshot-interval N to write checkpoints")
+    return "; ".join(said) + (": restore the missing rank folders, or train without --resume "
+                              "(--overwrite starts the run over)")
+
+
 def snapshots_under(path: str) -> list[str]:
     """``<rank>-<world>/<name>`` of every published snapshot under a persistent path."""
     found = []
@@ -334,6 +361,25 @@ def prune_checkpoints(embedding, keep: int, prefix: str = "step-") -> list[str]:
     for name in doomed:
         embedding.delete_snapshot(name)
     return doomed
+
+
+def check_set_idle(path: str, world: int, comm) -> None:
+    """LockedError on every rank when a process holds one of the rank folders of the set saved
+    by ``world`` ranks under ``path`` (a live run of another number of ranks): a resume is about
+    to read them, and they may change under it (a resume raced such a run's pruning and called
+    the checkpoint damaged). Rank 0 probes each folder's lock and lets it go at once."""
+    said = ""
+    if comm.rank == 0:
+        for folder in rank_folders(path).get(world, {}).values():
+            try:
+                PathLock(folder).release()
+            except LockedError as e:
+                said = f"--resume: the checkpoint to resume from was saved by {world} ranks, " \
+                       f"and {e}"
+                break
+    if comm.allreduce_sum(np.array([float(bool(said))]))[0]:
+        raise LockedError(said or f"--resume: the rank folders of the {world}-rank set under "
+                                  f"{path!r} are in use by another process (rank 0 names it)")
 
 
 def remove_snapshots(path: str) -> None:

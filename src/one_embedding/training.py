@@ -43,8 +43,10 @@ from .optim.loss_scale import LossScaler
 from .resume_config import resumed_config
 from .checkpoint import (
     TrainingInterrupted,
+    check_set_idle,
     checkpoints,
     final_of_any_world,
+    why_no_checkpoint,
     load_checkpoint,
     newest_checkpoint,
     prune_checkpoints,
@@ -349,11 +351,11 @@ class Trainer:
             newest = newest_checkpoint(cfg.persistent_path, self.comm.rank, self.comm.world,
                                        self.comm)
             if newest is None:
-                raise ConfigError(
-                    f"--resume: persistent_path {cfg.persistent_path!r} holds no complete "
-                    f"checkpoint ({len(existing)} snapshot(s) without training state): train "
-                    "without --resume, with --snapshot-interval N to write checkpoints")
+                raise ConfigError(f"--resume: persistent_path {cfg.persistent_path!r} holds no "
+                                  f"complete checkpoint: {why_no_checkpoint(cfg.persistent_path)}")
             name, saved_by = newest
+            if saved_by != self.comm.world:
+                check_set_idle(cfg.persistent_path, saved_by, self.comm)
             saved = saved_config(cfg.persistent_path, name, saved_by)
             cfg = self.cfg = resumed_config(cfg, saved, name)
             return newest

@@ -55,3 +55,40 @@ def test_a_checkpoint_with_a_damaged_manifest_left_out_is_said_so(tmp_path, capl
         assert _run(path, 15, resume=True)["steps"] == 15
     said = [r.getMessage() for r in caplog.records if "left out" in r.getMessage()]
     assert said and "step-10" in said[0] and "manifest" in said[0], caplog.text
+
+
+def test_resume_names_the_missing_rank_folder(tmp_path):
+    """A set of 2 rank folders without rank 1's: --resume said the path held "snapshots
+    without training state" and steered to starting over (found by a fault campaign)."""
+    from one_embedding.errors import ConfigError
+
+    path = tmp_path / "run"
+    _run(path, 5)
+    os.rename(path / "0-1", path / "0-2")   # rank 0 of 2 ranks, rank 1's folder gone
+    with pytest.raises(ConfigError, match=r"holds no complete checkpoint: the set of 2 rank\(s\) "
+                                          r"lacks the folder\(s\) 1-2: restore the missing"):
+        _run(path, 10, resume=True)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(ConfigError, match=r"it holds no rank folder"):
+        _run(empty, 10, resume=True)
+
+
+def test_resume_from_a_set_another_process_holds_is_refused_naming_it(tmp_path):
+    """A 1-rank resume over a live 2-rank run read its folders unlocked, raced its pruning and
+    called a checkpoint damaged (and created its own rank folder): refused, naming the holder."""
+    from one_embedding.errors import LockedError
+    from one_embedding.store.lock import PathLock
+
+    path = tmp_path / "run"
+    _run(path, 5)
+    shutil.copytree(path / "0-1", path / "1-2")
+    os.rename(path / "0-1", path / "0-2")   # a complete set of 2 ranks, none of 1
+    held = PathLock(str(path / "1-2"))        # the live run's rank 1
+    try:
+        with pytest.raises(LockedError, match=r"saved by 2 ranks, and persistent_path .*1-2' is "
+                                              r"in use by this process"):
+            _run(path, 10, resume=True)
+    finally:
+        held.release()
+    assert not (path / "0-1").exists()
