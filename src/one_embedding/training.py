@@ -333,6 +333,8 @@ class Trainer:
         state = {"step": p.step, "epoch": p.epoch, "batches_in_epoch": p.batches_in_epoch,
                  "progress": asdict(p), "world_size": self.comm.world,
                  "train_loader": self._loader_state(),
+                 # this rank's exchange bytes so far: a resumed run's totals go on from them
+                 "traffic": asdict(self.embedding.traffic),
                  # raw features -> model inputs, for serving (one_embedding.serving)
                  "features": FeatureTransform.for_config(self.cfg).as_dict()}
         save_checkpoint(name, self.embedding, model=self.model, optimizer=self.optimizer,
@@ -386,6 +388,9 @@ class Trainer:
         if loader is not None and hasattr(self.train_loader, "load_state_dict"):
             self.train_loader.load_state_dict(loader)
         self.resumed_from = {"checkpoint": name, "step": state["step"]}
+        if state.get("world_size") == self.comm.world:  # another world's traffic is not ours
+            for field, count in (state.get("traffic") or {}).items():
+                setattr(self.embedding.traffic, field, int(count))
 
     def write(self, record: dict) -> None:
         if self.writer is not None:

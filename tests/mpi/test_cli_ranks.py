@@ -125,6 +125,17 @@ def test_resume_takes_the_newest_checkpoint_of_any_number_of_ranks(tmp_path):
         proc.stderr[-2000:]
 
 
+def test_a_resumed_run_reports_the_exchange_bytes_of_an_uninterrupted_one(tmp_path):
+    """exchange_bytes started again from 0 at a resume (found by a fault campaign)."""
+    args = ["--optimizer", "sgd", "--snapshot-interval", 4]
+    _, whole = train(tmp_path, 2, *args, "--persistent-path", tmp_path / "a", "--steps", 8,
+                     name="whole")
+    train(tmp_path, 2, *args, "--persistent-path", tmp_path / "b", "--steps", 4, name="half")
+    _, resumed = train(tmp_path, 2, *args, "--persistent-path", tmp_path / "b", "--steps", 8,
+                       "--resume", name="resumed")
+    assert final(resumed)["exchange_bytes"] == final(whole)["exchange_bytes"] > 0
+
+
 def published_steps(rank_folder) -> set[int]:
     """Steps of the interval checkpoints published in one rank's folder (complete: manifest)."""
     snapshots = rank_folder / "snapshots"
