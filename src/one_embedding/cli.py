@@ -8,7 +8,9 @@ import argparse
 import json
 import math
 import os
+import signal
 import sys
+import threading
 import time
 import traceback
 
@@ -72,6 +74,12 @@ def cmd_train(args) -> int:
     cfg = _config(args)
     cfg.check_flags_act()
     _check_metrics_path(args.metrics, args.data)
+    # a scheduler's SIGTERM (preemption, a job's time limit: what mpiexec passes on to every
+    # rank) stops the run as Ctrl-C does, with the checkpoint and the resume command (exit 143)
+    previous = None
+    if threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress,
                       metrics_stdout=args.json)
@@ -87,6 +95,9 @@ def cmd_train(args) -> int:
         if rank <= 1:
             print(_interrupted(e, cfg, getattr(args, "argv", None)), file=sys.stderr, flush=True)
         raise e
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     if default_comm().rank != 0:  # with several ranks, rank 0 alone reports (as it logs)
         return 0
     from .run_summary import train_summary
@@ -97,6 +108,15 @@ def cmd_train(args) -> int:
     print(train_summary(final, args.metrics, where), file=sys.stderr if args.json else sys.stdout,
           flush=True)
     return 0
+
+
+#: set when SIGTERM stopped ``train``: main then exits 143 (128 + SIGTERM), not Ctrl-C's 130
+_terminated = threading.Event()
+
+
+def _sigterm_as_interrupt(signum, frame) -> None:
+    _terminated.set()
+    raise KeyboardInterrupt("SIGTERM")
 
 
 def _interrupted(error: KeyboardInterrupt, cfg, argv: list[str] | None) -> str:
@@ -421,7 +441,7 @@ def main(argv=None) -> int:
         print(f"one-embedding {args.command}: error: {e}", file=sys.stderr, flush=True)
         return _end_job(2)
     except KeyboardInterrupt:
-        return _end_job(130)
+        return _end_job(_interrupt_code())
     except MemoryError as e:  # numpy's names the array it could not allocate
         print(f"one-embedding {args.command}: error: out of memory ({e or 'MemoryError'}): the "
               "settings need more RAM than this machine has; lower the sizes (`one-embedding "
@@ -432,11 +452,16 @@ def main(argv=None) -> int:
         return 1
     except BaseException as e:
         if interrupt_of(e) is not None:  # a Ctrl-C that a compiled extension made a SystemError
-            return _end_job(130)
+            return _end_job(_interrupt_code())
         if _other_ranks():
             traceback.print_exc()
             _end_job(1)
         raise
+
+
+def _interrupt_code() -> int:
+    """The exit status of a run stopped by a signal: 143 for SIGTERM, 130 for Ctrl-C."""
+    return 128 + (signal.SIGTERM if _terminated.is_set() else signal.SIGINT)
 
 
 def _other_ranks() -> bool:

@@ -111,3 +111,23 @@ def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command_that_works(tmp_
     resume = [r for r in records if r["event"] == "resume"]
     assert resume == [{"event": "resume", "checkpoint": name, "step": int(saved_step)}]
     assert records[-1]["event"] == "final" and records[-1]["steps"] == CTRL_C_STEPS
+
+
+def test_sigterm_stops_like_ctrl_c_with_the_checkpoint_and_exit_143(tmp_path):
+    """A scheduler's SIGTERM (preemption, a time limit) ended the run with no word (found by a
+    fault campaign): it now names the last checkpoint and the resume command, exit 143."""
+    path, metrics = tmp_path / "run", tmp_path / "m.jsonl"
+    args = ["--steps", CTRL_C_STEPS, "--snapshot-interval", 5, "--overwrite"]
+    proc = subprocess.Popen(train_command(path, metrics, *args), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
+    try:
+        wait_for_checkpoints(proc, path / "0-1", 1)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err
+    assert re.search(r"interrupted at step \d+; the last checkpoint saved is 'step-\d+'", err), err
+    assert "--resume" in err
