@@ -11,13 +11,16 @@ OneFlow's layout (python/oneflow/one_embedding.py, facts only)::
                   "persistent_table": {"path": str | [str per rank],
                                        "physical_block_size": 512 | 4096,
                                        "capacity_hint": rows}},
-     "size_factor": int}
+     "size_factor": int,
+     "storage_dim": int}                                            # -1: the embedding's line
 
 OneFlow tells the presets apart by their caches alone, and so does this module: a "full" device
 cache is device_mem, an evicting device cache over a "full" host cache is cached_host_mem, evicting
 caches only are cached_ssd. What OneFlow has no key for travels under ``"one_embedding"``
-(OneFlow ignores the key): the SSD engine, ``storage_dim``, the lifecycle options. Also accepted:
-policy "lfu" and physical block sizes up to 65536 (this library's own).
+(OneFlow ignores the key): the SSD engine and the lifecycle options. ``storage_dim`` is read where
+OneFlow puts it (the top level; under ``"one_embedding"`` as written before 2026-12-07, a
+different value in both places is refused). Also accepted: policy "lfu" and physical block sizes
+up to 65536 (this library's own).
 
 ``StoreOptions`` are frozen (hashable, shared by the embeddings built from them), so the dict form
 never edits them: ``store[key]`` is a read-only view (an edit through it raises ``TypeError``
@@ -58,8 +61,8 @@ def to_oneflow_dict(options) -> dict:
                                  "capacity_hint": int(options.capacity or 0)},
         },
         "size_factor": options.size_factor,
-        _EXTENSION: {"engine": options.engine, "storage_dim": options.storage_dim,
-                     "lifecycle": options.lifecycle},
+        "storage_dim": options.storage_dim,
+        _EXTENSION: {"engine": options.engine, "lifecycle": options.lifecycle},
     }
 
 
@@ -79,9 +82,8 @@ def oneflow_dict_fields(store: dict, cache_type) -> dict:
     kv = _need(store, "kv_store", "the dict")
     table = _need(kv, "persistent_table", "kv_store")
     path = _need(table, "path", "kv_store['persistent_table']")
-    if isinstance(path, (list, tuple)):
-        raise ConfigError("store options: a list of paths (one per rank) is not supported; give one "
-                          "directory: each rank uses <path>/<rank>-<ranks> under it")
+    if isinstance(path, tuple):
+        path = list(path)  # one per rank, as OneFlow takes them (StoreOptions checks them)
     caches = kv.get("caches", [])
     if isinstance(caches, dict):
         caches = [caches]
@@ -112,9 +114,15 @@ def oneflow_dict_fields(store: dict, cache_type) -> dict:
                           "table (cached_ssd)")
     extension = store.get(_EXTENSION) or {}
     engine = extension.get("engine") or ("slots" if kind == "cached_ssd" else None)
+    storage_dim = store.get("storage_dim", extension.get("storage_dim", -1))
+    if "storage_dim" in store and "storage_dim" in extension \
+            and store["storage_dim"] != extension["storage_dim"]:
+        raise ConfigError(f"store options: storage_dim is {store['storage_dim']!r} but "
+                          f"{_EXTENSION}['storage_dim'] is {extension['storage_dim']!r}: keep "
+                          "one (OneFlow's place is the top level)")
     return dict(kind=kind, persistent_path=path, capacity=int(capacity) if capacity else None,
                 size_factor=store.get("size_factor", 1),
-                storage_dim=extension.get("storage_dim", -1),
+                storage_dim=storage_dim,
                 physical_block_size=table.get("physical_block_size", 4096), caches=tuple(levels),
                 engine=engine if kind == "cached_ssd" else None,
                 lifecycle=extension.get("lifecycle"))

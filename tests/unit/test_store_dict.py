@@ -30,7 +30,7 @@ def test_every_preset_round_trips_through_the_oneflow_dict(tmp_path):
     for options in _presets(tmp_path):
         assert StoreOptions.from_dict(to_oneflow_dict(options)) == options
         assert StoreOptions.from_dict(options.to_dict()) == options
-        assert set(options.keys()) == {"kv_store", "size_factor", "one_embedding"}
+        assert set(options.keys()) == {"kv_store", "size_factor", "storage_dim", "one_embedding"}
         assert options["size_factor"] == options.size_factor
 
 
@@ -119,7 +119,6 @@ def test_a_dict_and_its_options_pass_the_same_checks(tmp_path):
     (lambda d: d["kv_store"]["persistent_table"].__setitem__("physical_block_size", 1000), "1000"),
     (lambda d: d.__setitem__("size_factor", 0), "size_factor=0"),
     (lambda d: d["kv_store"]["caches"][0].pop("value_memory_kind"), "'value_memory_kind'"),
-    (lambda d: d["kv_store"]["persistent_table"].__setitem__("path", ["/a", "/b"]), "one per rank"),
     (lambda d: d["kv_store"].__setitem__("caches", []), "one or two cache dicts"),
 ])
 def test_bad_edits_are_refused(tmp_path, edit, message):
@@ -130,6 +129,26 @@ def test_bad_edits_are_refused(tmp_path, edit, message):
     edit(d)
     with pytest.raises(ConfigError, match=message.replace("[", r"\[")):
         StoreOptions.from_dict(d)
+
+
+def test_oneflows_top_level_storage_dim_and_per_rank_paths_are_taken(tmp_path):
+    """OneFlow's make_*_store_options put storage_dim at the top level, and take a path per
+    rank: the first was dropped without a word (storage_dim 18 became the embedding's 5), the
+    second refused, though the builders take both (found by a fault campaign)."""
+    d = oe.make_device_mem_store_options(str(tmp_path), capacity=100).to_dict()
+    d["storage_dim"] = 18
+    d["one_embedding"].pop("storage_dim", None)
+    assert StoreOptions.from_dict(d).storage_dim == 18
+    d["one_embedding"]["storage_dim"] = 12       # the place this library wrote it before
+    with pytest.raises(ConfigError, match=r"storage_dim is 18 but one_embedding\['storage_dim'\] "
+                                          r"is 12"):
+        StoreOptions.from_dict(d)
+    old = oe.make_device_mem_store_options(str(tmp_path), capacity=100).to_dict()
+    old["one_embedding"]["storage_dim"] = old.pop("storage_dim")   # a dict written before
+    assert StoreOptions.from_dict(old) == oe.make_device_mem_store_options(str(tmp_path), 100)
+    paths = [str(tmp_path / "r0"), str(tmp_path / "r1")]
+    listed = oe.make_cached_ssd_store_options(1, paths)
+    assert StoreOptions.from_dict(listed.to_dict()) == listed
 
 
 def test_the_embedding_takes_oneflows_own_dict(tmp_path):

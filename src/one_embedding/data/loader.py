@@ -11,7 +11,10 @@ Data flow, all inside one producer thread::
   may get a unit's worth of rows more or fewer than each other (see ``drop_last`` and count
   batches per rank when a collective needs equal steps).
 * The split hashes each row's position (``splitmix64(position ^ h(split_seed))``), so a row's side
-  never depends on batch size, sharding, shuffling or read order.
+  never depends on batch size, sharding, shuffling or read order. A position holds the file's
+  index in the list (and a TSV row's byte offset, a Parquet row's index): the same files listed
+  in another order, another file put before them, or a TSV converted to Parquet hold out other
+  rows, so evaluate on the files, in the order, the run trained on.
 * Shuffling permutes the unit order per epoch and mixes rows through a buffer of
   ``shuffle_buffer`` rows; everything is reproducible from (seed, epoch, rank).
 * Errors raised while reading (``InputError`` of a bad line, I/O) are re-raised in the consumer;

@@ -409,13 +409,13 @@ def convert_tsv_to_parquet(src, dst, *, has_label: bool = True,
     only with ``overwrite``; never one of the sources).
 
     layout: "one_embedding" (ours: dense ``log(max(x, 0) + 1)``) or "oneflow" (OneFlow's: dense
-    ``raw + 1`` float32, missing -> 1, the log taken by the reader; module docstring). Both
+    ``raw + 1`` int32, missing -> 1, the log taken by the reader; module docstring). Both
     layouts of a source read back as the same batches.
 
     Memory stays near one row group (``row_group_rows`` x 264 bytes) plus one TSV block. The file is
     written under a temporary name and renamed when complete. A tqdm bar counts input bytes.
     max_hex_digits: longest categorical accepted, default ``default_max_hex_digits(key_scheme)``
-    (8 under the default key scheme, where a wider value would fold). A missing source, a folder
+    (16 under the default key scheme, where a wider value would fold). A missing source, a folder
     or a Parquet file as source, and a folder as ``dst`` are refused (InputError) up front;
     sources that hold no row (empty, or every line skipped) after the fact, with no file
     written. Returns {"rows": int, "skipped": int, "row_groups": int}.

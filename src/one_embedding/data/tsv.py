@@ -453,7 +453,7 @@ class TSVSource:
 
     paths: file(s); unit_bytes: target size of one unit; reader options (has_label, key_scheme,
     on_bad_line, ...) pass through, except that ``max_hex_digits`` defaults to
-    ``default_max_hex_digits(key_scheme)`` (8 under the default key scheme: a wider categorical
+    ``default_max_hex_digits(key_scheme)`` (16 under the default key scheme: a wider categorical
     is a bad line). Chunk positions are ``file_index << 44 | line byte offset``.
 
     ``skipped_by_unit`` maps each unit read to the end to its bad lines skipped, and ``skipped``
