@@ -104,14 +104,17 @@ def test_a_path_holding_a_run_is_never_overwritten_silently(tmp_path):
 
 
 def test_resume_refuses_a_config_that_changes_results(tmp_path):
-    cli(tmp_path / "run", tmp_path / "a.jsonl", "--steps", 10)
+    # a store with a cache, whose size a resume may change (device_mem has none: --cache-mb
+    # there is refused, where it was ignored)
+    store = ["--store", "cached_host_mem"]
+    cli(tmp_path / "run", tmp_path / "a.jsonl", "--steps", 10, *store)
     proc = cli(tmp_path / "run", tmp_path / "b.jsonl", "--steps", 20, "--resume", "--lr", "0.1",
-               "--embedding-dim", "8", "--bottom-mlp", "64,32,8", check=False)
+               "--embedding-dim", "8", "--bottom-mlp", "64,32,8", *store, check=False)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr
     assert "lr: 0.05 -> 0.1" in proc.stderr and "embedding_dim: 16 -> 8" in proc.stderr
     # what changes only speed or length is allowed
     cli(tmp_path / "run", tmp_path / "c.jsonl", "--steps", 20, "--resume", "--cache-mb", "8",
-        "--prefetch-depth", "2", "--eval-interval", "0")
+        "--prefetch-depth", "2", "--eval-interval", "0", *store)
 
 
 def test_resume_with_nothing_to_resume_and_past_the_end(tmp_path):
