@@ -25,8 +25,10 @@ operations (``kernels.device_ops``), and gives the same results.
 """
 from __future__ import annotations
 
+import ctypes
 import logging
 import numbers
+import os
 from typing import Sequence
 
 import numpy as np
@@ -51,6 +53,15 @@ class TakenRows(tuple):
     device count of a fixed-capacity batch (the rows from it on are placeholders)."""
 
     live = None
+
+
+def _keep_for_good(shard) -> None:
+    """In a process forked from the embedding's: the store is the parent's, still in use, so
+    the child's copy is never closed (closing it unlocked the parent's path and deleted its live
+    segment files) nor freed (freeing a RocksDB handle waits for background threads a fork does
+    not copy: the child hung at its exit, and its parent in waitpid). A leak of the child's copy,
+    for the child's life."""
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(shard))
 
 
 class MultiTableMultiColumnEmbedding(EmbeddingInputs):
@@ -103,6 +114,7 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
             raise ConfigError(f"seed={seed!r} must be an integer (the initializers' seed): pass an "
                               "int, e.g. seed=0")
         self.seed = int(seed)
+        self._owner_pid = os.getpid()  # a forked child may neither use nor close the store
         if isinstance(store_options, dict):          # OneFlow's dict form (store_dict.py)
             store_options = StoreOptions.from_dict(store_options)
         if not isinstance(store_options, StoreOptions):
@@ -509,6 +521,12 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
                 f"embedding {self.name!r} is closed: build a new one (on the same persistent_path "
                 "and load_snapshot(name) to continue from a snapshot)"
             )
+        if os.getpid() != self._owner_pid:
+            raise ClosedError(
+                f"embedding {self.name!r} belongs to process {self._owner_pid}, and this is a "
+                "process forked from it: its store, threads and lock stay the parent's; build an "
+                "embedding of this process's own (on another persistent_path), or use it in the "
+                "parent only")
         return self._shard
 
     def store_stats(self) -> list[dict]:
@@ -529,7 +547,10 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
         """Release the store (and the path's lock). Closing twice is fine; any other use after
         it raises ClosedError."""
         if getattr(self, "_shard", None) is not None:
-            self._shard.close()
+            if os.getpid() == getattr(self, "_owner_pid", os.getpid()):
+                self._shard.close()
+            else:
+                _keep_for_good(self._shard)
             self._shard = None
             self._pending.clear()
             self._last = None

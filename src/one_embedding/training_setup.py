@@ -127,6 +127,11 @@ def rank_block(batch, rank: int, world: int):
     return type(batch)(batch.dense[lo:hi], batch.ids[lo:hi], batch.labels[lo:hi])
 
 
+#: settings ranks may hold apart: a program may give each rank a folder of its own (a machine's
+#: local disk); the rank folders under it keep their names either way
+PER_RANK_FIELDS = ("persistent_path",)
+
+
 def check_same_config(cfg: TrainConfig, comm) -> None:
     """ConfigError on every rank, naming the fields, when the ranks were started with different
     settings (``mpiexec -n 1 A : -n 1 B``, or an environment variable set on one machine only):
@@ -138,8 +143,10 @@ def check_same_config(cfg: TrainConfig, comm) -> None:
     import json
     from dataclasses import asdict
 
-    mine = json.dumps(asdict(cfg.with_model_defaults().resolved()), sort_keys=True,
-                      default=str).encode()
+    fields = asdict(cfg.with_model_defaults().resolved())
+    for name in PER_RANK_FIELDS:
+        fields.pop(name, None)
+    mine = json.dumps(fields, sort_keys=True, default=str).encode()
     sizes = comm.allgather(np.array([len(mine)], np.int64))
     every = comm.allgather(np.frombuffer(mine, np.uint8))
     ends = np.cumsum(sizes)

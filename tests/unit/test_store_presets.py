@@ -101,8 +101,9 @@ def test_a_full_disk_under_a_host_store_snapshot_is_named_as_one(tmp_path, monke
     emb(np.arange(50))
     monkeypatch.setattr(memory, "write_array",
                         lambda path, array: durable.write_array("/dev/full", array))
-    with pytest.raises((StoreError, SnapshotError), match=r"the disk of .* is full.*no snapshot "
-                                                          r"of that name existed"):
+    with pytest.raises((StoreError, SnapshotError), match=r"the disk of .* is full.*every "
+                                                          r"snapshot already published is intact "
+                                                          r"\(none had that name\)"):
         emb.save_snapshot("first")
     monkeypatch.undo()
     emb.close()

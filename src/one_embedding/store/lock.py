@@ -43,6 +43,7 @@ class PathLock:
         self.directory = directory
         self.path = os.path.join(directory, LOCK_FILE)
         self._dir_fd = self._fd = None
+        self._pid = os.getpid()  # a forked child shares the flock: it must never unlock it
         try:
             os.makedirs(directory, exist_ok=True)
             self._dir_fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
@@ -85,12 +86,17 @@ class PathLock:
         )
 
     def release(self) -> None:
+        """Unlock and close. In a process forked from the holder, only close this process's
+        descriptors: the flock belongs to the open file both share, so an unlock here released
+        the holder's lock (and let another process open the path it still used)."""
+        forked = os.getpid() != getattr(self, "_pid", os.getpid())
         for name in ("_fd", "_dir_fd"):
             fd = getattr(self, name, None)
             if fd is not None:
                 setattr(self, name, None)
                 try:
-                    fcntl.flock(fd, fcntl.LOCK_UN)
+                    if not forked:
+                        fcntl.flock(fd, fcntl.LOCK_UN)
                 finally:
                     os.close(fd)
 

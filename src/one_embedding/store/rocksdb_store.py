@@ -137,6 +137,7 @@ class RocksDBStore(RocksDBSnapshots, StoreTier):
         self._rd = _rocksdict()
         self.line_size = int(line_size)
         self.name = name
+        self._owner_pid = os.getpid()  # a forked child's copy closes nothing (close())
         self.threads = max(1, int(threads))
         self.path = os.path.join(directory, DB_DIR)
         self._write_options = self._rd.WriteOptions()
@@ -432,7 +433,11 @@ class RocksDBStore(RocksDBSnapshots, StoreTier):
 
     def close(self) -> None:
         """Close the DB and delete its folder: it is scratch (discarded by the next open
-        anyway); SSTs a snapshot links stay there."""
+        anyway); SSTs a snapshot links stay there. Nothing in a process forked from the owner
+        (its DB, still in use there: closing it hung on RocksDB's threads, which a fork does
+        not copy, and the folder would have been deleted under the owner)."""
+        if os.getpid() != getattr(self, "_owner_pid", os.getpid()):
+            return
         self._close_db()
         shutil.rmtree(self.path, ignore_errors=True)
         if self._pool is not None:
@@ -441,6 +446,8 @@ class RocksDBStore(RocksDBSnapshots, StoreTier):
 
     def __del__(self):
         if getattr(self, "_db", None) is None:   # closed, or never opened
+            return
+        if os.getpid() != getattr(self, "_owner_pid", None):  # a forked child's copy
             return
         try:
             self.close()

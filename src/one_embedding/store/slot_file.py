@@ -89,6 +89,7 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
                  garbage_ratio: float = GARBAGE_RATIO):
         self.line_size = int(line_size)
         self.name = name
+        self._owner_pid = os.getpid()  # a forked child's copy closes nothing (close())
         self.threads = max(1, int(threads))
         self.directory = directory
         self.physical_block_size = physical_block_size
@@ -415,8 +416,9 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
 
     def close(self) -> None:
         """Close every segment; the live table is scratch (snapshots hold what was saved), so
-        segments no snapshot refers to are deleted."""
-        if self._io is None:
+        segments no snapshot refers to are deleted. Nothing at all in a process forked from the
+        owner: the files are the owner's, still in use (a child's exit deleted them)."""
+        if self._io is None or os.getpid() != self._owner_pid:
             return
         self._active = None
         for seg in list(self._segments.values()):
@@ -435,6 +437,8 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
 
     def __del__(self):
         if getattr(self, "_io", None) is None:   # closed, or never fully built
+            return
+        if os.getpid() != getattr(self, "_owner_pid", None):  # a forked child's copy
             return
         try:
             self.close()

@@ -221,7 +221,8 @@ class SnapshotDirectory:
             what = f"the disk of {self.root!r} is full" if disk_full(e) else \
                 "an I/O error stopped it"
             kept = "the previous snapshot of that name is intact" \
-                if os.path.exists(self.path(name)) else "no snapshot of that name existed"
+                if os.path.exists(self.path(name)) else \
+                "every snapshot already published is intact (none had that name)"
             raise SnapshotError(
                 f"saving snapshot {name!r} under {self.root!r} failed: {what} "
                 f"({e.strerror or e}); {kept}: free disk space and save again") from e
