@@ -42,7 +42,7 @@ from .store.memory import MemoryStore
 from .store.rocksdb_store import RocksDBStore
 from .store.slot_file import SlotFileStore
 from .store.snapshots import lease
-from .tiers import StoreTier, Tier, TierCounters
+from .tiers import ClosedTier, StoreTier, Tier, TierCounters
 
 
 @dataclass
@@ -504,6 +504,7 @@ class TierChain:
             for t in self.tiers:
                 t.close()
             self._buffers.clear()
+            self.tiers = [ClosedTier(t.name) for t in self.tiers]  # a waiting call: ClosedError
 
 
 # ---------------------------------------------------------------- presets

@@ -425,8 +425,9 @@ class EmbeddingShard(ShardSnapshots):
 
     def close(self) -> None:
         if self._chain is not None:
+            # the closed chain stays: a call of another thread that already holds this shard
+            # (a prefetch lookup) meets its closed tiers' ClosedError, not None
             self._chain.close()
-            self._chain = None
         if self._lock is not None:
             self._lock.release()
             self._lock = None

@@ -199,3 +199,23 @@ class StoreTier(Tier):
         """Delete what neither the live table nor any snapshot refers to; returns how many
         files (or file groups) went. Default: nothing to collect."""
         return 0
+
+
+class ClosedTier:
+    """What a chain holds in place of each tier once it is closed: every use but ``close`` raises
+    ClosedError. A call that waited for the chain's lock while ``close()`` ran (a prefetch thread's
+    lookup) meets it, where it met the closed store's innards (a KeyError, or an AttributeError
+    on None)."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def close(self) -> None:
+        """Closing twice is fine."""
+
+    def __getattr__(self, attribute: str):
+        from ..errors import ClosedError
+
+        raise ClosedError(f"tier {self.name!r} is closed: its embedding was closed while this "
+                          "call waited for it")
+
