@@ -72,6 +72,11 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
     (each with one column option per column); ``None`` means one table initialised with
     ``default_initializer`` (normal(0, 0.05) when not given).
 
+    Threads: one thread drives an embedding (forward, backward, the optimizer's step and
+    zero_grad); ``prepare`` alone may run on another (the ``Prefetcher``'s). Two threads training
+    one embedding are not refused, and lose gradients (a ``zero_grad`` clears the other's); a
+    process forked from this one may not use it at all (ClosedError).
+
     Ranks: under ``mpiexec`` the embedding takes rank and world from MPI (``comm=None``; pass a
     ``parallel.Communicator`` to choose). Each key lives on rank ``XXH64(key, 1) % world``; every
     rank must call forward / backward / ``Optimizer.step`` / save_snapshot in the same order.

@@ -51,9 +51,11 @@ the prefetch thread, which iterates the batches.
 """
 from __future__ import annotations
 
+import atexit
 import contextlib
 import queue
 import threading
+import weakref
 from typing import Callable, Iterable, Iterator
 
 from .errors import ConfigError, OneEmbeddingError
@@ -73,6 +75,27 @@ class PrefetchTimeout(OneEmbeddingError, TimeoutError):
 
 def _batch_ids(batch):
     return batch.ids
+
+
+#: the Prefetchers whose thread is running: stopped at interpreter exit (_stop_at_exit)
+_RUNNING = weakref.WeakSet()
+#: the most seconds the interpreter's exit waits for each prefetch thread's prepare to return
+EXIT_JOIN_S = 5.0
+
+
+def _stop_at_exit() -> None:
+    """At interpreter exit, before daemon threads are killed: a prefetch thread left running (a
+    generator the program never closed) is stopped between two prepares. Killed inside one, it
+    could die in the SSD engine's native code, which cannot unwind the thread (RocksDB: "FATAL:
+    exception not rethrown", SIGABRT, 4 exits in 16 here)."""
+    for prefetcher in list(_RUNNING):
+        prefetcher._stop.set()
+        thread = prefetcher._thread
+        if thread is not None:
+            thread.join(EXIT_JOIN_S)
+
+
+atexit.register(_stop_at_exit)
 
 
 class Prefetcher:
@@ -122,6 +145,7 @@ class Prefetcher:
         self._thread = threading.Thread(target=self._work, name="one_embedding-prefetch",
                                         daemon=True)
         self._thread.start()
+        _RUNNING.add(self)
         try:
             while True:
                 item = self._queue.get()
@@ -181,6 +205,7 @@ class Prefetcher:
         if self._several_ranks():
             self._stop_after = self._consumed + self.depth + 1
         self._stop.set()
+        _RUNNING.discard(self)
         if self._thread is not None:
             thread, self._thread = self._thread, None
             thread.join(self.close_timeout)

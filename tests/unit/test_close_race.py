@@ -46,3 +46,27 @@ def test_a_lookup_racing_close_ends_in_closed_error(tmp_path, kind):
         worker.join(30)
         assert not worker.is_alive(), "the lookup thread hung after close"
     assert seen == {"ClosedError": 12}, dict(seen)
+
+
+def test_an_embedding_dropped_with_its_optimizer_frees_its_path_at_once(tmp_path):
+    """The optimizer's parameter groups held the optimizer, a cycle through the embedding: a
+    dropped embedding kept its path locked until the cyclic collector ran (found by a fault
+    campaign). Plain reference counting frees it now."""
+    import gc
+    import weakref
+
+    gc.disable()
+    try:
+        store = oe.make_cached_ssd_store_options(0.05, str(tmp_path), size_factor=2)
+        emb = oe.MultiTableEmbedding("e", 8, np.float32, np.int64, None, store)
+        opt = oe.Optimizer(oe.optim.Adagrad(lr=0.05), embeddings=[emb])
+        out = emb(np.arange(100))
+        emb.backward(np.ones_like(out))
+        opt.step()
+        opt.zero_grad()
+        gone = weakref.ref(emb)
+        del emb, opt, out
+        assert gone() is None
+        oe.MultiTableEmbedding("e", 8, np.float32, np.int64, None, store).close()  # not locked
+    finally:
+        gc.enable()

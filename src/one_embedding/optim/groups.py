@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import weakref
 from collections.abc import MutableMapping
 
 import numpy as np
@@ -85,7 +86,9 @@ class ParamGroup(MutableMapping):
 
     def __init__(self, optimizer, params=(), *, lr, weight_decay=0.0, clip_grad_max_norm=None,
                  clip_grad_norm_type=2.0, index: int = 0):
-        self._optimizer = optimizer
+        # weakly: the optimizer holds its groups, and a cycle through them kept the embeddings
+        # (and their paths' locks) alive after `del` until the cyclic collector ran
+        self._optimizer_ref = weakref.ref(optimizer)
         self.index = index
         self._owner = f"{type(optimizer).__name__} parameter group {index}"
         self.params = list(params)
@@ -100,6 +103,10 @@ class ParamGroup(MutableMapping):
         self["weight_decay"] = weight_decay
         self["clip_grad_max_norm"] = clip_grad_max_norm
         self["clip_grad_norm_type"] = clip_grad_norm_type
+
+    @property
+    def _optimizer(self):
+        return self._optimizer_ref()
 
     @property
     def clips(self) -> bool:
