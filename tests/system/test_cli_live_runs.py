@@ -77,20 +77,26 @@ def test_overwrite_of_a_path_a_live_run_holds_deletes_nothing(tmp_path):
 CTRL_C_STEPS = 120
 
 
-def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command_that_works(tmp_path):
-    path, metrics = tmp_path / "run", tmp_path / "m.jsonl"
-    args = ["--steps", CTRL_C_STEPS, "--snapshot-interval", 5, "--keep-snapshots", 2,
-            "--overwrite"]
+def interrupted_run(path, metrics, args, sig) -> tuple[int, str]:
+    """Start `train`, send ``sig`` once it published a checkpoint: (exit status, stderr)."""
     proc = subprocess.Popen(train_command(path, metrics, *args), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
     try:
         wait_for_checkpoints(proc, path / "0-1", 1)
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert proc.returncode == 130, err[-3000:]
+    return proc.returncode, err
+
+
+def test_ctrl_c_names_the_last_checkpoint_and_the_resume_command_that_works(tmp_path):
+    path, metrics = tmp_path / "run", tmp_path / "m.jsonl"
+    args = ["--steps", CTRL_C_STEPS, "--snapshot-interval", 5, "--keep-snapshots", 2,
+            "--overwrite"]
+    code, err = interrupted_run(path, metrics, args, signal.SIGINT)
+    assert code == 130, err[-3000:]
     assert "Traceback" not in err
     m = re.search(r"one-embedding train: interrupted at step (\d+); the last checkpoint saved is "
                   r"'(step-(\d+))' \(step (\d+)\) under '(.*)'\. Continue from it with:\n  (.*)\n",
@@ -118,16 +124,8 @@ def test_sigterm_stops_like_ctrl_c_with_the_checkpoint_and_exit_143(tmp_path):
     fault campaign): it now names the last checkpoint and the resume command, exit 143."""
     path, metrics = tmp_path / "run", tmp_path / "m.jsonl"
     args = ["--steps", CTRL_C_STEPS, "--snapshot-interval", 5, "--overwrite"]
-    proc = subprocess.Popen(train_command(path, metrics, *args), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
-    try:
-        wait_for_checkpoints(proc, path / "0-1", 1)
-        proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 143, err[-3000:]
+    code, err = interrupted_run(path, metrics, args, signal.SIGTERM)
+    assert code == 143, err[-3000:]
     assert "Traceback" not in err
     assert re.search(r"interrupted at step \d+; the last checkpoint saved is 'step-\d+'", err), err
     assert "--resume" in err
