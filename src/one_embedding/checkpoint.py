@@ -28,9 +28,9 @@ import os
 import numpy as np
 
 from .errors import LockedError, SnapshotError
-from .store.durable import file_crc32, fsync_path
+from .store.durable import fsync_path
 from .store.lock import PathLock
-from .store.snapshots import MANIFEST, SnapshotDirectory, read_manifest
+from .store.snapshots import MANIFEST, SnapshotDirectory, read_manifest, verify_files
 
 log = logging.getLogger("one_embedding.checkpoint")
 
@@ -321,19 +321,18 @@ def saved_config(path: str, name: str, world: int | None = None) -> dict | None:
                 continue
             manifest = read_manifest(snap, name)
             rel = f"{TRAINER_DIR}/{STATE}"
-            state = os.path.join(snap, TRAINER_DIR, STATE)
             info = manifest.get("files", {}).get(rel)
             if info is None:
                 raise SnapshotError(f"checkpoint {name!r} under {folder!r} holds no {rel}: it "
                                     "is not a training checkpoint")
-            if not os.path.isfile(state) or os.path.getsize(state) != info["bytes"] \
-                    or file_crc32(state) != info["crc32"]:
+            try:  # this file alone (the others are checked when the checkpoint is loaded)
+                verify_files(snap, name, {"files": {rel: info}}, full=True)
+            except SnapshotError as e:
                 raise SnapshotError(
-                    f"checkpoint {name!r} is damaged: {state!r} is missing, truncated or fails "
-                    f"its checksum (`one-embedding inspect {path}` lists every snapshot); to "
-                    f"resume from the checkpoint before it, move {snap!r} (in every rank "
-                    "folder) out of the way")
-            with open(state, "rb") as f:
+                    f"checkpoint {name!r} is damaged: {e} (`one-embedding inspect {path}` lists "
+                    f"every snapshot); to resume from the checkpoint before it, move {snap!r} "
+                    "(in every rank folder) out of the way") from None
+            with open(os.path.join(snap, TRAINER_DIR, STATE), "rb") as f:
                 return json.loads(f.read()).get("config")
     return None
 

@@ -8,15 +8,13 @@ CuPy arrays (``xp``); on the device path a range check is one counted host read
 """
 from __future__ import annotations
 
-import math
-import numbers
-
 import numpy as np
 
 from . import host_sync
 from .backend import as_array, to_numpy
 from .errors import ConfigError, InputError
-from .options import DEFAULT_INITIALIZER, TableOptions, check_initializer, make_table_options
+from .options import (DEFAULT_INITIALIZER, TableOptions, check_initializer, make_table_options,
+                      whole_number)
 
 _KEY_TYPES = {
     "int32": np.int32, "int64": np.int64, "uint32": np.uint32, "uint64": np.uint64,
@@ -77,9 +75,7 @@ class EmbeddingInputs:
 
     def _check_padding(self, padding_idx) -> int:
         info = np.iinfo(self.key_type)
-        if isinstance(padding_idx, bool) or not isinstance(padding_idx, numbers.Real) \
-                or not math.isfinite(padding_idx) or int(padding_idx) != padding_idx \
-                or not info.min <= padding_idx <= info.max:
+        if not whole_number(padding_idx) or not info.min <= padding_idx <= info.max:
             raise ConfigError(f"padding_idx={padding_idx!r} is not a valid {self.key_type.name} key: "
                               f"pass an integer in [{info.min}, {info.max}] (or None)")
         return int(padding_idx)

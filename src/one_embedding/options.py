@@ -27,7 +27,11 @@ def _finite(name: str, value) -> float:
     return v
 
 
-def _whole(value) -> bool:
+#: the physical block sizes a store takes (bytes): the powers of two in 512..65536
+PHYSICAL_BLOCK_SIZES = tuple(512 << i for i in range(8))
+
+
+def whole_number(value) -> bool:
     """value is a whole number: an integer, or a finite float without a fraction (never raises
     on nan, inf, strings or None; a bool is not a number here)."""
     return (isinstance(value, numbers.Real) and not isinstance(value, bool)
@@ -191,7 +195,7 @@ make_table = make_table_options
 
 
 def _count(name: str, value, low: int, flag: str, meaning: str) -> int:
-    if not isinstance(value, (int, float)) or not _whole(value) or value < low:
+    if not isinstance(value, (int, float)) or not whole_number(value) or value < low:
         raise ConfigError(f"{name}={value!r} ({flag}) must be an integer >= {low}{meaning}")
     return int(value)
 
@@ -341,14 +345,14 @@ class StoreOptions:
                 f"persistent_path={path!r} must be a folder: a str or os.PathLike (or a list of "
                 "one per rank, or None for none), e.g. persistent_path='/data/table'"
             )
-        if self.capacity is not None and (not _whole(self.capacity) or self.capacity <= 0):
+        if self.capacity is not None and (not whole_number(self.capacity) or self.capacity <= 0):
             raise ConfigError(f"capacity={self.capacity!r} must be a positive integer (or None)")
-        if not _whole(self.size_factor) or not 1 <= self.size_factor <= 8:
+        if not whole_number(self.size_factor) or not 1 <= self.size_factor <= 8:
             raise ConfigError(f"size_factor={self.size_factor!r} must be an integer in 1..8")
-        if self.storage_dim != -1 and (not _whole(self.storage_dim) or self.storage_dim <= 0):
+        if self.storage_dim != -1 and (not whole_number(self.storage_dim) or self.storage_dim <= 0):
             raise ConfigError(f"storage_dim={self.storage_dim!r} must be a positive integer or -1")
         pbs = self.physical_block_size
-        if pbs not in (512, 1024, 2048, 4096, 8192, 16384, 32768, 65536):
+        if pbs not in PHYSICAL_BLOCK_SIZES:
             raise ConfigError(f"physical_block_size={pbs!r} must be a power of two in 512..65536")
         if self.kind == "cached_ssd":
             if self.engine not in SSD_ENGINES:

@@ -32,6 +32,7 @@ from .cache.set_associative import SetAssociativeCache
 from .config import DEVICES
 from .errors import ConfigError
 from .lifecycle import META_COLUMNS, CountMinSketch
+from .options import PHYSICAL_BLOCK_SIZES
 from .store import rocksdb_store as rdb
 from .store import slot_file
 from .store.direct_io import MAX_RUN_BYTES  # noqa: F401  (the I/O unit, shown in docs)
@@ -163,9 +164,7 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
         if not 0 <= value < math.inf:
             raise ConfigError(f"{name}={value!r} (--{name.replace('_', '-')}) must be a finite "
                               "number of MB >= 0")
-    if isinstance(physical_block_size, bool) or not isinstance(physical_block_size, int) \
-            or not 512 <= physical_block_size <= 65536 \
-            or physical_block_size & (physical_block_size - 1):
+    if isinstance(physical_block_size, bool) or physical_block_size not in PHYSICAL_BLOCK_SIZES:
         raise ConfigError(f"physical_block_size={physical_block_size!r} (--physical-block-size) "
                           "must be a power of two in 512..65536, as the store takes it")
     line_size = (1 + OPTIMIZER_STATES[optimizer]) * embedding_dim + (META_COLUMNS if eviction else 0)

@@ -3,7 +3,9 @@ options (with the feature lifecycle's rules), the model, the LR schedule, the ar
 ``--device``, and the split of a global batch and of the machine's cores among the ranks."""
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import asdict
 
 import numpy as np
 
@@ -140,9 +142,6 @@ def check_same_config(cfg: TrainConfig, comm) -> None:
     row widths ended in an MPI error naming nothing."""
     if comm.world == 1:
         return
-    import json
-    from dataclasses import asdict
-
     fields = asdict(cfg.with_model_defaults().resolved())
     for name in PER_RANK_FIELDS:
         fields.pop(name, None)

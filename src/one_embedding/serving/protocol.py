@@ -235,9 +235,9 @@ def _json_data(data, dtype: str, count: int, name: str) -> np.ndarray:
             raise ProtocolError(f"input {name!r}: BYTES data must be strings")
         return flat
     values = flat.tolist()
-    kinds = set(map(type, values))
-    if not kinds <= _JSON_TYPES[np.dtype(DTYPES[dtype]).kind]:
-        bad = next(v for v in values if type(v) not in _JSON_TYPES[np.dtype(DTYPES[dtype]).kind])
+    allowed = _JSON_TYPES[np.dtype(DTYPES[dtype]).kind]
+    if not set(map(type, values)) <= allowed:
+        bad = next(v for v in values if type(v) not in allowed)
         raise ProtocolError(f"input {name!r}: its data is not {dtype} ({bad!r} is a "
                             f"{type(bad).__name__}): send JSON numbers of that type")
     try:
