@@ -425,9 +425,12 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
 
     @property
     def has_gradients(self) -> bool:
-        """True when a backward ran since the last step (or zero_grad)."""
+        """True when a backward ran since the last step (or zero_grad). On one rank a backward
+        that reached no row (an empty batch) does not count, so that its step leaves the
+        optimizer's step count alone; over several ranks every backward counts (a rank that owns
+        none of a batch's rows steps with the others, their step counts stay equal)."""
         self._owner()
-        return bool(self._pending)
+        return any(self.comm.world > 1 or st.owner.keys.shape[0] > 0 for st in self._pending)
 
     def take_gradients(self, lazy_sums: bool = False):
         """Remove the gradients received since the last step (or zero_grad), merged per key:

@@ -248,3 +248,28 @@ def test_param_groups_as_torch_and_oneflow_code_walks_them():
     assert opt.param_groups[0].clips
     with pytest.raises(ConfigError, match=r"no setting 'clip_grad_max_nrom'"):
         group["clip_grad_max_nrom"] = 1.0
+
+
+def test_an_empty_batch_does_not_count_as_a_step():
+    """A backward over no id (an empty batch) reaches no row: Adam's step count, on which its
+    bias correction depends, stays where it was, and the next real step updates as if the empty
+    one had not happened."""
+    def final_rows(with_empty):
+        emb = make_embedding("empty", size_factor=3)
+        opt = oe.Optimizer(oe.optim.Adam(lr=0.1), embeddings=[emb])
+        ids = np.array([[1, 2], [3, 1]])
+        for step in range(3):
+            if with_empty and step == 1:
+                out = emb(np.zeros((0, 2), np.int64))
+                emb.backward(np.ones_like(out))
+                opt.step()
+                opt.zero_grad()
+                assert opt.step_count == 1
+            out = emb(ids)
+            emb.backward(np.full_like(out, 0.5))
+            opt.step()
+            opt.zero_grad()
+        assert opt.step_count == 3
+        return emb.export()
+
+    np.testing.assert_array_equal(final_rows(True)[1], final_rows(False)[1])
