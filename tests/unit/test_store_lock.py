@@ -2,6 +2,7 @@
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -97,3 +98,42 @@ def test_lock_on_a_path_that_is_a_file(tmp_path):
     target.write_text("x")
     with pytest.raises(oe.StoreError, match="persistent path"):
         PathLock(str(target))
+
+
+_FORK_AND_EXIT = """
+import os, sys, time
+sys.path.insert(0, {root!r})
+from one_embedding.store.lock import PathLock
+lock = PathLock({path!r})
+child = os.fork()
+if child == 0:   # shares the parent's flock, outlives it
+    os.closerange(0, 3)
+    time.sleep(60)
+    os._exit(0)
+print(os.getpid(), child, flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_lock_left_to_a_forked_child_names_the_child_not_the_dead_writer(tmp_path):
+    """The LOCK file holds the pid of the process that took the lock; a child forked from it
+    shares the flock and may outlive it (a data-loader worker): the refusal says so instead of
+    naming a pid that no longer runs."""
+    out = subprocess.run([sys.executable, "-c", _FORK_AND_EXIT.format(root=ROOT + "/src",
+                                                                     path=str(tmp_path))],
+                         capture_output=True, text=True, check=True, timeout=60)
+    parent, child = (int(x) for x in out.stdout.split())
+    try:
+        with pytest.raises(oe.LockedError, match=rf"forked from pid {parent}, which has exited"):
+            PathLock(str(tmp_path))
+    finally:
+        os.kill(child, 9)
+    for _ in range(200):   # the child is not ours to reap: wait for the kernel to drop its flock
+        try:
+            PathLock(str(tmp_path)).release()
+            break
+        except oe.LockedError:
+            time.sleep(0.05)
+    else:
+        pytest.fail("the lock outlived the killed child")

@@ -36,6 +36,19 @@ def _try_flock(fd: int) -> bool:
     return True
 
 
+def _exited(pid: str) -> bool:
+    """True when ``pid`` (as the LOCK file holds it) names no running process."""
+    if not pid.isdigit():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except (PermissionError, OverflowError, OSError):
+        return False  # a process of another user: it runs
+    return False
+
+
 class PathLock:
     """Held from construction until ``release()`` (or the process ends)."""
 
@@ -79,9 +92,17 @@ class PathLock:
         except OSError:  # the LOCK file was deleted under its holder
             holder = ""
         holder = holder or "unknown"
-        who = "this process" if holder == str(os.getpid()) else "another process"
+        if holder == str(os.getpid()):
+            who = f"this process (pid {holder})"
+        elif _exited(holder):
+            # the lock belongs to the open file, which a process forked from the writer of the
+            # pid shares: that child outlived it and holds the lock now
+            who = (f"a process forked from pid {holder}, which has exited (a data-loader "
+                   "worker, a multiprocessing child): end it")
+        else:
+            who = f"another process (pid {holder})"
         raise LockedError(
-            f"persistent_path {self.directory!r} is in use by {who} (pid {holder}): "
+            f"persistent_path {self.directory!r} is in use by {who}: "
             "close that embedding first, or give this one another persistent_path"
         )
 
