@@ -262,6 +262,9 @@ def cmd_serve(args) -> int:
         except ImportError as e:
             raise ConfigError(f"--grpc-port needs the serve extra ({e.name} is missing): pip "
                               "install 'one_embedding[serve]'") from None
+    if args.wait_for_checkpoint and args.poll_seconds == 0:
+        raise ConfigError("--wait-for-checkpoint with --poll-seconds 0 would wait for ever: the "
+                          "first checkpoint is found by polling (give --poll-seconds > 0)")
     if args.max_batch_size < 1:
         raise ConfigError(f"--max-batch-size {args.max_batch_size} must be >= 1 (1: no dynamic "
                           "batching)")
@@ -270,7 +273,7 @@ def cmd_serve(args) -> int:
     serve(args.persistent_path, args.snapshot, args.host, args.port, args.cache_mb,
           args.poll_seconds, args.max_request_mb, args.scratch, args.grpc_port,
           args.max_batch_size, args.max_queue_delay_us, args.blas_threads,
-          args.shutdown_grace_seconds)
+          args.shutdown_grace_seconds, args.wait_for_checkpoint)
     return 0
 
 
@@ -406,6 +409,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "6x slower)")
     p.add_argument("--cache-mb", type=float, default=64.0,
                    help="RAM cache over the snapshot's rows (default 64)")
+    p.add_argument("--wait-for-checkpoint", action="store_true",
+                   help="start even if the run has published no checkpoint yet (or has not "
+                        "started): live, not ready (requests answered 503) until the first one "
+                        "is found, then served (for a server started beside its training)")
     p.add_argument("--poll-seconds", type=float, default=1.0,
                    help="how often to look for a newer checkpoint (0: never; default 1)")
     p.add_argument("--max-request-mb", type=float, default=64.0,

@@ -50,7 +50,7 @@ class Server:
     system's /tmp: a server stopped with SIGTERM or SIGKILL cannot remove its scratch folder
     itself."""
 
-    def __init__(self, path, *args):
+    def __init__(self, path, *args, ready=True):
         self.port, self.grpc_port = free_port(), free_port()
         self.scratch = Path(path).parent / f"serve_scratch_{self.port}"
         self.scratch.mkdir(parents=True, exist_ok=True)
@@ -65,7 +65,9 @@ class Server:
         while True:
             assert self.proc.poll() is None, self.proc.stderr.read()[-3000:]
             try:
-                if self.client.is_server_ready() and self.grpc.is_server_ready():
+                if ready and self.client.is_server_ready() and self.grpc.is_server_ready():
+                    return
+                if not ready and self.client.is_server_live() and self.grpc.is_server_live():
                     return
             except Exception:
                 pass
@@ -470,6 +472,44 @@ def test_follows_training_as_it_publishes_and_prunes(tmp_path):
         # retention deleted the older checkpoints even though the server had served them
         left = sorted(os.listdir(path / "0-1" / "snapshots"))
         assert [n for n in left if n.startswith("step-")] == ["step-60"], left
+    finally:
+        server.close()
+
+
+def test_a_server_started_before_its_training_waits_then_serves(tmp_path):
+    """`serve --wait-for-checkpoint` on a run not started yet: live and answering, not ready
+    (REST 400 and gRPC false, as the protocol's health answers are), inference 503 naming the
+    wait; once training publishes, it serves that checkpoint's rows, the first one counted as
+    served, not as a switch. Without the flag the same path is refused at start."""
+    path = tmp_path / "later"
+    refused = subprocess.run([sys.executable, "-m", "one_embedding", "serve", "--persistent-path",
+                              str(path), "--port", str(free_port())],
+                             capture_output=True, text=True, timeout=120)
+    assert refused.returncode != 0 and "does not exist" in refused.stderr, refused.stderr
+    server = Server(path, "--wait-for-checkpoint", "--poll-seconds", "0.1", ready=False)
+    try:
+        assert not server.client.is_server_ready() and not server.grpc.is_server_ready()
+        assert not server.client.is_model_ready("dlrm") and not server.grpc.is_model_ready("dlrm")
+        assert server.raw("GET", "/v2/health/ready")[0] == 400
+        status, body = server.raw("POST", "/v2/models/embedding/infer", json.dumps(
+            {"inputs": [{"name": "keys", "datatype": "INT64", "shape": [1], "data": [1]}]}))
+        assert status == 503 and b"not ready" in body, body
+        with pytest.raises(InferenceServerException, match="not ready"):
+            server.grpc.infer("embedding", grpc_inputs(keys=(np.arange(3, dtype=np.int64), "INT64")))
+        train(path, "--steps", 10)
+        deadline = time.monotonic() + 60
+        while not server.client.is_server_ready():
+            assert time.monotonic() < deadline, "the first checkpoint was never served"
+            time.sleep(0.1)
+        assert server.grpc.is_server_ready() and server.client.is_model_ready("dlrm")
+        keys = np.arange(200)
+        r = server.client.infer("embedding", [keys_input(keys)])
+        assert r.get_response()["parameters"]["snapshot"] == "final"
+        with Predictor(path, snapshot="final") as p:
+            np.testing.assert_array_equal(r.as_numpy("embeddings"), p.lookup(keys))
+        samples = _metric_samples(server)
+        assert samples[("one_embedding_snapshot_switches_total", ())] == 0.0, samples
+        assert samples[("one_embedding_snapshot_info", (("snapshot", "final"),))] == 1.0, samples
     finally:
         server.close()
 

@@ -95,7 +95,7 @@ def test_the_metrics_count_each_switch_once_and_never_go_back():
     pytest.importorskip("prometheus_client")
     from one_embedding.serving.service import Metrics
 
-    m = Metrics(types.SimpleNamespace(snapshot="step-100"))
+    m = Metrics(types.SimpleNamespace(ready=True, snapshot="step-100"))
     m.switched("step-200")   # the follower, after refresh()
     m.served("step-200")     # GET /metrics reads the predictor's
     m.switched("step-200")   # final saved again under its name: a second switch
@@ -104,3 +104,39 @@ def test_the_metrics_count_each_switch_once_and_never_go_back():
     assert "one_embedding_snapshot_switches_total 2.0" in lines, lines
     assert 'one_embedding_snapshot_info{snapshot="step-200"} 1.0' in lines, lines
     assert not any('snapshot="step-100"' in line for line in lines), lines
+
+
+def test_a_predictor_waiting_for_its_run_serves_the_first_checkpoint_published(tmp_path):
+    """wait=True before the run has started (its folder does not exist): not ready, each call
+    a NotReadyError naming the path, until a refresh finds the first checkpoint; then its rows,
+    those a fresh Predictor reads. Without wait the missing folder is refused, as before."""
+    from one_embedding.errors import ConfigError
+    from one_embedding.serving.predictor import NotReadyError
+
+    path = tmp_path / "later"
+    with pytest.raises(ConfigError, match="does not exist"):
+        Predictor(path)
+    with Predictor(path, cache_mb=0, wait=True) as p:
+        assert not p.ready and p.refresh() is False
+        for call in (lambda: p.lookup(np.arange(3)), lambda: p.snapshot, p.check_ready):
+            with pytest.raises(NotReadyError, match=r"not ready: .*later.* no complete checkpoint"):
+                call()
+        _run(path, 4)
+        assert p.refresh() is True and p.ready and p.snapshot == "final"
+        with Predictor(path, cache_mb=0) as fresh:
+            np.testing.assert_array_equal(p.lookup(np.arange(5000)), fresh.lookup(np.arange(5000)))
+        assert p.refresh() is False
+
+
+def test_the_first_checkpoint_of_a_waiting_server_is_not_a_switch():
+    import types
+
+    pytest.importorskip("prometheus_client")
+    from one_embedding.serving.service import Metrics
+
+    m = Metrics(types.SimpleNamespace(ready=False))
+    m.switched("step-5")     # the follower found the first checkpoint
+    m.switched("step-10")
+    lines = m.exposition().decode().splitlines()
+    assert "one_embedding_snapshot_switches_total 1.0" in lines, lines
+    assert 'one_embedding_snapshot_info{snapshot="step-10"} 1.0' in lines, lines

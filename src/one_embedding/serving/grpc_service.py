@@ -113,13 +113,15 @@ def make_servicer(service: Service):
             return pb.ServerLiveResponse(live=True)
 
         async def ServerReady(self, request, context):
-            return pb.ServerReadyResponse(ready=True)
+            return pb.ServerReadyResponse(ready=predictor.ready)
 
         async def ServerMetadata(self, request, context):
             return pb.ServerMetadataResponse(name="one_embedding", version="1",
                                              extensions=["binary_tensor_data"])
 
         async def ModelReady(self, request, context):
+            if not predictor.ready:
+                return pb.ModelReadyResponse(ready=False)
             try:
                 model_metadata(predictor, request.name, request.version)
             except ProtocolError as e:

@@ -45,6 +45,11 @@ log = logging.getLogger("one_embedding.serve")
 MAX_REOPENS = 3
 
 
+class NotReadyError(SnapshotError):
+    """A call to a ``Predictor`` that waits for its first checkpoint (``wait=True``) before
+    training published one."""
+
+
 class _Gone(Exception):
     """A checkpoint deleted (or replaced) between the listing and its lease."""
 
@@ -114,12 +119,15 @@ class _Served:
 class Predictor:
     """persistent_path: a training run's ``--persistent-path``; snapshot: a checkpoint name to
     serve (None: the newest complete one); cache_mb: the RAM cache over the snapshot's rows;
-    scratch: where private store folders go (default: the system's temporary folder)."""
+    scratch: where private store folders go (default: the system's temporary folder); wait:
+    where no complete checkpoint is there yet (or the folder itself is not), start without one
+    instead of raising: ``ready`` is False and every call raises ``NotReadyError`` until a
+    ``refresh()`` finds the first one (a server started beside its training)."""
 
     def __init__(self, persistent_path, snapshot: str | None = None, cache_mb: float = 64.0,
-                 scratch: str | None = None):
+                 scratch: str | None = None, wait: bool = False):
         self.path = os.fspath(persistent_path)
-        if not os.path.isdir(self.path):
+        if not os.path.isdir(self.path) and not (wait and not os.path.exists(self.path)):
             what = "is a file" if os.path.exists(self.path) else "does not exist"
             raise ConfigError(f"persistent_path {self.path!r} {what}: pass the "
                               "--persistent-path folder of a training run")
@@ -129,6 +137,10 @@ class Predictor:
         self._lock = threading.Lock()
         #: ((step, created, name), SnapshotError) of the newest checkpoint refused as damaged
         self._refused = None
+        self._current: _Served | None = None
+        if wait:
+            self.refresh()
+            return
         for _ in range(2):  # a second listing if every checkpoint listed was deleted meanwhile
             sets = _checkpoint_sets(self.path, snapshot)
             if not sets:
@@ -147,8 +159,24 @@ class Predictor:
 
     # ---------------------------------------------------------------- which checkpoint
     def _newest(self):
+        if not os.path.isdir(self.path):  # waiting for a run that has not started
+            return None
         sets = _checkpoint_sets(self.path, self.requested)
         return sets[-1] if sets else None
+
+    @property
+    def ready(self) -> bool:
+        """True once a checkpoint is served (always, unless made with ``wait=True``)."""
+        return self._current is not None
+
+    def check_ready(self) -> None:
+        """NotReadyError unless a checkpoint is served."""
+        self._served()
+
+    def _waiting(self) -> NotReadyError:
+        what = f"checkpoint named {self.requested!r}" if self.requested else "checkpoint"
+        return NotReadyError(f"not ready: {self.path!r} holds no complete {what} yet; it is "
+                             "served as soon as training publishes one")
 
     def _open(self, choice, served: "_Served | None" = None) -> _Served:
         """Lease every rank's folder of ``choice``, then check and open it from where the leases
@@ -225,6 +253,8 @@ class Predictor:
         being read again (a damaged TB-sized one was re-read in full at every poll)."""
         choice = self._newest()
         cur = self._current
+        if cur is None:   # waiting for the first checkpoint
+            return choice is not None and self._first(choice)
         if choice is None or (choice[0], choice[1], choice[2]) == (cur.step, cur.created, cur.name):
             return False
         if (choice[0], choice[1]) < (cur.step, cur.created) and not cur.deleted():
@@ -243,9 +273,28 @@ class Predictor:
         self._retire(old)
         return True
 
+    def _first(self, choice) -> bool:
+        """Open ``choice``, the first checkpoint of a predictor made with ``wait=True``: True
+        when it is served now (False: deleted meanwhile). A damaged one raises SnapshotError
+        as ``refresh`` does, once."""
+        if self._refused is not None and self._refused[0] == choice[:3]:
+            raise self._refused[1]
+        try:
+            fresh = self._open(choice)
+        except _Gone:
+            return False
+        except SnapshotError as e:
+            self._refused = (choice[:3], e)
+            raise
+        with self._lock:
+            self._current = fresh
+        return True
+
     def _acquire(self) -> _Served:
         with self._lock:
             served = self._current
+            if served is None:
+                raise self._waiting()
             with served.lock:
                 served.users += 1
             return served
@@ -267,20 +316,26 @@ class Predictor:
     # ---------------------------------------------------------------- what it answers
     @property
     def snapshot(self) -> str:
-        """The checkpoint answering calls now."""
-        return self._current.name
+        """The checkpoint answering calls now (NotReadyError before the first one)."""
+        return self._served().name
 
     @property
     def model_name(self) -> str:
-        return self._current.model_name
+        return self._served().model_name
 
     @property
     def embedding_dim(self) -> int:
-        return self._current.table.dim
+        return self._served().table.dim
 
     @property
     def num_sparse(self) -> int:
-        return self._current.transform.num_sparse
+        return self._served().transform.num_sparse
+
+    def _served(self) -> _Served:
+        served = self._current
+        if served is None:
+            raise self._waiting()
+        return served
 
     def lookup(self, keys, with_snapshot: bool = False):
         """keys (n,) int64 -> (n, embedding_dim) float32, the stored embedding columns (a key
@@ -338,7 +393,8 @@ class Predictor:
     def close(self) -> None:
         with self._lock:
             served = self._current
-        self._retire(served)
+        if served is not None:
+            self._retire(served)
 
     def __enter__(self):
         return self

@@ -61,7 +61,9 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
         return JSONResponse({"live": True})
 
     async def ready(request):
-        return JSONResponse({"ready": True})
+        # the protocol's health answers are their status: 200 true, 4xx false (before the
+        # first checkpoint of a server started with --wait-for-checkpoint)
+        return JSONResponse({"ready": predictor.ready}, status_code=200 if predictor.ready else 400)
 
     async def server_metadata(request):
         return JSONResponse({"name": "one_embedding", "version": "1",
@@ -75,12 +77,14 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
             return error(e)
 
     async def model_ready(request):
+        name = request.path_params["model"]
+        if not predictor.ready:
+            return JSONResponse({"name": name, "ready": False}, status_code=400)
         try:
-            model_metadata(predictor, request.path_params["model"],
-                           request.path_params.get("version"))
+            model_metadata(predictor, name, request.path_params.get("version"))
         except ProtocolError as e:
             return error(e)
-        return JSONResponse({"name": request.path_params["model"], "ready": True})
+        return JSONResponse({"name": name, "ready": True})
 
     async def read_body(headers: dict, receive) -> bytes:
         declared = headers.get(b"content-length")
@@ -201,6 +205,9 @@ class Follower:
         self._thread.start()
         return self
 
+    def _serving(self) -> str:
+        return repr(self.predictor.snapshot) if self.predictor.ready else "nothing yet"
+
     def _run(self) -> None:
         while not self._stop.wait(self.seconds):
             try:
@@ -210,12 +217,12 @@ class Follower:
                         self.on_switch(self.predictor.snapshot)
             except OneEmbeddingError as e:  # the newest checkpoint is damaged: refused
                 if str(e) != self._last_refusal:  # once, not at every poll
-                    log.error("the newest checkpoint was refused: %s; still serving %r", e,
-                              self.predictor.snapshot)
+                    log.error("the newest checkpoint was refused: %s; still serving %s", e,
+                              self._serving())
                     self._last_refusal = str(e)
             except Exception:  # a snapshot half-deleted under us: try again next time
-                log.exception("following the training path failed; still serving %r",
-                              self.predictor.snapshot)
+                log.exception("following the training path failed; still serving %s",
+                              self._serving())
 
     def stop(self) -> None:
         self._stop.set()
@@ -232,19 +239,23 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
           max_request_mb: float = DEFAULT_MAX_REQUEST_MB, scratch: str | None = None,
           grpc_port: int | None = None, max_batch_size: int = 1,
           max_queue_delay_us: float = 0.0, blas_threads: int = 1,
-          shutdown_grace_seconds: float = SHUTDOWN_GRACE_S) -> None:
+          shutdown_grace_seconds: float = SHUTDOWN_GRACE_S,
+          wait_for_checkpoint: bool = False) -> None:
     """Serve until interrupted: REST on ``port``, gRPC on ``grpc_port`` (None: no gRPC);
     dynamic batching when ``max_batch_size`` > 1 (a request waits up to ``max_queue_delay_us``
     microseconds for others); ``blas_threads``: BLAS threads per model call (requests already
     run side by side: a second BLAS thread per call mostly waits for a core);
     ``shutdown_grace_seconds``: after SIGTERM / SIGINT, how long requests in flight may finish
-    (a client stalled in its body included) before they are answered 503 and the server exits."""
+    (a client stalled in its body included) before they are answered 503 and the server exits;
+    ``wait_for_checkpoint``: where training has published no checkpoint yet, serve anyway (live,
+    not ready: requests answered 503) and load the first one the follower finds."""
     import uvicorn
     from threadpoolctl import threadpool_limits
 
     threadpool_limits(blas_threads, user_api="blas")
 
-    predictor = Predictor(persistent_path, snapshot=snapshot, cache_mb=cache_mb, scratch=scratch)
+    predictor = Predictor(persistent_path, snapshot=snapshot, cache_mb=cache_mb, scratch=scratch,
+                          wait=wait_for_checkpoint)
     service = Service(predictor, max_batch_size, max_queue_delay_us * 1e-6)
     follower = Follower(predictor, poll_seconds, on_switch=service.metrics.switched).start() \
         if poll_seconds > 0 else None
@@ -260,8 +271,9 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
             from .grpc_service import start_grpc
 
             grpc_server = start_grpc(service, host, grpc_port, max_request_mb)
-        log.warning("serving %r (snapshot %r, model %r) on http://%s:%d%s%s", persistent_path,
-                    predictor.snapshot, predictor.model_name, host, port,
+        what = f"snapshot {predictor.snapshot!r}, model {predictor.model_name!r}" \
+            if predictor.ready else "not ready: waiting for its first checkpoint"
+        log.warning("serving %r (%s) on http://%s:%d%s%s", persistent_path, what, host, port,
                     f" and grpc {host}:{grpc_port}" if grpc_port is not None else "",
                     f", batching up to {max_batch_size} rows, {max_queue_delay_us:g} us"
                     if max_batch_size > 1 else "")

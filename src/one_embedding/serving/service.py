@@ -13,7 +13,9 @@ Models:
 request to the trained model goes to the ``Batcher`` when dynamic batching is on
 (``max_batch_size`` > 1), else, like every ``embedding`` request, to a small thread pool (the
 forward keeps no activations, so requests run side by side). A refused request is a
-``ProtocolError`` (4xx), data the server cannot read a ``ProtocolError`` 500.
+``ProtocolError`` (4xx), data the server cannot read a ``ProtocolError`` 500, and a request
+to a server still waiting for its first checkpoint (``serve --wait-for-checkpoint``) a
+``ProtocolError`` 503.
 """
 from __future__ import annotations
 
@@ -27,7 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import numpy as np
 
 from ..errors import OneEmbeddingError, StoreError
-from .predictor import Predictor
+from .predictor import NotReadyError, Predictor
 from .protocol import DTYPES, ProtocolError
 
 log = logging.getLogger("one_embedding.serve")
@@ -55,7 +57,11 @@ def check_version(name: str, version: str | None) -> None:
 
 def model_metadata(predictor: Predictor, name: str, version: str | None = None) -> dict:
     """The protocol's model metadata of ``name`` (ProtocolError 404 for an unknown one, or a
-    version it does not have)."""
+    version it does not have; 503 before the first checkpoint)."""
+    try:
+        predictor.check_ready()
+    except NotReadyError as e:
+        raise _refusal(e) from None
     dim = predictor.embedding_dim
     if name == "embedding":
         inputs = [{"name": "keys", "datatype": "INT64", "shape": [-1]}]
@@ -121,6 +127,8 @@ def run_model(predictor: Predictor, name: str, inputs: tuple) -> tuple[dict, str
 
 def _refusal(e: Exception) -> ProtocolError:
     """A predictor's exception -> the ProtocolError answering it."""
+    if isinstance(e, NotReadyError):  # no checkpoint yet: come back later
+        return ProtocolError(str(e), 503)
     if isinstance(e, StoreError):  # the served snapshot's data, not the request: a server fault
         return ProtocolError(f"the server cannot read its data: {e}", 500)
     if isinstance(e, OneEmbeddingError):  # a value the model cannot take, named by the predictor
@@ -162,7 +170,8 @@ class Metrics:
         self._lock = threading.Lock()
         self._answered: dict = {}  # (model, protocol, code) -> the children answered() moves
         self._merged: dict = {}    # model -> the children merged() moves
-        self.served(predictor.snapshot)
+        if predictor.ready:
+            self.served(predictor.snapshot)
 
     def served(self, snapshot: str) -> None:
         """The checkpoint answering now is ``snapshot`` (the info gauge's label; counts nothing:
@@ -177,8 +186,10 @@ class Metrics:
 
     def switched(self, snapshot: str) -> None:
         """The predictor switched checkpoints, to ``snapshot`` (the follower's call after each
-        switch: counted once each, even where the new checkpoint has the old one's name)."""
-        self.switches.inc()
+        switch: counted once each, even where the new checkpoint has the old one's name). The
+        first checkpoint of a server that waited for one is served, not counted as a switch."""
+        if self._served is not None:
+            self.switches.inc()
         self.served(snapshot)
 
     def answered(self, model: str, protocol: str, code: int, seconds: float, rows: int) -> None:
@@ -413,7 +424,8 @@ class Service:
         """Record one answered request in the metrics (no-op without them); a model this
         server does not have is counted as "unknown"."""
         if self.metrics is not None:
-            if model not in ("embedding", self.predictor.model_name):
+            if model != "embedding" and (not self.predictor.ready
+                                         or model != self.predictor.model_name):
                 model = "unknown"
             self.metrics.answered(model, protocol, code, time.perf_counter() - started, rows)
 
