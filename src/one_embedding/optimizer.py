@@ -137,6 +137,8 @@ class Optimizer:
             self.zero_grad()  # gradients at the old scale must not reach a later step
             scaler.update(found_inf=True)
             return loss
+        if scaler is None and host_sync.deferred_checks() is None:
+            self._refuse_non_finite_dense()
         # a parameter whose gradient is all zero is left alone (its state too); on the device
         # path that is decided on the device (``masked_update``, the flat groups' flags), without
         # a read
@@ -247,6 +249,21 @@ class Optimizer:
         if self.comm.world > 1:
             local = bool(self.comm.allreduce_sum(np.array([float(local)]))[0] > 0)
         return local
+
+    def _refuse_non_finite_dense(self) -> None:
+        """InputError naming the first dense parameter whose gradient holds an inf / NaN,
+        before anything is updated (as a row whose update would not be finite is refused):
+        without a loss scale to skip the step, it would make the parameter NaN for good. On
+        the CPU path only (the device path reads nothing back mid-step)."""
+        grads = [p.grad for p in self.parameters if p.grad is not None]
+        if not grads or all_finite(*grads):
+            return
+        for p in self.parameters:
+            if p.grad is not None and not all_finite(p.grad):
+                raise InputError(
+                    f"parameter {getattr(p, 'name', '?')!r} has a non-finite gradient: nothing "
+                    "was updated; call zero_grad(), then lower the learning rate, clip the "
+                    "gradients (clip_grad_max_norm) or use a loss scale (which skips such steps)")
 
     def _allreduce_dense_grads(self) -> None:
         """Sum every dense gradient over the ranks, all in one message."""

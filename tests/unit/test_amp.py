@@ -48,6 +48,26 @@ def test_bf16_rounding_matches_a_float64_reference_and_ties_go_to_even():
     assert got[0] == np.inf and got[1] == -np.inf and np.isnan(got[2]) and got[3] == np.inf
 
 
+def test_float64_is_rounded_once_to_the_nearest_bf16_and_tf32_value():
+    """A float64 model under autocast: each value goes to its nearest bf16 / tf32 value, not
+    through the nearest float32 first (1 + 2**-8 + 2**-30 rounded to float32 is a bf16 tie,
+    which went down to 1.0; its nearest bf16 value is 1 + 2**-7)."""
+    def nearest(x, bits):   # by float64 arithmetic, normal range: frexp's mantissa to ``bits``
+        m, e = np.frexp(x)
+        return np.ldexp(np.round(m * 2.0 ** bits) / 2.0 ** bits, e)
+
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal(200_000) * np.exp2(rng.integers(-60, 60, 200_000))
+    m, e = np.frexp(x[:50_000])   # just off a float32-level bf16 / tf32 tie, either side
+    x[:50_000] = np.ldexp((np.round(m * 512) + rng.choice([-1, 1], 50_000) * 2.0 ** -20) / 512, e)
+    x[-3:] = [1 + 2.0 ** -8 + 2.0 ** -30, 1 + 2.0 ** -11 + 2.0 ** -40, -(1 + 2.0 ** -8 + 2.0 ** -30)]
+    for precision, bits in (("bf16", 8), ("tf32", 11)):
+        got = amp.round_to(x, precision)
+        assert got.dtype == np.float64
+        np.testing.assert_array_equal(got, nearest(x, bits), err_msg=precision)
+    assert amp.round_to(x[-3:], "bf16")[0] == 1 + 2.0 ** -7
+
+
 def test_off_changes_nothing_and_the_setting_is_scoped():
     a = np.random.default_rng(2).standard_normal((5, 7)).astype(np.float32)
     b = np.random.default_rng(3).standard_normal((7, 3)).astype(np.float32)

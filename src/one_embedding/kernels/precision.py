@@ -21,10 +21,24 @@ def check_precision(precision: str) -> str:
     return precision
 
 
+def _float32_round_to_odd(x, xp):
+    """float64 ``x`` -> float32, rounded to odd: truncated toward zero, its last bit set where
+    that was inexact. Rounding this to a narrower format (bf16, tf32: at least two bits fewer)
+    gives the nearest value of ``x`` itself, where going through the nearest float32 would round
+    twice (1 + 2**-8 + 2**-30 became a tie, then 1.0 in bf16)."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = x.astype(xp.float32)
+        back = f.astype(xp.float64)
+        inexact = (back != x) & ~xp.isnan(x)
+        f = xp.where(inexact & (xp.abs(back) > xp.abs(x)), xp.nextafter(f, xp.float32(0)), f)
+    return (f.view(xp.uint32) | inexact.astype(xp.uint32)).view(xp.float32)
+
+
 def _round_bits(x, xp, dropped: int):
-    """float32 ``x`` with its low ``dropped`` mantissa bits rounded off (nearest, ties to even),
-    NaN kept as the canonical quiet NaN; overflow rounds to ±inf."""
-    f = x.astype(xp.float32)
+    """float32 or float64 ``x`` with the low ``dropped`` bits of a float32 mantissa rounded off
+    (nearest, ties to even; float64 is rounded once, through ``_float32_round_to_odd``), NaN
+    kept as the canonical quiet NaN; overflow rounds to ±inf."""
+    f = _float32_round_to_odd(x, xp) if x.dtype == xp.float64 else x.astype(xp.float32)
     bits = f.view(xp.uint32)
     half = xp.uint32((1 << (dropped - 1)) - 1)
     keep = xp.uint32((0xFFFFFFFF << dropped) & 0xFFFFFFFF)

@@ -21,11 +21,12 @@ import math
 import numpy as np
 
 from .. import host_sync
-from ..backend import array_namespace
+from ..backend import array_namespace, as_array
 from ..errors import ConfigError, InputError
 from ..nn.module import Module
 from ..step import StepState
 from ..options import (
+    whole_number,
     make_column_options,
     make_constant_initializer,
     make_device_mem_store_options,
@@ -43,7 +44,7 @@ def table_initializer(table_size):
     """DLRM's per-table scheme: uniform(+-sqrt(1 / table_size)); normal(0, 0.05) without a size."""
     if table_size is None:
         return make_normal_initializer(0.0, DEFAULT_STD)
-    if int(table_size) != table_size or table_size <= 0:
+    if not whole_number(table_size) or table_size <= 0:
         raise ConfigError(f"table size {table_size!r} must be a positive integer (rows of that table)")
     bound = math.sqrt(1.0 / float(table_size))
     return make_uniform_initializer(-bound, bound)
@@ -69,7 +70,10 @@ def check_table_sizes(table_sizes, num_tables):
     sizes = list(table_sizes)
     if len(sizes) != num_tables:
         raise ConfigError(f"table_sizes has {len(sizes)} entries but the model has num_tables={num_tables}")
-    for s in sizes:
+    for i, s in enumerate(sizes):
+        if s is None:
+            raise ConfigError(f"table_sizes[{i}] is None: give every table's number of rows "
+                              "(or table_sizes=None for none)")
         table_initializer(s)
     return tuple(int(s) for s in sizes)
 
@@ -100,9 +104,40 @@ def build_embedding(name, column_dims, num_tables, table_sizes, store_options, s
 
 
 def positive(name, value) -> int:
-    if isinstance(value, bool) or int(value) != value or value <= 0:
+    if not whole_number(value) or value <= 0:
         raise ConfigError(f"{name}={value!r} must be a positive integer")
     return int(value)
+
+
+def non_negative(name, value) -> int:
+    if not whole_number(value) or value < 0:
+        raise ConfigError(f"{name}={value!r} must be an integer >= 0")
+    return int(value)
+
+
+def check_seed(seed):
+    """A model's seed: an integer >= 0 (or a numpy SeedSequence), named where numpy would
+    raise its own error deep in the constructor."""
+    if isinstance(seed, np.random.SeedSequence):
+        return seed
+    if not whole_number(seed) or seed < 0:
+        raise ConfigError(f"seed={seed!r} must be an integer >= 0 (the dense weights' and the "
+                          "embedding's seed), e.g. seed=0")
+    return int(seed)
+
+
+def layer_sizes(name, sizes) -> tuple:
+    """An MLP's layer sizes given as a sequence -> a tuple (the sizes are checked by the MLP)."""
+    if isinstance(sizes, (str, bytes)) or not hasattr(sizes, "__iter__"):
+        raise ConfigError(f"{name}={sizes!r} must be a sequence of layer sizes, e.g. "
+                          "(512, 256, 128)")
+    return tuple(sizes)
+
+
+def check_flag(name, value) -> bool:
+    if not isinstance(value, (bool, np.bool_)):
+        raise ConfigError(f"{name}={value!r} must be True or False")
+    return bool(value)
 
 
 class CTRModel(Module):
@@ -203,6 +238,17 @@ class CTRModel(Module):
             "model: input check", details=first_bad)
         return dense.astype(self.dtype, copy=False)
 
+    @staticmethod
+    def as_arrays(dense, other, what: str):
+        """``dense`` and ``other`` (the ids or the embeddings, named ``what``) given as lists or
+        other array-likes -> numpy arrays (numpy and CuPy arrays are kept), so that their checks
+        see their real shapes; a ragged list is an InputError naming it."""
+        if dense is not None and not hasattr(dense, "shape"):
+            dense = as_array(np, dense, "dense")
+        if not hasattr(other, "shape"):
+            other = as_array(np, other, what)
+        return dense, other
+
     def _embedded(self, embedded, batch):
         want = (batch, self.num_tables, self.embedding_width)
         if tuple(getattr(embedded, "shape", ())) != want:
@@ -230,6 +276,7 @@ class CTRModel(Module):
             dense = self.check_dense(dense, shape[0])
             embedded = self.embedding.embed(ids)
         else:
+            dense, ids = self.as_arrays(dense, ids, "ids")
             dense = self.check_inputs(dense, ids)
             embedded = self.embedding(ids)
         return self.forward_from_embeddings(dense, embedded)
@@ -289,6 +336,20 @@ class CTRModel(Module):
         raise NotImplementedError(f"{type(self).__name__} has no fused loss path")
 
     def _dlogits(self, dlogits, batch):
+        """dlogits (batch,) -> in the model's dtype. InputError before anything accumulates: a
+        backward without a forward, a wrong shape, or (on the host path) an inf / NaN, which
+        would turn every dense gradient into NaN. The device path adds no pass for it: there the
+        embedding's deferred gradient check stops the run before its next checkpoint."""
+        if batch is None:
+            raise InputError(f"{type(self).__name__}.backward() without a forward(): run "
+                             "forward first")
         if tuple(getattr(dlogits, "shape", ())) != (batch,):
             raise InputError(f"dlogits have shape {tuple(getattr(dlogits, 'shape', ()))}, expected ({batch},)")
+        if host_sync.deferred_checks() is None:
+            xp = array_namespace(dlogits)
+            bad = ~xp.isfinite(dlogits)
+            host_sync.check(bad.any(), lambda at, value: (
+                f"dlogits[{int(at)}] is {value}: the loss's gradient must be finite (check "
+                "the loss, e.g. lower the learning rate); no gradient was accumulated"),
+                "model: dlogits check", details=lambda: (xp.argmax(bad), dlogits[xp.argmax(bad)]))
         return dlogits.astype(self.dtype, copy=False)

@@ -22,7 +22,8 @@ from ..backend import array_namespace
 from ..errors import ConfigError
 from ..nn import MLP, CrossNet, Linear
 from ..nn.linear import _check_dtype
-from .base import CTRModel, build_embedding, check_embedding_args, check_table_sizes, positive
+from .base import (CTRModel, build_embedding, check_embedding_args, check_seed, check_table_sizes,
+                   layer_sizes, non_negative, positive)
 
 
 class DCN(CTRModel):
@@ -35,11 +36,11 @@ class DCN(CTRModel):
         self.num_tables = positive("num_tables", num_tables)
         self.embedding_dim = positive("embedding_dim", embedding_dim)
         self.embedding_width = self.embedding_dim
-        if isinstance(dense_features, bool) or int(dense_features) != dense_features or dense_features < 0:
-            raise ConfigError(f"dense_features={dense_features!r} must be an integer >= 0")
-        self.dense_features = int(dense_features)
+        self.dense_features = non_negative("dense_features", dense_features)
         self.dtype = _check_dtype(dtype)
-        dnn = tuple(dnn)
+        dnn = layer_sizes("dnn", dnn)
+        cross_layers = positive("cross_layers", cross_layers)
+        seed = check_seed(seed)
         if not dnn:
             raise ConfigError("dnn=() : DCN needs at least one DNN layer next to the cross network")
         check_embedding_args(embedding, table_sizes, store_options, comm)
@@ -61,6 +62,7 @@ class DCN(CTRModel):
 
     def forward_from_embeddings(self, dense, embedded):
         """dense: (B, dense_features) or None; embedded: (B, num_tables, E) -> logits (B,)."""
+        dense, embedded = self.as_arrays(dense, embedded, "embeddings")
         batch = embedded.shape[0]
         dense = self.check_dense(dense, batch)
         embedded = self._embedded(embedded, batch)

@@ -21,10 +21,10 @@ from __future__ import annotations
 import numpy as np
 
 from ..backend import array_namespace
-from ..errors import ConfigError
 from ..nn import MLP, FactorizationMachine, Parameter
 from ..nn.linear import _check_dtype
-from .base import CTRModel, build_embedding, check_embedding_args, check_table_sizes, positive
+from .base import (CTRModel, build_embedding, check_embedding_args, check_seed, check_table_sizes,
+                   layer_sizes, non_negative, positive)
 
 
 class DeepFM(CTRModel):
@@ -40,10 +40,10 @@ class DeepFM(CTRModel):
         self.num_tables = positive("num_tables", num_tables)
         self.embedding_dim = positive("embedding_dim", embedding_dim)
         self.embedding_width = self.embedding_dim + 1
-        if isinstance(dense_features, bool) or int(dense_features) != dense_features or dense_features < 0:
-            raise ConfigError(f"dense_features={dense_features!r} must be an integer >= 0")
-        self.dense_features = int(dense_features)
+        self.dense_features = non_negative("dense_features", dense_features)
         self.dtype = _check_dtype(dtype)
+        dnn = layer_sizes("dnn", dnn)
+        seed = check_seed(seed)
         check_embedding_args(embedding, table_sizes, store_options, comm)
         self.table_sizes = check_table_sizes(table_sizes, self.num_tables)
         self.bias = Parameter(np.zeros(1, self.dtype), "bias")
@@ -61,6 +61,7 @@ class DeepFM(CTRModel):
 
     def forward_from_embeddings(self, dense, embedded):
         """dense: (B, dense_features) or None; embedded: (B, num_tables, E + 1) -> logits (B,)."""
+        dense, embedded = self.as_arrays(dense, embedded, "embeddings")
         batch = embedded.shape[0]
         dense = self.check_dense(dense, batch)
         embedded = self._embedded(embedded, batch)

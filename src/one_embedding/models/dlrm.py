@@ -20,7 +20,8 @@ from ..errors import ConfigError, InputError
 from ..nn import MLP, DotInteraction, padding_to_multiple
 from ..nn.interaction import num_pairs
 from ..nn.linear import _check_dtype
-from .base import CTRModel, build_embedding, check_embedding_args, check_table_sizes, positive
+from .base import (CTRModel, build_embedding, check_embedding_args, check_flag, check_seed,
+                   check_table_sizes, layer_sizes, positive)
 
 #: Criteo 1TB cardinalities C1..C26 of MLPerf v1 / OneFlow's defaults (REFERENCE.md).
 CRITEO_1TB_TABLE_SIZES = (
@@ -49,7 +50,10 @@ class DLRM(CTRModel):
         self.embedding_width = self.embedding_dim
         self.dense_features = positive("dense_features", dense_features)
         self.dtype = _check_dtype(dtype)
-        bottom_mlp, top_mlp = tuple(bottom_mlp), tuple(top_mlp)
+        bottom_mlp, top_mlp = layer_sizes("bottom_mlp", bottom_mlp), layer_sizes("top_mlp", top_mlp)
+        self_interaction = check_flag("self_interaction", self_interaction)
+        pad_to_multiple = positive("pad_to_multiple", pad_to_multiple)
+        seed = check_seed(seed)
         if not bottom_mlp or bottom_mlp[-1] != self.embedding_dim:
             raise ConfigError(
                 f"bottom_mlp={bottom_mlp} ends in {bottom_mlp[-1] if bottom_mlp else None} but "
@@ -107,6 +111,8 @@ class DLRM(CTRModel):
         that ``embed`` returned (then z is written into its slot 0) -> logits (B,)."""
         from ..kernels import layout_ops
 
+        if not isinstance(embedded, layout_ops.InteractionInput):
+            dense, embedded = self.as_arrays(dense, embedded, "embeddings")
         if isinstance(embedded, layout_ops.InteractionInput):
             dense = self.check_dense(dense, embedded.shape[0])
             want = (dense.shape[0], self.num_tables + 1, self.embedding_dim)

@@ -14,6 +14,8 @@ input gradient as the outer product dh ⊗ w, where a k = 1 sgemm would run at ~
 """
 from __future__ import annotations
 
+import numbers
+
 import numpy as np
 
 from ..backend import array_namespace
@@ -232,7 +234,7 @@ class Linear(Module):
                              f"{self.out_features} outputs, relu={self.relu})")
         if self._x is None and self._x_bits is None:
             raise InputError("Linear.loss_and_backward() without a forward(): run forward first")
-        labels = checked_labels(logits, labels)
+        logits, labels = checked_labels(logits, labels)
         x = self._input_fp32()
         xp = array_namespace(x)
         x = xp.ascontiguousarray(x)
@@ -294,8 +296,9 @@ class MLP(Module):
         sizes = list(sizes)
         if not sizes:
             raise ConfigError(f"{name}: an MLP needs at least one layer size, got {sizes}")
-        if not 0.0 <= float(dropout) < 1.0:
-            raise ConfigError(f"{name}: dropout={dropout} must be in [0, 1)")
+        if isinstance(dropout, bool) or not isinstance(dropout, numbers.Real) \
+                or not 0.0 <= float(dropout) < 1.0:
+            raise ConfigError(f"{name}: dropout={dropout!r} must be a number in [0, 1)")
         self.in_features = _positive_int("in_features", in_features)
         self.sizes = tuple(_positive_int(f"{name} layer size", s) for s in sizes)
         self.out_features = self.sizes[-1]

@@ -1,7 +1,7 @@
 """Binary cross-entropy with logits, mean over the batch."""
 from __future__ import annotations
 
-from ..backend import array_namespace
+from ..backend import array_namespace, as_array
 from ..errors import InputError
 from ..kernels import ops_for
 from .module import Module
@@ -9,13 +9,21 @@ from .. import host_sync
 
 
 def checked_labels(logits, labels):
-    """logits: (B,) float; labels: (B,) -> labels in the logits' dtype. InputError on a shape
-    mismatch; a label outside [0, 1] or NaN raises through ``host_sync.check`` (deferred on the
-    device path: no host read here). Shared by ``BCEWithLogits`` and the loss fused with the
-    last layer (``Linear.loss_and_backward``)."""
+    """logits: (B,) float; labels: (B,) -> (logits, labels in the logits' dtype) (a list or
+    other array-like becomes an array of the logits' namespace). InputError on a shape mismatch,
+    integer logits (their gradient would be truncated to integers) and an empty batch (its mean
+    loss is undefined, as the fused device kernel says too); a label outside [0, 1] or NaN
+    raises through ``host_sync.check`` (deferred on the device path: no host read here). Shared
+    by ``BCEWithLogits`` and the loss fused with the last layer (``Linear.loss_and_backward``)."""
     xp = array_namespace(logits, labels)
+    logits, labels = as_array(xp, logits, "logits"), as_array(xp, labels, "labels")
     if logits.ndim != 1:
         raise InputError(f"logits must have shape (B,), got {tuple(logits.shape)}")
+    if logits.dtype.kind != "f":
+        raise InputError(f"logits.dtype={logits.dtype}: the loss takes floating-point logits "
+                         "(the model's output), e.g. logits.astype(np.float32)")
+    if logits.shape[0] == 0:
+        raise InputError("logits is empty: the mean loss of an empty batch is undefined")
     if tuple(labels.shape) != tuple(logits.shape):
         raise InputError(
             f"labels have shape {tuple(labels.shape)} but logits have {tuple(logits.shape)}: "
@@ -31,7 +39,7 @@ def checked_labels(logits, labels):
     host_sync.check(bad.any(), lambda at, value: (
         f"labels[{int(at)}] is {value}: labels must lie in [0, 1] (click = 1, no click = 0)"),
         "loss: labels outside [0, 1]", details=first_bad)
-    return labels
+    return logits, labels
 
 
 class BCEWithLogits(Module):
@@ -44,7 +52,7 @@ class BCEWithLogits(Module):
         self._saved = None
 
     def forward(self, logits, labels):
-        labels = checked_labels(logits, labels)
+        logits, labels = checked_labels(logits, labels)
         self._saved = (logits, labels)
         return ops_for(array_namespace(logits)).bce_with_logits_forward(logits, labels)
 

@@ -19,7 +19,6 @@ is still skipped.
 """
 from __future__ import annotations
 
-import math
 import numbers
 
 import numpy as np
@@ -55,7 +54,9 @@ class LossScaler:
 
     def __init__(self, init_scale: float = 2.0 ** 16, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 2000, dynamic: bool = True):
-        self.scale = check_real("LossScaler", "init_scale", init_scale, low=0.0, low_open=True)
+        self.scale = check_real("LossScaler", "init_scale", init_scale, low=0.0, low_open=True,
+                                high=float(np.finfo(np.float32).max),
+                                hint="the model multiplies by it in float32")
         self.growth_factor = check_real("LossScaler", "growth_factor", growth_factor, low=1.0)
         self.backoff_factor = check_real("LossScaler", "backoff_factor", backoff_factor, 0.0, 1.0,
                                          low_open=True)
@@ -116,7 +117,9 @@ class LossScaler:
         self._clean_steps += 1
         if self.dynamic and self._clean_steps >= self.growth_interval:
             grown = self.scale * self.growth_factor
-            if math.isfinite(grown):
+            # the model multiplies by float32(scale): a scale past float32's range is inf there
+            # (and every step would overflow); PyTorch's GradScaler keeps it finite too
+            if grown <= float(np.finfo(np.float32).max):
                 self.scale = grown
             self._clean_steps = 0
 
