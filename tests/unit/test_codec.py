@@ -16,10 +16,14 @@ def int8_reference(rows):
             if f == 0:
                 q.append(0)
                 continue
-            s = float(np.float32(np.float32(x) * np.float32(127.0)) / np.float32(f))
+            x, f32 = np.float32(x), np.float32(f)
+            s = float(np.float32(x / f32) * np.float32(127.0)) if f > codec.BIG_SCALE else \
+                float(np.float32(x * np.float32(127.0)) / f32)
             q.append(int(np.sign(s) * np.floor(abs(s) + 0.5)))  # half away from zero
         out_q.append(q)
-        out_x.append([float(np.float32(np.float32(v) * np.float32(f)) / np.float32(127.0))
+        out_x.append([float(np.float32(np.float32(v) / np.float32(127.0)) * np.float32(f))
+                      if f > codec.BIG_SCALE else
+                      float(np.float32(np.float32(v) * np.float32(f)) / np.float32(127.0))
                       for v in q])
     return np.array(out_q, np.int8), np.array(out_x, np.float32)
 
@@ -39,6 +43,27 @@ def test_int8_matches_the_formula_and_bounds_the_error():
     assert (got[3] == 0).all() and got[4, 7] == -2.5
     err = np.abs(got - rows).max(axis=1)
     assert (err <= np.abs(rows).max(axis=1) / 254 * (1 + 1e-6)).all()  # half a step of f/127
+
+
+def test_int8_of_rows_near_float32s_limit_stays_finite_and_rounds_exactly():
+    """A finite row whose max exceeds FLT_MAX / 127 (~2.68e36) decoded as inf (x * 127 and
+    q * f overflowed first), blamed later on the learning rate; and s = 0.49999997 was rounded
+    up to 1 (trunc(s + 0.5): float32 sums 0.49999997 + 0.5 to 1.0)."""
+    rows = np.zeros((5, 4), np.float32)
+    rows[0] = [2.7e36, 1.3e36, -1e35, 1.0]
+    rows[1] = [1e37, 5e36, -1e36, 1.0]
+    rows[2] = [3.4028235e38, -3.4028235e38, 1.7e38, 1.0]
+    rows[3] = [3e36, 3e36, 3e36, 3e36]
+    rows[4] = [127.0, np.nextafter(np.float32(0.5), np.float32(0)), 0.0, 0.0]
+    with np.errstate(over="raise"):
+        scale, q = codec.quantize_int8(rows)
+        got = codec.decode(codec.encode(rows, "int8"), "int8", 4)
+    want_q, want_x = int8_reference(rows)
+    np.testing.assert_array_equal(q, want_q)
+    np.testing.assert_array_equal(got, want_x)
+    assert np.isfinite(got).all() and q[1, 1] == 64 and q[4, 1] == 0
+    err = np.abs(got.astype(np.float64) - rows).max(axis=1)
+    assert (err <= np.abs(rows.astype(np.float64)).max(axis=1) / 254 * (1 + 1e-6)).all()
 
 
 def test_fp16_and_fp32_round_trips():

@@ -674,6 +674,14 @@ def _codec_rows(rng, dtype=np.float32):
     ties[0, 1:12] = np.arange(0.5, 11.5)
     ties[0, 12:23] = -np.arange(0.5, 11.5)
     rows.append(ties)
+    big = np.zeros((3, 37), dtype)          # f above BIG_SCALE: x * 127 and q * f would overflow
+    big[0, :4] = [2.7e36, 1.3e36, -1e35, 1.0]
+    big[1, :4] = [1e37, 5e36, -1e36, 1.0]
+    big[2, :4] = [3.4028235e38, -3.4028235e38, 1.7e38, 1.0]
+    rows.append(big)
+    near = np.zeros((1, 37), dtype)         # s = 0.49999997: rounds to 0, not 1
+    near[0, :2] = [127.0, np.nextafter(np.float32(0.5), np.float32(0))]
+    rows.append(near)
     return np.concatenate(rows)
 
 

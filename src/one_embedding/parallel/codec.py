@@ -9,7 +9,11 @@ int8, per row (REFERENCE.md "Distribution", OneFlow's quantized all-to-all)::
 A row holding a NaN or an inf (training has diverged) travels as f = NaN, q = 0: it decodes as all
 NaN, on every backend the same, rather than as whatever an undefined float -> int8 cast gives.
 Everything is evaluated in float32 in exactly this order (``x * 127`` then ``/ f``; ``q * f``
-then ``/ 127``), which the CUDA kernel repeats, so both decode the same bits. A row travels as ``E`` int8 values
+then ``/ 127``), which the CUDA kernel repeats, so both decode the same bits; except for a row
+whose f exceeds ``BIG_SCALE`` (about FLT_MAX / 170), where ``x * 127`` and ``q * f`` could
+overflow a finite row into inf: there ``x / f`` then ``* 127``, and ``q / 127`` then ``* f``. The
+rounding is exactly half away from zero (CUDA's ``roundf``; ``trunc(s + 0.5)`` rounded
+0.49999997 up, as float32 sums it to 1.0). A row travels as ``E`` int8 values
 followed by the 4 bytes of ``f``: at E = 64 that is 68 bytes against fp32's 256 (0.266x).
 
 fp16: ``x.astype(float16)`` (round to nearest even), 2 bytes a value.
@@ -23,6 +27,11 @@ import numpy as np
 from ..errors import ConfigError
 
 EXCHANGE_DTYPES = ("fp32", "fp16", "int8")
+
+#: above this row scale f the int8 codec divides first (``x / f * 127``, ``q / 127 * f``):
+#: ``x * 127`` or ``q * f`` could overflow float32 (FLT_MAX / 127 is about 2.68e36); the same
+#: constant in kernels/cuda/codec.cu
+BIG_SCALE = np.float32(2.0e36)
 
 #: OneFlow's switch for int8 exchange; "1" selects int8 when no dtype is given explicitly.
 QUANTIZED_COMM_ENV = "ONEFLOW_ONE_EMBEDDING_ENABLE_QUANTIZED_COMM"
@@ -77,12 +86,34 @@ def quantize_int8(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     if not finite.all():              # such a row: f = NaN, q = 0 (it decodes as all NaN)
         scale = np.where(finite, scale, np.float32(np.nan)).astype(np.float32)
         rows = np.where(finite[:, None], rows, np.float32(0.0))
-    safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)
-    scaled = (rows * np.float32(127.0)) / safe[:, None]
-    q = np.trunc(scaled + np.copysign(np.float32(0.5), scaled))
+    safe = np.where(scale > 0, scale, np.float32(1.0)).astype(np.float32)[:, None]
+    big = safe[:, 0] > BIG_SCALE
+    if big.any():   # x * 127 could overflow: those rows divide first
+        scaled = np.empty_like(rows)
+        scaled[~big] = (rows[~big] * np.float32(127.0)) / safe[~big]
+        scaled[big] = (rows[big] / safe[big]) * np.float32(127.0)
+    else:
+        scaled = (rows * np.float32(127.0)) / safe
+    q = round_half_away(scaled)
     return scale.astype(np.float32), np.clip(q, -127, 127).astype(np.int8)
 
 
+def round_half_away(s: np.ndarray) -> np.ndarray:
+    """float32 ``s`` rounded to the nearest integer, ties away from zero, exactly (CUDA's
+    ``roundf``): ``s - trunc(s)`` is exact in float32, where ``trunc(s + 0.5)`` is not."""
+    t = np.trunc(s)
+    return t + np.where(np.abs(s - t) >= np.float32(0.5), np.sign(s), np.float32(0.0))
+
+
 def dequantize_int8(scale: np.ndarray, q: np.ndarray) -> np.ndarray:
-    """scale: (n,) float32, q: (n, E) int8 -> (n, E) float32 = q * scale / 127."""
-    return (q.astype(np.float32) * scale[:, None]) / np.float32(127.0)
+    """scale: (n,) float32, q: (n, E) int8 -> (n, E) float32 = q * scale / 127 (for a scale
+    above ``BIG_SCALE``, (q / 127) * scale: q * scale could overflow)."""
+    f = scale.astype(np.float32)[:, None]
+    qf = q.astype(np.float32)
+    big = f[:, 0] > BIG_SCALE
+    if not big.any():
+        return (qf * f) / np.float32(127.0)
+    out = np.empty_like(qf)
+    out[~big] = (qf[~big] * f[~big]) / np.float32(127.0)
+    out[big] = (qf[big] / np.float32(127.0)) * f[big]
+    return out

@@ -1,8 +1,9 @@
 // Row codecs of the embedding and gradient shuffles (parallel/codec.py), with exactly its
 // operation order so both sides decode the same bits.
 //
-// int8, per row: f = max |x|; q = trunc(s + copysign(0.5, s)) with s = (x * 127) / f (f = 0:
-// divide by 1), clipped to [-127, 127]; x^ = (q * f) / 127, every step in float32. A row with a
+// int8, per row: f = max |x|; q = roundf(s) (half away from zero) with s = (x * 127) / f (f = 0:
+// divide by 1; f > OE_CODEC_BIG_SCALE: (x / f) * 127), clipped to [-127, 127]; x^ = (q * f) / 127
+// (f > OE_CODEC_BIG_SCALE: (q / 127) * f), every step in float32. A row with a
 // NaN or an inf in it gets f = NaN (0x7fc00000) and q = 0, so it decodes as all NaN. A row travels
 // as dim int8 values followed by the 4 little-endian bytes of f: payload (n, dim + 4) u8.
 // fp16: round to nearest even, done on the bits (no float arithmetic, so CuPy's flush-to-zero of
@@ -30,6 +31,9 @@ using oe::precision::half_bits_to_float;
 }  // namespace codec
 }  // namespace oe
 
+// the row scale above which the codec divides first (parallel/codec.py's BIG_SCALE)
+#define OE_CODEC_BIG_SCALE 2.0e36f
+
 // Warp per row: the lanes find max |x| together, then each quantizes its columns.
 // rows: (n, dim) T; payload: (n, dim + 4) u8.
 template <typename T>
@@ -49,10 +53,13 @@ __global__ void codec_int8_encode(const T* rows, oe::i64 n, int dim, unsigned ch
     const bool poisoned = __ballot_sync(oe::FULL_WARP, !finite) != 0u;
     const float scale = poisoned ? __uint_as_float(0x7fc00000u) : oe::codec::warp_max(local);
     const float safe = scale > 0.0f ? scale : 1.0f;
+    // above OE_CODEC_BIG_SCALE (parallel/codec.py's BIG_SCALE) x * 127 could overflow
+    const bool big = safe > OE_CODEC_BIG_SCALE;
     unsigned char* out = payload + r * stride;
     for (int c = lane; c < dim; c += 32) {
-      const float scaled = poisoned ? 0.0f : ((float)x[c] * 127.0f) / safe;
-      float q = truncf(scaled + copysignf(0.5f, scaled));
+      const float v = (float)x[c];
+      const float scaled = poisoned ? 0.0f : (big ? (v / safe) * 127.0f : (v * 127.0f) / safe);
+      float q = roundf(scaled);  // exactly half away from zero
       q = q < -127.0f ? -127.0f : (q > 127.0f ? 127.0f : q);
       out[c] = (unsigned char)(signed char)(int)q;
     }
@@ -73,7 +80,8 @@ __global__ void codec_int8_decode(const unsigned char* payload, oe::i64 n, int d
     unsigned bits = 0;
     for (int b = 0; b < 4; ++b) bits |= (unsigned)row[dim + b] << (8 * b);
     const float q = (float)(signed char)row[t - r * dim];
-    out[t] = T((q * __uint_as_float(bits)) / 127.0f);
+    const float f = __uint_as_float(bits);
+    out[t] = T(f > OE_CODEC_BIG_SCALE ? (q / 127.0f) * f : (q * f) / 127.0f);
   }
 }
 
