@@ -43,6 +43,7 @@ from .parallel.codec import resolve_exchange_dtype
 from .parallel.comm import default_comm
 from .parallel.shuffle import IdExchange, LocalIds, Traffic
 from .shard import EmbeddingShard
+from .shard_snapshots import complete_set
 from .step import LineLayout, StepState
 from . import host_sync
 
@@ -501,9 +502,16 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
 
         A snapshot saved by another number of ranks is re-sharded on load: each rank keeps the
         saved rows of the keys it owns now. saved_by: the number of ranks whose snapshot to
-        load, where several sets hold the name (default: this world's, else the newest other)."""
-        manifest = self._owner().load_snapshot(snapshot_name, {"key_type": self.key_type.name},
-                                               saved_by=saved_by)
+        load, where several sets hold the name (default: this world's, else the newest other).
+        Over several ranks the default is decided together: where only some of this world's
+        ranks hold the name (a run killed while it saved), every rank loads the newest complete
+        other set, or every rank raises SnapshotError naming the ranks that lack it (each rank
+        deciding from its own folder loaded a mix of two training states)."""
+        shard = self._owner()
+        if saved_by is None and self.comm.world > 1:
+            saved_by = complete_set(self.comm, shard, snapshot_name)
+        manifest = shard.load_snapshot(snapshot_name, {"key_type": self.key_type.name},
+                                       saved_by=saved_by)
         self._pending.clear()
         self._last = None
         return manifest

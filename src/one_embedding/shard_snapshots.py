@@ -12,6 +12,8 @@ from __future__ import annotations
 import os
 import re
 
+import numpy as np
+
 from .chain import read_snapshot_rows
 from .errors import SnapshotError
 from .parallel.shuffle import owner_rank
@@ -213,3 +215,24 @@ class ShardSnapshots:
 
     def snapshot_names(self) -> list[str]:
         return self._require_path("snapshot_names").names()
+
+
+def complete_set(comm, shard, name: str) -> int | None:
+    """The number of ranks whose snapshot ``name`` every rank of ``comm`` loads (a collective
+    call): None (this world's own, or, where none of its ranks has it, the newest other set as
+    each rank finds it) when all or none of this world's ranks hold it; where only some do (a
+    run stopped while it saved), the newest other complete set's, else SnapshotError on every
+    rank naming the ranks that lack it."""
+    held = np.zeros(comm.world, np.float64)
+    held[comm.rank] = float(name in shard.snapshot_names())
+    held = np.asarray(comm.allreduce_sum(held))
+    if held.all() or not held.any():
+        return None
+    other = shard._other_world_sources(name)
+    if other:
+        return len(other)
+    lacking = [r for r in range(comm.world) if not held[r]]
+    raise SnapshotError(
+        f"snapshot {name!r} is incomplete at {comm.world} ranks: rank(s) {lacking} lack it (a "
+        "run stopped while it saved?), and no complete set of another number of ranks holds "
+        "it; load another snapshot (snapshot_names() lists them)")

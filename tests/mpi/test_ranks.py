@@ -98,3 +98,29 @@ def test_snapshot_saved_by_2_ranks_loads_at_1_and_3(store, tmp_path):
         np.testing.assert_array_equal(keys, saved_keys)
         np.testing.assert_array_equal(lines, saved_lines)
         assert report["owned_only"]
+
+
+def test_a_set_incomplete_at_this_world_is_never_loaded_in_part(tmp_path):
+    """A 3-rank save that rank 2 never finished (its part removed, as a kill before its save
+    leaves it): loading at 3 ranks once raised on no rank and mixed two training states (ranks 0
+    and 1 loaded the stale 3-rank parts, rank 2 the newer 2-rank set). Now the ranks decide
+    together: every rank raises naming rank 2, and once a complete 2-rank set holds the name,
+    every rank loads that one."""
+    path = tmp_path / "table"
+    run(tmp_path, 3, "--path", path, "--save", "s", "--steps", 2, name="stale.json")
+    shutil.rmtree(path / "2-3" / "snapshots" / "s")
+    cmd = [mpiexec(), "-n", "3", sys.executable, str(WORKER), str(tmp_path / "refused.json"),
+           "--path", str(path), "--load", "s", "--steps", "0"]
+    env = {**os.environ, "PYTHONPATH": str(helpers.ROOT) + os.pathsep
+           + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    assert proc.returncode != 0
+    assert "snapshot 's' is incomplete at 3 ranks: rank(s) [2] lack it" in proc.stderr, \
+        proc.stderr[-3000:]
+    _, saved_keys, saved_lines = run(tmp_path, 2, "--path", path, "--save", "s", "--steps", 4,
+                                     name="complete.json")
+    report, keys, lines = run(tmp_path, 3, "--path", path, "--load", "s", "--steps", 0,
+                              name="load3.json")
+    np.testing.assert_array_equal(keys, saved_keys)
+    np.testing.assert_array_equal(lines, saved_lines)
+    assert report["owned_only"]
