@@ -40,7 +40,7 @@ from .kernels import device_ops, device_unique, fused_update
 from .options import StoreOptions, TableOptions
 from .parallel import Communicator, segment_sum, shuffle_grads, shuffle_ids, shuffle_rows
 from .parallel.codec import resolve_exchange_dtype
-from .parallel.comm import default_comm
+from .parallel.comm import default_comm, differing_settings
 from .parallel.shuffle import IdExchange, LocalIds, Traffic
 from .shard import EmbeddingShard
 from .shard_snapshots import complete_set
@@ -145,6 +145,7 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
         self._id_comm = self.comm.dup()
         self.layout = LineLayout.from_store_options(self.column_dims, store_options)
         self.line_size = self.layout.line_size
+        self._check_ranks_agree()
         self._shard = None
         #: where rows live: None on the CPU, else the device's ``kernels.device_ops.Launcher``
         self.launch = device_ops.device_launcher(default_embedding_device() if device is None
@@ -154,6 +155,22 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
                                      self.rank, self.world, self.launch)
         self._last: StepState | None = None
         self._pending: list[StepState] = []
+
+    def _check_ranks_agree(self) -> None:
+        """ConfigError on every rank when the ranks built this embedding differently (a
+        collective call): rows of another width or codec cannot cross the all-to-all (an MPI
+        error naming nothing, or rows of uninitialised memory), other tables or seeds give the
+        ranks' keys other rows."""
+        shown = differing_settings(self.comm, {
+            "embedding_dims": list(self.column_dims), "storage_dim": self.line_size,
+            "exchange_dtype": self.exchange_dtype, "key_type": self.key_type.name,
+            "num_tables": len(self.tables), "seed": self.seed,
+            "padding_idx": self.padding_idx})
+        if shown is not None:
+            raise ConfigError(
+                f"embedding {self.name!r} was built differently on the ranks ({shown}): build "
+                "it with the same arguments and environment (ONEFLOW_ONE_EMBEDDING_ENABLE_"
+                "QUANTIZED_COMM too) on every rank")
 
     # ---------------------------------------------------------------- OneFlow's attribute names
     @property

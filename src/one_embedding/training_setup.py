@@ -3,7 +3,6 @@ options (with the feature lifecycle's rules), the model, the LR schedule, the ar
 ``--device``, and the split of a global batch and of the machine's cores among the ranks."""
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import asdict
 
@@ -21,6 +20,7 @@ from .options import (
     make_device_mem_store_options,
     make_lifecycle_options,
 )
+from .parallel.comm import differing_settings
 
 #: Criteo's integer features I1..I13, every model's dense input here
 DENSE_FEATURES = 13
@@ -145,17 +145,8 @@ def check_same_config(cfg: TrainConfig, comm) -> None:
     fields = asdict(cfg.with_model_defaults().resolved())
     for name in PER_RANK_FIELDS:
         fields.pop(name, None)
-    mine = json.dumps(fields, sort_keys=True, default=str).encode()
-    sizes = comm.allgather(np.array([len(mine)], np.int64))
-    every = comm.allgather(np.frombuffer(mine, np.uint8))
-    ends = np.cumsum(sizes)
-    configs = [json.loads(every[end - size:end].tobytes())
-               for size, end in zip(sizes.tolist(), ends.tolist())]
-    differ = sorted(k for k in configs[0] if any(c.get(k) != configs[0][k] for c in configs[1:]))
-    if differ:
-        shown = "; ".join(f"{k}: " + ", ".join(f"rank {r} {c.get(k)!r}"
-                                              for r, c in enumerate(configs))
-                          for k in differ[:6])
+    shown = differing_settings(comm, fields)
+    if shown is not None:
         raise ConfigError(f"the ranks were started with different settings ({shown}): start "
                           "every rank with the same flags and environment (mpiexec -n P "
                           "one-embedding train ...)")

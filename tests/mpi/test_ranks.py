@@ -124,3 +124,24 @@ def test_a_set_incomplete_at_this_world_is_never_loaded_in_part(tmp_path):
     np.testing.assert_array_equal(keys, saved_keys)
     np.testing.assert_array_equal(lines, saved_lines)
     assert report["owned_only"]
+
+
+def test_ranks_that_build_the_embedding_differently_are_refused_by_name(tmp_path):
+    """Through the Python API (the CLI compares its flags already): rows of another codec or
+    width cannot cross the all-to-all; it ended in an MPI error naming nothing, or, where the
+    byte counts happened to agree (fp16 against int8 at dim 4), rows of uninitialised memory."""
+    env = {**os.environ, "PYTHONPATH": str(helpers.ROOT) + os.pathsep
+           + os.environ.get("PYTHONPATH", "")}
+    for one, other, named in ((["--exchange-dtype", "fp32"], ["--exchange-dtype", "int8"],
+                               "exchange_dtype: rank 0 'fp32', rank 1 'int8'"),
+                              (["--exchange-dtype", "fp16", "--dim", "4"],
+                               ["--exchange-dtype", "int8", "--dim", "4"],
+                               "exchange_dtype: rank 0 'fp16', rank 1 'int8'"),
+                              (["--dim", "8"], ["--dim", "16"],
+                               "embedding_dims: rank 0 [8], rank 1 [16]")):
+        worker = [sys.executable, str(WORKER), str(tmp_path / "differ.json"), "--steps", "1"]
+        cmd = [mpiexec(), "-n", "1", *worker, *one, ":", "-n", "1", *worker, *other]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+        assert proc.returncode != 0
+        assert f"embedding 't' was built differently on the ranks ({named}" in proc.stderr, \
+            proc.stderr[-3000:]

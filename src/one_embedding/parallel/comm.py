@@ -304,6 +304,27 @@ def _blocks(byte_counts: np.ndarray) -> tuple[list[int], list[int]]:
     return counts, displs
 
 
+def differing_settings(comm: Communicator, fields: dict) -> str | None:
+    """Compare ``fields`` (JSON-able settings) across the ranks (a collective call): None when
+    every rank has the same, else a text naming each differing field and each rank's value."""
+    if comm.world == 1:
+        return None
+    import json
+
+    mine = json.dumps(fields, sort_keys=True, default=str).encode()
+    sizes = np.asarray(comm.allgather(np.array([len(mine)], np.int64)))
+    every = np.asarray(comm.allgather(np.frombuffer(mine, np.uint8)))
+    ends = np.cumsum(sizes)
+    settings = [json.loads(every[end - size:end].tobytes())
+                for size, end in zip(sizes.tolist(), ends.tolist())]
+    keys = sorted(set().union(*settings))
+    differ = [k for k in keys if any(c.get(k) != settings[0].get(k) for c in settings[1:])]
+    if not differ:
+        return None
+    return "; ".join(f"{k}: " + ", ".join(f"rank {r} {c.get(k)!r}" for r, c in enumerate(settings))
+                     for k in differ[:6])
+
+
 def launched_world_size() -> int | None:
     """The number of ranks a launcher (``mpiexec``) started this process among, or None."""
     for var in _LAUNCHER_SIZE_VARS:
