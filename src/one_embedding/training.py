@@ -442,6 +442,7 @@ class Trainer:
             batches = itertools.islice(batches, max(0, cfg.steps - progress.step))
         prefetcher = Prefetcher(batches, self.embedding, depth=cfg.prefetch_depth,
                                 ids=lambda item: item[1].ids)
+        self._logged_step = progress.step   # the last step a train record was written for
         pending: list = []  # losses of the steps since the last read, still on the device
         # on the device the step's checks (inputs, labels) stay there until the losses are read
         checks = host_sync.deferring(self.checks) if self.checks is not None \
@@ -469,10 +470,7 @@ class Trainer:
                         if bar is not None:
                             bar.set_postfix_str(progress_postfix(progress))
                     if step % cfg.log_interval == 0 or step == 1 or last:
-                        graph = self.cuda_graph_status()
-                        self.write({"event": "train", "step": step, "loss": progress.losses[-1],
-                                    "samples_per_s": progress.samples / progress.train_seconds,
-                                    **({"cuda_graph": graph} if graph is not None else {})})
+                        self.write_train_record()
                     self.maybe_evaluate(step)
                     self.maybe_snapshot(step)
                     if cfg.steps is not None and step >= cfg.steps:
@@ -486,10 +484,21 @@ class Trainer:
         source.close()
         ctrl_c.check()
         self.read_losses(pending)  # the loader ran out before --steps
+        if progress.step > self._logged_step:   # an epoch run's last step: its record too
+            self.write_train_record()
         record = self.finish()
         self.write(record)
         self.close()
         return record
+
+    def write_train_record(self) -> None:
+        """The ``train`` record of the step just run (its losses read already)."""
+        progress = self.progress
+        graph = self.cuda_graph_status()
+        self.write({"event": "train", "step": progress.step, "loss": progress.losses[-1],
+                    "samples_per_s": progress.samples / progress.train_seconds,
+                    **({"cuda_graph": graph} if graph is not None else {})})
+        self._logged_step = progress.step
 
     def _reads_progress(self, step: int) -> bool:
         """Whether ``step`` evaluates or checkpoints (both need the losses on the host)."""

@@ -78,6 +78,19 @@ def test_trainer_steps_with_the_scheduled_rates(tmp_path):
     assert final["steps"] == 7 and 0.0 <= final["auc"] <= 1.0
 
 
+def test_an_epoch_run_writes_the_train_record_of_its_last_step(tmp_path):
+    """Without --steps the run ends where the data does: its last step's train record (which
+    --log-interval and --metrics promise "at the end") was missing whenever the step count was
+    not a multiple of --log-interval; the final record's step agrees with it."""
+    cfg = TrainConfig(**{**TINY, "epochs": 1, "log_interval": 7})
+    final = train(cfg, metrics_path=str(tmp_path / "m.jsonl"), progress=False)
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    train_steps = [r["step"] for r in records if r["event"] == "train"]
+    last = final["steps"]
+    assert last % 7 != 0, "pick a --log-interval that does not divide the epoch's steps"
+    assert train_steps == [1, *range(7, last, 7), last], train_steps
+
+
 def test_train_function_and_trainer_agree_bit_for_bit(tmp_path):
     cfg = TrainConfig(steps=4, model="deepfm", optimizer="adam", lr=0.01, warmup_steps=2, **TINY)
     a = train(cfg, metrics_path=str(tmp_path / "a.jsonl"), progress=False)
