@@ -3,10 +3,15 @@ exchange dtype, and a cost model that projects the step time for P = 8..64.
 
     python -m benchmarks.bench_ranks [--ranks 1 2 4] [--dtypes fp32 fp16 int8] [--steps 40]
         [--batch-size 4096] [--embedding-dim 64] [--bandwidth-gbps 100] [--latency-us 5]
+        [--warmup-steps 4]
 
 Each run is ``mpiexec -n P one-embedding train`` on synthetic Criteo (Kaggle cardinalities x
 ``--scale``, Zipf ids) with the DLRM of the CPU benchmarks (bottom 512-256-E, top 512-256-1, SGD).
-P = 1 under mpiexec is the baseline measured in the same run. On a machine with fewer cores than
+P = 1 under mpiexec is the baseline measured in the same run: it always runs, first (1 is added
+to ``--ranks`` when missing). Before the timed runs an untimed P = 1 run of ``--warmup-steps``
+steps warms the caches a process start reads (imports, shared libraries, MPI start-up): without it
+the first run of an invocation measured a fraction of what the same run does after another (810
+against 4,859 samples/s), so the order of the runs decided the baseline. On a machine with fewer cores than
 ranks the ranks share cores (each gets cores/P BLAS threads), so samples/s at P > cores measures
 oversubscription, not scaling: the cost model is the number to read for a cluster.
 
@@ -43,13 +48,26 @@ def mpiexec() -> str:
     return exe
 
 
-def run(world: int, dtype: str, args, scratch: str) -> dict:
-    metrics = os.path.join(scratch, f"p{world}_{dtype}.jsonl")
+def plan(ranks: list[int], dtypes: list[str]) -> list[tuple[int, str]]:
+    """The timed runs, in order: P = 1 (fp32: one rank exchanges nothing) first, whether or not
+    ``ranks`` names it, then every other rank count of ``ranks`` (first mention kept) with each
+    exchange dtype."""
+    bad = [r for r in ranks if r < 1]
+    if bad:
+        raise SystemExit(f"bench_ranks: --ranks must be at least 1, got {bad}")
+    worlds = [1] + [w for w in dict.fromkeys(ranks) if w != 1]
+    return [(1, "fp32")] + [(w, d) for w in worlds[1:] for d in dict.fromkeys(dtypes)]
+
+
+def run(world: int, dtype: str, args, scratch: str, steps: int | None = None,
+        tag: str = "") -> dict:
+    metrics = os.path.join(scratch, f"{tag}p{world}_{dtype}.jsonl")
+    steps = args.steps if steps is None else steps
     cmd = [mpiexec(), "-n", str(world), sys.executable, "-m", "one_embedding", "train",
            "--model", "dlrm", "--embedding-dim", str(args.embedding_dim),
            "--bottom-mlp", f"512,256,{args.embedding_dim}", "--top-mlp", "512,256,1",
            "--optimizer", "sgd", "--lr", "0.1", "--batch-size", str(args.batch_size),
-           "--steps", str(args.steps), "--synthetic-scale", str(args.scale),
+           "--steps", str(steps), "--synthetic-scale", str(args.scale),
            "--synthetic-rows", str(args.rows), "--eval-batches", "2", "--exchange-dtype", dtype,
            "--no-progress", "--metrics", metrics]
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -95,6 +113,8 @@ def main(argv=None):
     p.add_argument("--ranks", type=int, nargs="+", default=[1, 2, 4])
     p.add_argument("--dtypes", nargs="+", default=["fp32", "fp16", "int8"])
     p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup-steps", type=int, default=4,
+                   help="steps of the untimed P = 1 run before the timed ones (0: none)")
     p.add_argument("--batch-size", type=int, default=4096)
     p.add_argument("--embedding-dim", type=int, default=64)
     p.add_argument("--scale", type=float, default=0.05, help="Kaggle cardinalities x scale")
@@ -104,22 +124,27 @@ def main(argv=None):
     p.add_argument("--latency-us", type=float, default=5.0)
     p.add_argument("--project", type=int, nargs="+", default=[8, 16, 32, 64])
     args = p.parse_args(argv)
-    config = {k: getattr(args, k) for k in ("ranks", "dtypes", "steps", "batch_size",
-                                             "embedding_dim", "scale", "rows", "bandwidth_gbps",
-                                             "latency_us")}
+    runs = plan(args.ranks, args.dtypes)
+    args.ranks = list(dict.fromkeys(w for w, _ in runs))
+    config = {k: getattr(args, k) for k in ("ranks", "dtypes", "steps", "warmup_steps",
+                                             "batch_size", "embedding_dim", "scale", "rows",
+                                             "bandwidth_gbps", "latency_us")}
     m = print_header("Ranks: samples/s and exchange bytes per step", config)
     scratch = tempfile.mkdtemp(prefix="bench_ranks_")
     rows = []
     try:
-        for world in args.ranks:
-            for dtype in (args.dtypes if world > 1 else ["fp32"]):
-                r = run(world, dtype, args, scratch)
-                rows.append(r)
-                print(f"  P={world} {dtype}: {r['samples_per_s']:,.0f} samples/s, "
-                      f"{r['exchange_bytes_per_step'] / 2**20:.2f} MiB sent per step", flush=True)
+        if args.warmup_steps > 0:
+            w = run(1, "fp32", args, scratch, steps=args.warmup_steps, tag="warmup_")
+            print(f"  warm-up (untimed) P=1 fp32, {args.warmup_steps} steps: "
+                  f"{w['samples_per_s']:,.0f} samples/s", flush=True)
+        for world, dtype in runs:
+            r = run(world, dtype, args, scratch)
+            rows.append(r)
+            print(f"  P={world} {dtype}: {r['samples_per_s']:,.0f} samples/s, "
+                  f"{r['exchange_bytes_per_step'] / 2**20:.2f} MiB sent per step", flush=True)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    base = next(r for r in rows if r["ranks"] == 1)
+    base = rows[0]  # plan() puts P = 1 first
     for r in rows:
         r["vs_1_rank"] = r["samples_per_s"] / base["samples_per_s"]
         r["exchange_MiB_per_step"] = r["exchange_bytes_per_step"] / 2**20
