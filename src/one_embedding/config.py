@@ -311,10 +311,32 @@ class TrainConfig:
              "scales the synthetic source's tables; --data names files: drop it"),
             ("zipf_alpha", given("zipf_alpha") and not synthetic,
              "shapes the synthetic source's ids; --data names files: drop it"),
+            ("synthetic_rows", given("synthetic_rows") and not synthetic,
+             "sizes the synthetic source; --data names files: drop it"),
+            ("synthetic_cardinalities", given("synthetic_cardinalities") and not synthetic,
+             "picks the synthetic source's tables; --data names files (their ids say their "
+             "tables): drop it"),
             ("dnn", given("dnn") and self.model == "dlrm",
              "is the DCN / DeepFM deep part; --model dlrm has --bottom-mlp and --top-mlp"),
+            ("dropout", given("dropout") and self.model == "dlrm",
+             "drops units of the DCN / DeepFM deep part; --model dlrm has none: drop it"),
+            ("top_mlp", given("top_mlp") and self.model != "dlrm",
+             f"is DLRM's top MLP; --model {self.model} has --dnn"),
+            ("bottom_mlp", self.model != "dlrm" and
+             tuple(self.bottom_mlp) != (64, 32, self.embedding_dim),
+             f"is DLRM's bottom MLP; --model {self.model} has --dnn"),
             ("cross_layers", given("cross_layers") and self.model != "dcn",
              f"counts DCN's cross layers; --model {self.model} has none: drop it"),
+            ("cross", given("cross") and self.model != "dcn",
+             f"picks DCN's cross layer; --model {self.model} has none: drop it"),
+            ("ftrl_convention", self.ftrl_convention is not None and
+             self.optimizer not in (None, "ftrl") or
+             self.ftrl_convention is not None and self.optimizer is None and not self.resume,
+             "picks Ftrl's formula; the run's optimizer is not ftrl: add --optimizer ftrl or "
+             "drop it"),
+            ("frequency_half_life", given("frequency_half_life") and not self.max_rows,
+             "decays the use frequency that --max-rows evicts by, and there is no --max-rows: "
+             "add --max-rows N or drop it"),
             ("decay_start", given("decay_start") and not self.decay_steps,
              "starts the decay, which only --decay-steps N > 0 runs: add it or drop "
              "--decay-start"),

@@ -199,6 +199,23 @@ def test_add_arguments_works_on_any_parser():
                                   r"--persistent-path"),
     (["--snapshot-name", "step-5", "--persistent-path", "{tmp}/t"],
      r"snapshot_name='step-5' \(--snapshot-name\) is the name of an interval checkpoint"),
+    # a second fault campaign's (2026-12-07)
+    (["--data", "{tmp}/day_0.tsv", "--synthetic-rows", "5000"],
+     r"synthetic_rows=5000 \(--synthetic-rows\) sizes the synthetic source"),
+    (["--data", "{tmp}/day_0.tsv", "--synthetic-cardinalities", "mlperf40m"],
+     r"synthetic_cardinalities='mlperf40m' \(--synthetic-cardinalities\)"),
+    (["--frequency-half-life", "50"],
+     r"frequency_half_life=50 \(--frequency-half-life\).*add --max-rows N"),
+    (["--ftrl-convention", "tensorflow"],
+     r"ftrl_convention='tensorflow' \(--ftrl-convention\).*add --optimizer ftrl"),
+    (["--optimizer", "adam", "--ftrl-convention", "oneflow"],
+     r"ftrl_convention='oneflow' \(--ftrl-convention\)"),
+    (["--cross", "matrix"], r"cross='matrix' \(--cross\) picks DCN's cross layer; --model dlrm"),
+    (["--dropout", "0.5"], r"dropout=0.5 \(--dropout\).*--model dlrm has none"),
+    (["--model", "dcn", "--top-mlp", "8,1"], r"top_mlp=\[8, 1\] \(--top-mlp\) is DLRM's top "
+                                              r"MLP; --model dcn has --dnn"),
+    (["--model", "deepfm", "--bottom-mlp", "8,16"],
+     r"bottom_mlp=\[8, 16\] \(--bottom-mlp\) is DLRM's bottom MLP"),
 ])
 def test_cli_refuses_bad_numbers_and_names_before_training(argv, message, tmp_path, capsys,
                                                            monkeypatch):
