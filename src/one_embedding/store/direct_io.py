@@ -6,13 +6,13 @@ buffers, so the same calls work with ``O_DIRECT``: the kernel moves the bytes be
 and our buffer and the page cache holds none of them. RAM use is then what the process allocates (its caches, this module's
 buffer), and a benchmark of the engine measures the disk rather than memory.
 
-One random 4 KiB read at a time gets about a fifth of the disk's rate: ``python -m benchmarks.bench_ssd``
-measured 14.6k O_DIRECT reads/s with one thread and 72.0k/s with 16 in flight
-(``benchmarks/results/bench_ssd.json``), so ``IOPool`` reads and writes a batch of blocks with a
-pool of threads; runs of adjacent blocks are merged into one call. Each thread issues its share
-of the calls from a numba kernel that calls libc ``pread`` / ``pwrite`` with the GIL released for
-the whole share, not one ``os.preadv`` per block: each ``os.preadv`` thread must win the GIL back
-after every read, so it competes with every other thread running Python code (no committed
+One random 4 KiB read at a time gets about a fifth of the disk's rate: ``python -m
+benchmarks.bench_ssd`` measured 14.6k O_DIRECT reads/s with one thread and 72.0k/s with 16 in
+flight (``benchmarks/results/bench_ssd.json``), so ``IOPool`` reads and writes a batch of blocks
+with a pool of threads; runs of adjacent blocks are merged into one call. Each thread issues its
+share of the calls from a numba kernel that calls libc ``pread`` / ``pwrite`` with the GIL released
+for the whole share, not one ``os.preadv`` per block: each ``os.preadv`` thread must win the GIL
+back after every read, so it competes with every other thread running Python code (no committed
 benchmark compares the two).
 
 A filesystem without O_DIRECT (tmpfs before Linux 6.6) refuses ``open`` with EINVAL; a block
