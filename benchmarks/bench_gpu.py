@@ -73,7 +73,10 @@
    PyTorch with CUDA; skipped elsewhere.
 
 The header names the GPU, CUDA, CuPy and torch; results go to ``benchmarks/results/bench_gpu.json``
-(or ``$ONE_EMBEDDING_BENCH_RESULTS``); the last line printed is a one-line summary.
+(or ``$ONE_EMBEDDING_BENCH_RESULTS``); the last line printed is a one-line summary. Without CuPy
+or a CUDA device it exits at once (status 1) with the reason. A ``--dry-run`` writes no result
+file: its CPU figures must never stand in for the GPU's; ``--dry-run --save`` writes them to
+``bench_gpu_dry_run.json``, a name of their own.
 """
 from __future__ import annotations
 
@@ -96,6 +99,27 @@ from .common import markdown_table, print_header, save_result, zipf_ids
 HUGECTR_H100_SAMPLES_PER_S = 7.4e6
 
 
+NO_GPU_HINT = "--dry-run runs the same logic on numpy on the CPU"
+
+
+def require_cupy():
+    """CuPy with a CUDA device to run on; without either, a one-line SystemExit saying which is
+    missing (status 1, no traceback)."""
+    try:
+        import cupy
+    except ImportError as e:
+        raise SystemExit(f"bench_gpu: needs CuPy and a CUDA device; CuPy does not import "
+                         f"({e}). {NO_GPU_HINT}") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as e:                              # noqa: BLE001 - no driver, no device
+        raise SystemExit(f"bench_gpu: needs a CUDA device; CuPy finds none "
+                         f"({type(e).__name__}: {e}). {NO_GPU_HINT}") from None
+    if count < 1:
+        raise SystemExit(f"bench_gpu: needs a CUDA device; CuPy finds none. {NO_GPU_HINT}")
+    return cupy
+
+
 class Device:
     """The array module and a clock that waits for queued device work (numpy: the wall clock)."""
 
@@ -104,9 +128,7 @@ class Device:
         if dry_run:
             self.xp, self.name = np, "none (dry run: numpy on the CPU)"
             return
-        import cupy
-
-        self.xp = cupy
+        self.xp = cupy = require_cupy()
         props = cupy.cuda.runtime.getDeviceProperties(cupy.cuda.Device().id)
         self.name = (f"{props['name'].decode()} ({props['multiProcessorCount']} SMs, "
                      f"{props['totalGlobalMem'] / 2**30:.0f} GiB), CUDA runtime "
@@ -386,10 +408,21 @@ def bench_dlrm(dev: Device, args) -> dict:
             "rows": rows, "batches": batches}
 
 
+def result_name(args) -> str | None:
+    """The result file's name: ``bench_gpu`` for a GPU run; a dry run's CPU figures go nowhere
+    unless ``--save`` asks, and then under a name of their own."""
+    if not args.dry_run:
+        return "bench_gpu"
+    return "bench_gpu_dry_run" if args.save else None
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true",
                     help="numpy on the CPU, tiny sizes: checks the benchmark's logic, no GPU needed")
+    ap.add_argument("--save", action="store_true",
+                    help="with --dry-run: write its results to bench_gpu_dry_run.json (a dry run "
+                         "writes none by default; a GPU run always writes bench_gpu.json)")
     ap.add_argument("--batch-size", type=int, default=65536)
     ap.add_argument("--steps", type=int, default=20, help="timed DLRM steps")
     ap.add_argument("--warmup", type=int, default=5, help="untimed DLRM steps first")
@@ -545,7 +578,11 @@ def main(argv=None):
     payload["failed"] = failed
     payload.get("dlrm", {}).pop("batches", None)
     payload["summary"] = "; ".join(summary)
-    print(f"\nwrote {save_result('bench_gpu', payload)}")
+    name = result_name(args)
+    if name is None:
+        print("\ndry run: no result file written (--save writes bench_gpu_dry_run.json)")
+    else:
+        print(f"\nwrote {save_result(name, payload)}")
     print(f"summary ({'dry run, ' if args.dry_run else ''}{dev.name.split(' (')[0]}): "
           f"{payload['summary']}")
     return payload
