@@ -217,14 +217,30 @@ def cmd_plan(args) -> int:
     """RAM per tier and disk of a table, from the constants the stores use."""
     from .plan import format_plan, plan_capacity, plan_json
 
+    # settings of a tier the store does not have are refused, as train refuses them
+    if args.store == "device_mem" and args.cache_mb is not None:
+        raise ConfigError(f"--cache-mb {args.cache_mb:g} sizes the device cache of the cached "
+                          "stores; --store device_mem keeps the whole table in device memory: "
+                          "drop --cache-mb or pick another --store")
+    if args.store != "cached_ssd" and (args.host_cache_mb or args.engine != "slots"):
+        flag = f"--host-cache-mb {args.host_cache_mb:g}" if args.host_cache_mb else \
+            f"--engine {args.engine}"
+        raise ConfigError(f"{flag} is a setting of --store cached_ssd's SSD tier; --store "
+                          f"{args.store} has none: drop it or use --store cached_ssd")
     if args.cache_mb is None:
         if args.store != "device_mem":
             raise ConfigError(f"--store {args.store} has a device cache: give its size per rank "
                               "with --cache-mb MB (train's default is 64), e.g. --cache-mb 64")
         args.cache_mb = 0.0  # device_mem: the whole table is the device tier
+    if args.keep_snapshots < 1:
+        raise ConfigError(f"--keep-snapshots {args.keep_snapshots}: as train's, 0 keeps every "
+                          "checkpoint, so the disk grows with the run and has no peak to plan; "
+                          "give the number train will keep (its default is 3)")
 
+    # train keeps K interval checkpoints and the final one; while the next is written, the
+    # oldest of the K is still there: K + 1 snapshots at the peak
     p = plan_capacity(args.rows, args.embedding_dim, args.optimizer, args.store, args.cache_mb,
-                      args.host_cache_mb, args.engine, args.keep_snapshots,
+                      args.host_cache_mb, args.engine, args.keep_snapshots + 1,
                       args.changed_per_snapshot, args.world, args.physical_block_size,
                       args.eviction, args.admit_sketch_mb, args.device)
     print(plan_json(p) if args.json else format_plan(p))
@@ -361,8 +377,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(train's default is 64)")
     p.add_argument("--host-cache-mb", type=float, default=0.0,
                    help="host cache per rank under cached_ssd, MB (default: 0, none)")
-    p.add_argument("--keep-snapshots", type=int, default=0,
-                   help="retained snapshots (default: 0)")
+    p.add_argument("--keep-snapshots", type=int, default=3,
+                   help="as train's: the interval checkpoints kept; planned with the final one "
+                        "(or the one being written) beside them, K + 1 snapshots (default: 3, "
+                        "train's)")
     p.add_argument("--changed-per-snapshot", type=float, default=0.01,
                    help="share of the rows changed between snapshots (default: 0.01)")
     p.add_argument("--world", type=int, default=1,

@@ -96,7 +96,8 @@ def test_plan_command_prints_a_table_or_json_and_refuses_bad_input():
     r = run("--rows", "1e9", "--embedding-dim", "128", "--optimizer", "adam", "--store",
             "cached_ssd", "--cache-mb", "8192", "--keep-snapshots", "3")
     assert r.returncode == 0, r.stderr
-    assert "| ssd.slots | 1,000,000,000 |" in r.stdout and "peak with 3 retained" in r.stdout
+    # --keep-snapshots as train's: 3 interval checkpoints and the final one
+    assert "| ssd.slots | 1,000,000,000 |" in r.stdout and "peak with 4 retained" in r.stdout
     j = run("--rows", "2e6", "--embedding-dim", "32", "--optimizer", "adam", "--cache-mb", "16",
             "--engine", "rocksdb", "--json")
     plan = json.loads(j.stdout)
@@ -109,6 +110,20 @@ def test_plan_command_prints_a_table_or_json_and_refuses_bad_input():
     tiny = run("--rows", "10", "--embedding-dim", "8", "--cache-mb", "1e-6")
     assert tiny.returncode == 2 and "cache_mb=1e-06 (--cache-mb" in tiny.stderr
     assert run("--rows", "10", "--embedding-dim", "8", "--store", "device_mem").returncode == 0
+    # a fault campaign's: settings of tiers the store lacks were ignored (train refuses them),
+    # and --keep-snapshots 0 planned the smallest disk for what keeps every checkpoint in train
+    for args, said in ((["--store", "device_mem", "--host-cache-mb", "100"],
+                        "--host-cache-mb 100 is a setting of --store cached_ssd's SSD tier"),
+                       (["--store", "cached_host_mem", "--cache-mb", "4", "--engine", "rocksdb"],
+                        "--engine rocksdb is a setting of --store cached_ssd's SSD tier"),
+                       (["--store", "device_mem", "--cache-mb", "64"],
+                        "--cache-mb 64 sizes the device cache of the cached stores"),
+                       (["--cache-mb", "4", "--keep-snapshots", "0"],
+                        "as train's, 0 keeps every checkpoint")):
+        refused = run("--rows", "1e6", "--embedding-dim", "16", *args)
+        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
+    default = run("--rows", "1e6", "--embedding-dim", "16", "--cache-mb", "4")
+    assert "peak with 4 retained" in default.stdout  # train's default, 3, and the final one
     # the optimizers train takes, no other (momentum SGD has no train flag)
     momentum = run("--rows", "10", "--embedding-dim", "8", "--cache-mb", "1", "--optimizer",
                    "momentum")
