@@ -52,3 +52,20 @@ myst_enable_extensions = ["colon_fence"]
 
 html_theme = "alabaster"
 html_title = f"one_embedding {release}"
+
+
+def _drop_builtin_type_docstring(app, what, name, obj, options, lines):
+    """A constant autodoc documents (``.. autodata::`` of an int, a str, a tuple, a dict) without a
+    ``#:`` comment of its own falls back to its type's docstring (``int([x]) -> integer ...``):
+    drop that, keeping the sentence written under the directive."""
+    if what not in ("data", "attribute") or isinstance(obj, type) or callable(obj):
+        return
+    type_doc = type(obj).__doc__ or ""
+    words = lambda text: [line.strip() for line in text if line.strip()]  # noqa: E731
+    if lines and words(lines) == words(type_doc.splitlines()):
+        lines.clear()
+
+
+def setup(app):
+    # before napoleon (priority 500) rewrites the lines
+    app.connect("autodoc-process-docstring", _drop_builtin_type_docstring, priority=400)
