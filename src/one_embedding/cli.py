@@ -19,12 +19,13 @@ from .interrupts import interrupt_of
 from .store.file_limit import raise_open_file_limit
 
 
-def _add_train_args(p: argparse.ArgumentParser) -> None:
+def _add_train_args(p: argparse.ArgumentParser, hidden=()) -> None:
     """Every TrainConfig field as a flag (``cache_mb`` -> ``--cache-mb``), its default, choices
-    and help taken from the field: ``one_embedding.config`` is the one place to change them."""
+    and help taken from the field: ``one_embedding.config`` is the one place to change them;
+    ``hidden``: fields left out of the help (the command decides them)."""
     from .config import TrainConfig
 
-    TrainConfig.add_arguments(p)
+    TrainConfig.add_arguments(p, hidden)
 
 
 def _config(args):
@@ -148,8 +149,11 @@ def _interrupted(error: KeyboardInterrupt, cfg, argv: list[str] | None) -> str:
     return f"{text}. Continue from it with{where}:\n  {command}"
 
 
-#: train flags that bench decides itself, per run: --stores names the stores, each on a scratch path
+#: train flags that bench decides itself, per run: --stores names the stores, each on a scratch
+#: path, timed without evaluation or checkpoints in between (left out of bench --help)
 _BENCH_SETS = ("store", "engine", "persistent_path")
+_BENCH_RUN_SETS = ("resume", "overwrite", "eval_interval", "snapshot_interval", "keep_snapshots",
+                   "snapshot_name")
 
 
 def cmd_bench(args) -> int:
@@ -163,6 +167,11 @@ def cmd_bench(args) -> int:
         raise ConfigError(f"bench runs each store of --stores on its own scratch path, so {flags} "
                           "would be ignored: drop it and list the stores, e.g. --stores "
                           "device_mem cached_ssd:rocksdb")
+    given = [name for name in _BENCH_RUN_SETS if getattr(args, name) != getattr(defaults, name)]
+    if given:
+        flags = ", ".join("--" + name.replace("_", "-") for name in given)
+        raise ConfigError(f"bench times fresh runs on scratch paths, evaluated once at the end "
+                          f"and never checkpointed, so {flags} would be ignored: drop it")
     run_bench(_config(args), args.out, stores=args.stores)
     return 0
 
@@ -325,7 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_train)
 
     p = sub.add_parser("bench", help="samples/s for each store preset x engine")
-    _add_train_args(p)
+    _add_train_args(p, hidden=_BENCH_SETS + _BENCH_RUN_SETS)
     p.add_argument("--out", default="bench_out", help="folder for JSON, markdown and PNG")
     p.add_argument("--stores", nargs="+", default=None,
                    help="subset, e.g. device_mem cached_host_mem cached_ssd:slots cached_ssd:rocksdb")

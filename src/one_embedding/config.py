@@ -414,21 +414,26 @@ class TrainConfig:
     # --- the command line, generated from the fields ---------------------------------------
 
     @classmethod
-    def add_arguments(cls, parser: argparse.ArgumentParser) -> None:
+    def add_arguments(cls, parser: argparse.ArgumentParser, hidden=()) -> None:
         """One ``--flag`` per field, in argument groups (``GROUPS``); default, choices and help
-        come from the field. Values are checked when ``from_args`` builds the config."""
+        come from the field. Values are checked when ``from_args`` builds the config. Fields
+        in ``hidden`` are parsed but left out of ``--help`` (a command that sets them itself
+        refuses them with its own message)."""
         groups = {name: parser.add_argument_group(name) for name in GROUPS}
         for f, (kind, item, _) in _field_kinds(cls):
             default = _default(f)
             kwargs = {"dest": f.name, "default": default, "help": _help(f.metadata["help"], default)}
+            if f.name in hidden:
+                kwargs["help"] = argparse.SUPPRESS
             if f.metadata["choices"]:
                 kwargs["choices"] = f.metadata["choices"]
             flag = _flag(f.name)
+            shown = kwargs["help"] if f.name in hidden else f.metadata["help"]
             if kind is bool and default is True:      # on by default: --no-cuda-graph
                 flag = _flag("no_" + f.name)
-                kwargs.update(action="store_false", help=f.metadata["help"])
+                kwargs.update(action="store_false", help=shown)
             elif kind is bool:
-                kwargs.update(action="store_true", help=f.metadata["help"])  # --resume
+                kwargs.update(action="store_true", help=shown)  # --resume
             elif kind is tuple and item is str:
                 kwargs.update(nargs="+", default=list(kwargs["default"]))   # --data a.tsv b.tsv
             elif kind is tuple:
