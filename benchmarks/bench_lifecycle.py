@@ -18,7 +18,9 @@ Parts:
   ids (alpha 1.05), ``--rows`` rows in batches of 4,096, one epoch, 5 % held out.
 
 Writes results/lifecycle.json, a plot (results/lifecycle.png: rows stored and AUC per rule set)
-and prints the markdown table docs/lifecycle.md shows.
+and prints the markdown table docs/lifecycle.md shows. A run of one part replaces that part's
+records only: the other part's stay as the file held them (and in the plot), and
+``measured_by`` names the machine and configuration of the run behind each part.
 """
 from __future__ import annotations
 
@@ -30,10 +32,13 @@ import sys
 import tempfile
 import time
 
-from .common import RESULTS, markdown_table, print_header, save_result
+from . import common
+from .common import markdown_table, measured_by, previous_result, print_header, save_result
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 CRITEO = os.path.normpath(os.path.join(HERE, "..", "..", "shared", "data", "criteo"))
+
+PARTS = ("real", "zipf")
 
 #: (label, flags): the first is the baseline
 RULES = [
@@ -115,7 +120,7 @@ def plot(results: list[dict], out: str) -> None:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
-    parts = sorted({r["part"] for r in results}, key=["real", "zipf"].index)
+    parts = sorted({r["part"] for r in results}, key=PARTS.index)
     fig = Figure(figsize=(6.5 * len(parts), 4.8))
     FigureCanvasAgg(fig)
     for ax, part in zip(fig.subplots(1, len(parts), squeeze=False)[0], parts):
@@ -137,26 +142,44 @@ def plot(results: list[dict], out: str) -> None:
 
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--part", choices=["real", "zipf", "both"], default="both")
+    p.add_argument("--part", choices=[*PARTS, "both"], default="both")
     p.add_argument("--rows", type=int, default=1_000_000, help="synthetic rows of the zipf part")
     p.add_argument("--scratch", default=None, help="folder for the tables (default: $TMPDIR)")
     args = p.parse_args(argv)
-    parts = ["real", "zipf"] if args.part == "both" else [args.part]
+    parts = list(PARTS) if args.part == "both" else [args.part]
     if "real" in parts and not os.path.isdir(CRITEO):
         raise SystemExit(f"no real Criteo rows at {CRITEO}: run --part zipf")
-    machine = print_header("feature lifecycle: rows, disk and AUC per rule set",
-                           {"parts": parts, "zipf rows": args.rows, "model": "dlrm",
-                            "optimizer": "adagrad", "store": "cached_ssd slots, 64 MB cache"})
+    config = {"parts": parts, "zipf rows": args.rows, "model": "dlrm", "optimizer": "adagrad",
+              "store": "cached_ssd slots, 64 MB cache"}
+    machine = print_header("feature lifecycle: rows, disk and AUC per rule set", config)
     results = []
     for part in parts:
         results += run_part(part, args)
     columns = ["part", "rules", "rows_stored", "rows_vs_baseline", "disk_vs_baseline",
                "not_admitted_lookups", "evicted_rows", "auc", "auc_change"]
     print(markdown_table(results, columns))
-    os.makedirs(RESULTS, exist_ok=True)
-    plot(results, os.path.join(RESULTS, "lifecycle.png"))
-    print("wrote", save_result("lifecycle", {"machine": machine, "rows": args.rows,
-                                             "results": results}))
+    payload = merge_parts(previous_result("lifecycle") if len(parts) < len(PARTS) else {},
+                          parts, results, machine, config, args.rows)
+    kept = [part for part in PARTS if part not in parts and part in payload["measured_by"]]
+    if kept:
+        print(f"(part {', '.join(kept)}: kept from the file's earlier run)")
+    os.makedirs(common.RESULTS, exist_ok=True)
+    plot(payload["results"], os.path.join(common.RESULTS, "lifecycle.png"))
+    print("wrote", save_result("lifecycle", payload))
+
+
+def merge_parts(previous: dict, parts: list[str], results: list[dict], machine: dict,
+                config: dict, rows: int) -> dict:
+    """The result file's payload: this run's ``results`` for ``parts``, and the records of the
+    other parts as ``previous`` (the file before; {}: none) held them, in PARTS order. ``rows``
+    (the zipf part's) is this run's when it ran zipf, else the earlier file's."""
+    old = [r for r in previous.get("results", []) if r.get("part") not in parts]
+    kept = list(dict.fromkeys(r["part"] for r in old))
+    merged = sorted(old + results, key=lambda r: PARTS.index(r["part"]))  # stable: rule order kept
+    if "zipf" not in parts and "rows" in previous:
+        rows = previous["rows"]
+    return {"machine": machine, "config": config, "rows": rows, "results": merged,
+            "measured_by": measured_by(previous, parts, kept, machine, config)}
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@
     ``--raw-mb`` file on the same disk, the mean of a measurement before and after the runs.
 
 Results: markdown tables on stdout, ``RESULTS/bench_scale.json`` and ``RESULTS/bench_scale.png``
-(RESULTS is ``benchmarks/results`` unless ONE_EMBEDDING_BENCH_RESULTS says otherwise).
+(RESULTS is ``benchmarks/results`` unless ONE_EMBEDDING_BENCH_RESULTS says otherwise). A run of
+one part replaces that part's figures only: the other part's stay as the file held them, and
+``measured_by`` names the machine and configuration of the run behind each part (the plot is
+redrawn when (a) ran).
 """
 from __future__ import annotations
 
@@ -47,7 +50,7 @@ import time
 import numpy as np
 
 from . import common
-from .common import markdown_table, print_header, save_result
+from .common import markdown_table, measured_by, previous_result, print_header, save_result
 from .scale_training import b_tables, part_b, train_worker
 from .scale_workers import (ROOT, disk_bytes, fmt, peak_rss, proc_tools, read_result,
                             package_parent, run_worker)
@@ -435,6 +438,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
+def keep_other_parts(payload: dict) -> tuple[dict, list[str]]:
+    """A run of one part leaves the other part's figures in ``bench_scale.json``: the parts the
+    file holds and ``payload`` lacks are copied into it. Returns the earlier file ({} when
+    there is none, or when every part was measured now) and the parts copied from it."""
+    if all(part in payload for part in ("a", "b")):
+        return {}, []
+    previous = previous_result("bench_scale")
+    kept = [part for part in ("a", "b") if part not in payload and part in previous]
+    for part in kept:
+        payload[part] = previous[part]
+    for part in ("a", "b"):  # the file's order whichever part ran
+        if part in payload:
+            payload[part] = payload.pop(part)
+    return previous, kept
+
+
 def main(argv=None):
     args = parse_args(argv)
     if args.worker:  # a child started by run_worker: measure, write the result, nothing else
@@ -473,9 +492,13 @@ def main(argv=None):
                   "one eval batch, final snapshot) / the training steps' wall seconds")
     finally:
         shutil.rmtree(root, ignore_errors=True)
+    measured = [part for part in ("a", "b") if part in payload]
+    previous, kept = keep_other_parts(payload)
+    payload["measured_by"] = measured_by(previous, measured, kept, machine, payload["config"])
     path = save_result("bench_scale", payload)
-    print(f"\nwrote {path}")
-    if "a" in payload:
+    print(f"\nwrote {path}" + (f" (part {', '.join(kept)} kept from its earlier run)"
+                               if kept else ""))
+    if "a" in measured:
         png = os.path.join(common.RESULTS, "bench_scale.png")
         plot(payload["a"], png)
         print(f"wrote {png}")

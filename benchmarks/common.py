@@ -90,3 +90,34 @@ def save_result(name: str, payload: dict) -> str:
     with open(path, "w") as f:
         json.dump(payload, f, indent=1)
     return path
+
+
+def previous_result(name: str) -> dict:
+    """``RESULTS/name.json`` as an earlier run left it: {} when there is none, or (with a
+    warning) when it does not parse. A run of some of a benchmark's parts keeps the others' from
+    it (``measured_by`` records which run measured each)."""
+    path = os.path.join(RESULTS, f"{name}.json")
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        return {}
+    except (OSError, ValueError) as e:
+        print(f"warning: {path} unreadable ({type(e).__name__}: {e}); this run's parts replace it")
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def measured_by(previous: dict, parts: list[str], kept: list[str], machine: dict,
+                config: dict) -> dict:
+    """{part: {"machine", "config"}}: the run that measured each part a merged result file holds.
+    ``parts`` were measured now; ``kept`` come from ``previous``, whose own ``measured_by`` names
+    their run (a file written before that record: its top-level machine and config)."""
+    before = previous.get("measured_by", {})
+    out = {}
+    for part in kept:
+        out[part] = before.get(part) or {"machine": previous.get("machine"),
+                                         "config": previous.get("config")}
+    for part in parts:
+        out[part] = {"machine": machine, "config": config}
+    return out
