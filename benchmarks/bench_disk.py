@@ -19,13 +19,12 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 
 from one_embedding.store.rocksdb_store import tree_disk_bytes
 
-from .common import markdown_table, print_header, save_result
+from .common import markdown_table, print_header, run_folder, save_result
 
 
 def train(args, engine: str, keep: int, root: str) -> dict:
@@ -83,11 +82,12 @@ def main(argv=None):
     p.add_argument("--synthetic-scale", type=float, default=0.01)
     p.add_argument("--cache-mb", type=float, default=1.0)
     p.add_argument("--engines", nargs="+", default=["slots", "rocksdb"])
-    p.add_argument("--dir", help="where the runs write (default: a temp folder on this disk)")
+    p.add_argument("--dir", help="where the runs write, made if missing (default: a run folder "
+                                 "in the current one, on this disk)")
     args = p.parse_args(argv)
     config = {k: v for k, v in vars(args).items() if k != "dir"}
     machine = print_header("Disk use over a run with interval checkpoints", config)
-    root = tempfile.mkdtemp(prefix="bench_disk_", dir=args.dir or os.getcwd())
+    root = run_folder("bench_disk_", args.dir or os.getcwd())
     rows = []
     try:
         for engine in args.engines:

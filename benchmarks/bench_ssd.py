@@ -38,7 +38,6 @@ import argparse
 import mmap
 import os
 import shutil
-import tempfile
 import threading
 import time
 from types import SimpleNamespace
@@ -53,7 +52,7 @@ from one_embedding.store.direct_io import _pread_runs
 from one_embedding.store.segments import BLOCK_CHECKSUM, LEGACY_BLOCK_CHECKSUM, block_checksums
 from one_embedding.store.slot_file import SlotFileStore
 
-from .common import markdown_table, print_header, save_result
+from .common import markdown_table, print_header, run_folder, save_result
 
 BLOCK = 4096
 TABLES = 26
@@ -291,11 +290,12 @@ def main(argv=None):
     p.add_argument("--find-rounds", type=int, default=4,
                    help="turns each checksum's store takes in a find measurement")
     p.add_argument("--no-training", action="store_true", help="(a) and (b) only")
-    p.add_argument("--dir", default=None, help="folder on the disk to measure")
+    p.add_argument("--dir", default=None, help="folder on the disk to measure, made if missing "
+                                               "(default: the current folder)")
     args = p.parse_args(argv)
     config = {k: v for k, v in vars(args).items() if k != "dir"}
     m = print_header("SSD tier: raw disk, slot engine, training, rows/s", config)
-    root = tempfile.mkdtemp(prefix="bench_ssd_", dir=args.dir or os.getcwd())
+    root = run_folder("bench_ssd_", args.dir or os.getcwd())
     config["fs_dir"] = root
     t = args.io_threads
     try:

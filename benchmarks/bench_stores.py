@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import tempfile
 import time
 
 import numpy as np
@@ -31,7 +30,7 @@ from one_embedding.store.rocksdb_store import RocksDBStore, encode_keys
 from one_embedding.store.slot_file import SlotFileStore
 
 from .bench_ssd import raw_random_reads
-from .common import markdown_table, print_header, save_result, zipf_ids
+from .common import markdown_table, print_header, run_folder, save_result, zipf_ids
 
 BATCH = (4096, 26)
 CHUNK = 1 << 16
@@ -199,7 +198,8 @@ def main(argv=None):
     p.add_argument("--host-cache-mb", type=float, default=256)
     p.add_argument("--read-rows", type=int, default=1_000_000, help="rows stored for the read test")
     p.add_argument("--read-batch", type=int, default=65536)
-    p.add_argument("--dir", default=None, help="folder for the SSD stores (default: a temp dir)")
+    p.add_argument("--dir", default=None, help="folder for the SSD stores, made if missing "
+                                               "(default: a temp dir)")
     p.add_argument("--only", default=None, help="run only stores whose name contains this")
     args = p.parse_args(argv)
     line_size = 2 * args.dim
@@ -208,7 +208,7 @@ def main(argv=None):
               "host_cache_mb": args.host_cache_mb, "read_rows": args.read_rows,
               "read_batch": args.read_batch}
     m = print_header("Tiered stores: lookup + put, rows/s", config)
-    root = tempfile.mkdtemp(prefix="bench_stores_", dir=args.dir)
+    root = run_folder("bench_stores_", args.dir)
     config["fs_dir"] = root
     try:
         rng = np.random.default_rng(0)

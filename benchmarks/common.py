@@ -4,6 +4,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import tempfile
 import time
 from datetime import datetime, timezone
 
@@ -48,6 +49,22 @@ def print_header(title: str, config: dict) -> dict:
           f"numpy {m['numpy']}, {m['date_utc']} UTC")
     print("config: " + ", ".join(f"{k}={v}" for k, v in config.items()))
     return m
+
+
+def run_folder(prefix: str, parent: str | None) -> str:
+    """A fresh folder for one run's files (``tempfile.mkdtemp``: ``prefix`` and a random tail)
+    under ``parent`` (``--dir``; None: the system temp folder). A missing ``parent`` is made; one
+    that cannot be made or written ends the run with one line saying so (a bare
+    FileNotFoundError from mkdtemp before). The prefixes are in .gitignore: a killed run under
+    the checkout leaves its folder there."""
+    try:
+        if parent is not None:
+            os.makedirs(parent, exist_ok=True)
+        return tempfile.mkdtemp(prefix=prefix, dir=parent)
+    except OSError as e:
+        where = parent if parent is not None else tempfile.gettempdir()
+        raise SystemExit(f"{prefix.rstrip('_')}: cannot make a run folder in {where!r}: "
+                         f"{e.strerror or e}; pass --dir a writable folder") from None
 
 
 def zipf_ids(rng: np.random.Generator, alpha: float, n_keys: int, size) -> np.ndarray:
