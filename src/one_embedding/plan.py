@@ -47,8 +47,6 @@ INDEX_ENTRY_BYTES = 5
 INDEX_MEAN_LOAD = (MAX_LOAD + MAX_LOAD / GROWTH) / 2
 #: HashIndex (host memory stores): 16 bytes a bucket, at most 0.7 full, a power of two
 HASH_BUCKET_BYTES, HASH_MAX_LOAD = 16, 0.7
-#: RocksDB key SST bytes per key: internal key (8 + 8), blob index (~10), block overhead
-ROCKSDB_KEY_SST_BYTES = 32
 #: RocksDB table readers per key: the keys family's 10-bit bloom filter + index entries of the
 #: key SST blocks of both families (measured 1.43 at 200 k keys, 1.23 at 2 M)
 ROCKSDB_TABLE_READER_BYTES = 1.25 + 0.15
@@ -130,7 +128,7 @@ def _slots(rows: int, line_size: int, physical_block_size: int) -> tuple[TierPla
 
 
 def _rocksdb(rows: int, line_size: int) -> tuple[TierPlan, int]:
-    live = rows * (4 * line_size + rdb.BLOB_RECORD_OVERHEAD + ROCKSDB_KEY_SST_BYTES)
+    live = rows * (4 * line_size + rdb.BLOB_RECORD_OVERHEAD + rdb.KEY_SST_BYTES)
     fixed = (rdb.BLOCK_CACHE_MB + 3 * 64) << 20  # block cache, up to 3 write buffers of 64 MB
     return TierPlan("ssd.rocksdb", rows, int(rows * ROCKSDB_TABLE_READER_BYTES + fixed), live,
                     note=f"table readers {ROCKSDB_TABLE_READER_BYTES:.1f} B/key"), live

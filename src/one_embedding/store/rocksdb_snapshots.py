@@ -64,7 +64,7 @@ class RocksDBSnapshots:
         target = os.path.join(directory, "db")
         self._size_blob_files()
         self.flush()  # the WAL is off: the memtables must reach SSTs first
-        if self._reclaim_due(self._garbage_bytes(), self._live_bytes()):
+        if self._reclaim_due(self._blob_garbage_bytes(), self._live_bytes()):
             self._reclaim()
         with self._io(f"a RocksDB checkpoint into {target!r}"):
             self._rd.Checkpoint(self._db).create_checkpoint(target)
