@@ -12,11 +12,12 @@ value strings, binary tensors as tritonclient sends them) in batches of 1 and 64
   round of the server cells: on a shared machine the rate moves, so each cell is compared with
   the baseline measured next to it;
 - REST: wrk (`wrk -t1 -cCLIENTS --latency`, a C load generator keeping its HTTP/1.1
-  connections alive as tritonclient.http does; installed with apt-get when missing) posting the
+  connections alive as tritonclient.http does; ``--install-tools`` installs it with apt-get when
+  missing, else a missing one ends the run saying what to install) posting the
   same request body. (ApacheBench, used before, speaks HTTP/1.0, whose keep-alive uvicorn does
   not honour: every ab request opened a new connection, half the rate of batch-1 requests
   measured back to back, 570 against 1,127 requests/s on 2026-11-27);
-- gRPC: h2load (nghttp2's C HTTP/2 load generator, installed with apt-get when missing) posting
+- gRPC: h2load (nghttp2's C HTTP/2 load generator, package nghttp2-client, the same) posting
   the gRPC-framed `ModelInferRequest` with CLIENTS streams in flight (rate and mean latency; the
   server's /metrics count gRPC-level failures, which h2load cannot see), and
   `benchmarks/grpc_load.py` in its own process (grpcio's asyncio client, each call a
@@ -145,23 +146,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def ensure_tool(tool: str, package: str, what: str) -> str:
-    """The path of ``tool``, installed with apt-get (``package``) when missing and this process
-    may; else SystemExit saying how to get it."""
+#: the load generators this benchmark and its companions drive: command -> Debian/Ubuntu package
+LOAD_TOOLS = {"wrk": "wrk", "h2load": "nghttp2-client"}
+
+INSTALL_HELP = ("install the missing load generators with apt-get (as root) before the run; "
+                "without it a missing one ends the run, saying what to install")
+
+
+def find_tools(install: bool = False, tools: dict | None = None) -> dict[str, str]:
+    """{command: path} of the load generators ``tools`` (default ``LOAD_TOOLS``). Missing ones
+    end the run with a message naming the packages and ``--install-tools``; with ``install``
+    (that flag) they are installed with ``apt-get install -y`` first. The benchmark changes the
+    system only when asked (it ran apt-get as root on its own before)."""
     import shutil
 
-    found = shutil.which(tool)
-    if found:
-        return found
-    if shutil.which("apt-get") and hasattr(os, "geteuid") and os.geteuid() == 0:
-        print(f"installing {what}: apt-get install -y {package}", flush=True)
-        subprocess.run(["apt-get", "install", "-y", package], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.DEVNULL)
-        found = shutil.which(tool)
-        if found:
-            return found
-    raise SystemExit(f"this benchmark drives the server with {what} ({tool}), which is missing: "
-                     f"install it (Debian/Ubuntu: apt-get install {package}) and run it again")
+    tools = LOAD_TOOLS if tools is None else tools
+    missing = {t: pkg for t, pkg in tools.items() if not shutil.which(t)}
+    packages = " ".join(dict.fromkeys(missing.values()))
+    if missing and install:
+        cmd = ["apt-get", "install", "-y", *dict.fromkeys(missing.values())]
+        if not shutil.which("apt-get"):
+            raise SystemExit(f"--install-tools: no apt-get here; install {', '.join(missing)} "
+                             f"(Debian/Ubuntu packages: {packages}) and run it again")
+        if hasattr(os, "geteuid") and os.geteuid() != 0:
+            raise SystemExit(f"--install-tools: `{' '.join(cmd)}` needs root; run it as root "
+                             "(or install the packages yourself) and run the benchmark again")
+        print(f"installing {', '.join(missing)}: {' '.join(cmd)}", flush=True)
+        done = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        missing = {t: pkg for t, pkg in missing.items() if not shutil.which(t)}
+        if missing:
+            raise SystemExit(f"`{' '.join(cmd)}` (status {done.returncode}) left "
+                             f"{', '.join(missing)} missing: {done.stderr.strip()[-500:]}")
+    if missing:
+        raise SystemExit(f"this benchmark drives the server with {', '.join(missing)}, missing "
+                         f"here: install them (Debian/Ubuntu: apt-get install {packages}), or "
+                         "run it again with --install-tools to have it run apt-get (as root)")
+    return {t: shutil.which(t) for t in tools}
 
 
 def run_h2load(h2load: str, port: int, body_file: str, clients: int, seconds: float,
@@ -425,9 +445,10 @@ def main(argv=None) -> None:
                    help="rounds of the server cells (batching off and on take turns in each); "
                         "medians reported")
     p.add_argument("--dir", default=None, help="folder for the run (default: $TMPDIR)")
+    p.add_argument("--install-tools", action="store_true", help=INSTALL_HELP)
     args = p.parse_args(argv)
-    wrk = ensure_tool("wrk", "wrk", "wrk")
-    h2load = ensure_tool("h2load", "nghttp2-client", "h2load")
+    tools = find_tools(args.install_tools)
+    wrk, h2load = tools["wrk"], tools["h2load"]
     config = {"model": "dlrm", "store": "cached_ssd slots", "steps": args.steps,
               "batches": BATCHES, "clients": args.clients, "seconds per cell": args.seconds,
               "rounds": args.rounds,

@@ -17,8 +17,9 @@ import os
 import sys
 import tempfile
 
-from .bench_serve import (BATCHES, PROTOCOLS, Server, drive_grpc, drive_rest, ensure_tool,
-                          grpc_body, make_requests, measure_cell, median_cell, rest_body, train)
+from .bench_serve import (BATCHES, INSTALL_HELP, PROTOCOLS, Server, drive_grpc, drive_rest,
+                          find_tools, grpc_body, make_requests, measure_cell, median_cell,
+                          rest_body, train)
 from .common import markdown_table, print_header, save_result
 
 HERE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -37,9 +38,9 @@ def main(argv=None) -> None:
                    help="a `src` folder of another version, served beside this checkout and "
                         "measured in turns")
     p.add_argument("--dir", default=None, help="folder for the run (default: $TMPDIR)")
+    p.add_argument("--install-tools", action="store_true", help=INSTALL_HELP)
     args = p.parse_args(argv)
-    tools = {"wrk": ensure_tool("wrk", "wrk", "wrk"),
-             "h2load": ensure_tool("h2load", "nghttp2-client", "h2load")}
+    tools = find_tools(args.install_tools)
     versions = ([("baseline", os.path.abspath(args.baseline_src))] if args.baseline_src else []) \
         + [("this checkout", HERE)]
     config = {"model": "dlrm", "steps": args.steps, "clients": args.clients, "rounds": args.rounds,

@@ -132,15 +132,16 @@ def main(argv=None) -> None:
         return
     import tempfile
 
-    from .bench_serve import ensure_tool
+    from .bench_serve import INSTALL_HELP, find_tools
     from .common import print_header
 
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seconds", type=float, default=5.0)
     p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--install-tools", action="store_true", help=INSTALL_HELP)
     args = p.parse_args(argv)
-    wrk = ensure_tool("wrk", "wrk", "wrk")
-    h2load = ensure_tool("h2load", "nghttp2-client", "h2load")
+    tools = find_tools(args.install_tools)
+    wrk, h2load = tools["wrk"], tools["h2load"]
     print_header("serving stacks: an empty handler's server CPU per request",
                  {"clients": args.clients, "seconds": args.seconds,
                   "REST": "uvicorn + httptools + uvloop, wrk -t1",
