@@ -18,8 +18,12 @@ Sources, in one run on this machine:
 
 Each figure is the best of ``--repeats`` passes (the machine is shared; figures move 10-30%);
 CPU seconds per sample are printed beside wall time so a busy machine reads as such. The step
-rates to feed are PERFORMANCE.md's measurements, quoted, not re-measured here: the CPU DLRM
-~21k samples/s (batch 4096, 2 cores) and on one H100 ``bench_gpu``'s 1.47 M samples/s.
+rates to feed are committed measurements, quoted, not re-measured here: the CPU DLRM step,
+21,376 samples/s (``bench_dlrm_peers``, batch 4096, 2 cores: ``results/bench_dlrm_peers.json``,
+the table of docs/performance.md), and the GPU one, ``bench_gpu``'s part 2 DLRM step on one
+NVIDIA H200 at batch 65,536: 1.26-1.73 M samples/s over the committed runs under
+``results/gpu_check_h200*/``, the fastest quoted (1,726,705 samples/s,
+``results/gpu_check_h200_2026-11-27/run2/bench.txt``). No committed figure is from an H100.
 """
 from __future__ import annotations
 
@@ -32,9 +36,11 @@ import numpy as np
 
 from .common import markdown_table, print_header, save_result
 
-#: PERFORMANCE.md, quoted: the step rates a source must keep up with
-STEP_RATES = {"CPU DLRM step (PERFORMANCE.md, 2 cores, batch 4096)": 21_000,
-              "GPU bench_gpu.py step (PERFORMANCE.md, one H100, batch 65,536)": 1_470_000}
+#: the step rates a source must keep up with, quoted from committed results (the docstring says
+#: which): the CPU DLRM step of bench_dlrm_peers and bench_gpu's fastest DLRM step on an H200
+STEP_RATES = {"CPU DLRM step (bench_dlrm_peers.json, 2 cores, batch 4096)": 21_376,
+              "GPU bench_gpu.py step (gpu_check_h200_2026-11-27/run2, one H200, batch 65,536)":
+                  1_726_705}
 
 
 def legacy_block(src, block: int, rows: int = 4096):
