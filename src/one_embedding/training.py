@@ -61,7 +61,8 @@ from .shard import rank_path
 from .optimizer import Optimizer
 from .parallel.comm import local_gpu, training_comm
 from .pipeline import Prefetcher
-from .training_progress import MetricsWriter, TrainProgress, progress_postfix
+from .training_progress import (TIER_COUNTS, MetricsWriter, TrainProgress, progress_postfix,
+                                run_counts)
 from .training_setup import (
     build_model,
     check_same_config,
@@ -161,6 +162,7 @@ class Trainer:
         # steps left out of the steady-state samples/s
         self.skip_steps = max(1, cfg.steps // 10) if cfg.steps else 0
         self.resumed_from = None
+        self._tier_counts_before: list = []   # a resumed run's tier counts at its checkpoint
         if resume_from is not None:
             self._restore(resume_from)
         self.is_chief = self.comm.rank == 0  # rank 0 alone writes metrics and the progress bar
@@ -335,6 +337,9 @@ class Trainer:
                  "train_loader": self._loader_state(),
                  # this rank's exchange bytes so far: a resumed run's totals go on from them
                  "traffic": asdict(self.embedding.traffic),
+                 # and its tiers' hits, misses, evictions, writes and copies
+                 "tier_counts": [{k: s[k] for k in ("tier", *TIER_COUNTS) if k in s}
+                                 for s in self.run_store_stats()],
                  # raw features -> model inputs, for serving (one_embedding.serving)
                  "features": FeatureTransform.for_config(self.cfg).as_dict()}
         save_checkpoint(name, self.embedding, model=self.model, optimizer=self.optimizer,
@@ -391,6 +396,7 @@ class Trainer:
         if state.get("world_size") == self.comm.world:  # another world's traffic is not ours
             for field, count in (state.get("traffic") or {}).items():
                 setattr(self.embedding.traffic, field, int(count))
+            self._tier_counts_before = state.get("tier_counts") or []
 
     def write(self, record: dict) -> None:
         if self.writer is not None:
@@ -544,7 +550,7 @@ class Trainer:
             self.save_checkpoint(cfg.snapshot_name)
         head = float(np.mean(p.losses[: max(1, len(p.losses) // 10)]))
         tail = float(np.mean(p.losses[-max(1, len(p.losses) // 10):]))
-        stats = self.embedding.store_stats()
+        stats = self.run_store_stats()
         scaler = self.optimizer.loss_scaler
         rows_stored = int(self.comm.allreduce_sum(np.array([len(self.embedding)], np.int64))[0])
         lifecycle = {k: int(v) for k, v in zip(LIFECYCLE_FIELDS, self.comm.allreduce_sum(
@@ -574,6 +580,10 @@ class Trainer:
                 "cuda_graph_replays": self.step_graph.stats.replays}
                if self.step_graph is not None else {}),
         }
+
+    def run_store_stats(self) -> list[dict]:
+        """The embedding's per-tier stats, their counts over the whole run (``run_counts``)."""
+        return run_counts(self.embedding.store_stats(), self._tier_counts_before)
 
     def close(self) -> None:
         if self.writer is not None:

@@ -82,3 +82,22 @@ def progress_postfix(progress: TrainProgress, window: int = 20) -> str:
     recent = progress.losses[-window:]
     return (f"loss {np.mean(recent):.4f} (mean of last {len(recent)} steps), "
             f"{progress.samples / progress.train_seconds:,.0f} samples/s (all steps)")
+
+
+#: a tier's counts of a run (``run_counts``); its rows and bytes are what it holds now
+TIER_COUNTS = ("hits", "misses", "evictions", "writes", "d2h_bytes", "h2d_bytes", "d2h_copies",
+               "h2d_copies")
+
+
+def run_counts(stats: list[dict], before: list[dict]) -> list[dict]:
+    """``stats`` (an embedding's ``store_stats()``, this process's counts) with ``before`` (the
+    checkpoint's, a resumed run's) added, tier by tier: a resumed run's counts go on from its
+    checkpoint's, as its steps do, where the tiers are the same (a cache added on resume starts
+    at 0)."""
+    if len(before) == len(stats):
+        for now, then in zip(stats, before):
+            if now["tier"] == then.get("tier"):
+                for k in TIER_COUNTS:
+                    if k in now and k in then:
+                        now[k] += int(then[k])
+    return stats

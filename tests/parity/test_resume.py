@@ -44,6 +44,17 @@ def results(metrics):
     return out
 
 
+def lookups(metrics) -> int:
+    """The top tier's lookups (hits + misses) the final record counts: the run's, not only its
+    resumed part's (a fault campaign found the counts started again from 0 on resume)."""
+    for line in metrics.read_text().splitlines():
+        r = json.loads(line)
+        if r["event"] == "final":
+            top = r["store_stats"][0]
+            out = top["hits"] + top["misses"]
+    return out
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     """One 60-step run (DCN with dropout and Adam: dropout counters and Adam's step count must
@@ -52,22 +63,23 @@ def uninterrupted(tmp_path_factory):
     args = ["--model", "dcn", "--dropout", "0.2", "--optimizer", "adam", "--lr", "0.01",
             "--warmup-steps", "15"]
     cli(tmp / "run", tmp / "m.jsonl", "--steps", 60, *args)
-    return results(tmp / "m.jsonl"), args
+    return results(tmp / "m.jsonl"), args, lookups(tmp / "m.jsonl")
 
 
 def test_resume_after_a_finished_run_continues_bit_for_bit(uninterrupted, tmp_path):
-    full, args = uninterrupted
+    full, args, full_lookups = uninterrupted
     cli(tmp_path / "run", tmp_path / "a.jsonl", "--steps", 30, *args)
     cli(tmp_path / "run", tmp_path / "b.jsonl", "--steps", 60, "--resume", *args)
     resumed = results(tmp_path / "b.jsonl")
     assert min(step for _, step in resumed) == 40  # nothing before the checkpoint was redone
     assert resumed == {k: v for k, v in full.items() if k[1] > 30}
+    assert lookups(tmp_path / "b.jsonl") == full_lookups
     snaps = sorted(os.listdir(tmp_path / "run" / "0-1" / "snapshots"))
     assert snaps == ["final", "step-40", "step-50", "step-60"]  # --keep-snapshots 3 + final
 
 
 def test_resume_after_sigkill_continues_bit_for_bit(uninterrupted, tmp_path):
-    full, args = uninterrupted
+    full, args, full_lookups = uninterrupted
     path = tmp_path / "run"
     cmd = [sys.executable, "-m", "one_embedding", "train", *SMALL, "--persistent-path", str(path),
            "--metrics", str(tmp_path / "a.jsonl"), "--steps", "60", *args]
@@ -87,6 +99,10 @@ def test_resume_after_sigkill_continues_bit_for_bit(uninterrupted, tmp_path):
     assert first["event"] == "resume" and first["step"] >= 20
     resumed = results(tmp_path / "b.jsonl")
     assert resumed == {k: v for k, v in full.items() if k[1] > first["step"]}
+    # a kill mid-run: the checkpoint's counts hold what the prefetch had looked up ahead of it
+    # (--prefetch-depth 1: one batch of 256 x 26 ids at most), looked up again after the resume
+    extra = lookups(tmp_path / "b.jsonl") - full_lookups
+    assert 0 <= extra <= 256 * 26, extra
 
 
 def test_a_path_holding_a_run_is_never_overwritten_silently(tmp_path):
