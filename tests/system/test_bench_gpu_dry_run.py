@@ -18,10 +18,14 @@ ROOT = helpers.ROOT
 def _run(tmp_path, *args):
     env = {**os.environ, "ONE_EMBEDDING_BENCH_RESULTS": str(tmp_path),
            "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu", *args], cwd=ROOT, env=env,
+    dry = "--dry-run" in args   # a dry run writes its own file, and only when asked (--save)
+    r = subprocess.run([sys.executable, "-m", "benchmarks.bench_gpu", *args,
+                        *(["--save"] if dry else [])], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
     assert r.returncode == 0, r.stderr[-3000:]
-    return r.stdout, json.loads((tmp_path / "bench_gpu.json").read_text())
+    assert not (dry and (tmp_path / "bench_gpu.json").exists())
+    name = "bench_gpu_dry_run.json" if dry else "bench_gpu.json"
+    return r.stdout, json.loads((tmp_path / name).read_text())
 
 
 @pytest.mark.slow  # ~20 s (torch import, two trainings): with the other benchmark smoke tests
