@@ -93,6 +93,7 @@ def _inspect_one(root: str, snaps: SnapshotDirectory, snap: str, rows: int, quic
         **{k: manifest.get(k) for k in ("embedding_name", "store_kind", "engine", "key_type",
                                         "embedding_dims", "line_size", "row_count",
                                         "created_unix", "store_stats", "lifecycle")},
+        "lifecycle_columns": stored - line,
         "bytes_on_disk": _tree_bytes(folder) + referenced,
         "rows": sample,
     }
@@ -145,19 +146,21 @@ def format_inspection(found: list[dict]) -> str:
                           _size(ram / rows) if ram is not None and rows else "-",
                           str(s.get("engine") or "-"), when))
             dims = s.get("embedding_dims") or []
-            lines_of[(sum(dims) if dims else None, s["line_size"])] = s.get("store_kind")
+            lines_of[(sum(dims) if dims else None, s["line_size"],
+                      int(s.get("lifecycle_columns") or 0))] = s.get("store_kind")
         widths = [max(len(row[i]) for row in table) for i in range(len(header))]
         count = len(table) - 1
         lines.append(f"{path}: {count} snapshot{'s' if count != 1 else ''}")
         lines += ["  " + "  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip()
                   for row in table]
         lines += errors
-    for (embedding, line), _ in lines_of.items():
-        if embedding is None or embedding == line:
-            lines.append(f"A key's line: {line} floats ({4 * line} B).")
-        else:
-            lines.append(f"A key's line: {line} floats ({4 * line} B): the {embedding}-float "
-                         f"embedding and {line - embedding} floats of optimizer state.")
+    for (embedding, line, meta), _ in lines_of.items():
+        stored = line + meta   # the lifecycle's last-seen step and frequency ride behind the line
+        parts = ([f"{line - embedding} floats of optimizer state"]
+                 if embedding is not None and embedding != line else []) + \
+            ([f"{meta} of the lifecycle (last-seen step, frequency)"] if meta else [])
+        what = f": the {embedding or line}-float embedding, " + ", ".join(parts) if parts else ""
+        lines.append(f"A key's line: {stored} floats ({4 * stored} B){what}.")
     if ram_shown:
         lines.append("RAM/key: the training store's memory (every tier: caches, index, I/O "
                      "buffers) when the snapshot was taken, divided by its rows; fixed buffers "

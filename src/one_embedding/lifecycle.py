@@ -118,15 +118,19 @@ class CountMinSketch:
 
     def add(self, cells: np.ndarray, counts: np.ndarray) -> None:
         """Record the occurrences ``counts_after`` returned (cells (depth, n), counts (n,)),
-        then halve every counter if ``width / 2`` keys were counted since the last halving."""
+        then halve every counter once for each ``width / 2`` keys counted since the last halving."""
         value = counts.astype(np.uint16)
         for r in range(self.depth):
             np.maximum.at(self.counts[r], cells[r], value)
         self.counted += int(counts.shape[0])
-        if self.counted >= self.width // 2:
-            self.counts >>= 1
-            self.counted = 0
-            self.halvings += 1
+        half = self.width // 2
+        if self.counted >= half:
+            # once per half-width counted, also where one call counted several: a step of more
+            # new ids than that halved only once, and the excess was dropped from the count
+            times = self.counted // half
+            self.counts >>= min(times, 16)   # uint16: 16 halvings clear every counter
+            self.counted -= times * half
+            self.halvings += times
 
     def merge(self, other: "CountMinSketch") -> None:
         """Add ``other``'s counts (saturating): every key counted in either is counted here."""

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 
 from .cache.device import DeviceCache
@@ -32,12 +33,12 @@ from .cache.set_associative import SetAssociativeCache
 from .config import DEVICES
 from .errors import ConfigError
 from .lifecycle import META_COLUMNS, CountMinSketch
-from .options import PHYSICAL_BLOCK_SIZES
+from .options import PHYSICAL_BLOCK_SIZES, whole_number
 from .store import rocksdb_store as rdb
 from .store import slot_file
 from .store.direct_io import MAX_RUN_BYTES  # noqa: F401  (the I/O unit, shown in docs)
 from .store.segments import block_layout, default_segment_rows
-from .tiers.compact_index import MAX_LOAD, GROWTH, WAYS
+from .tiers.compact_index import GROWTH, MAX_LOAD, MAX_LOCATION
 
 #: row optimizer -> states per element (a line is 1 + states blocks of E floats)
 OPTIMIZER_STATES = {"sgd": 0, "momentum": 1, "adagrad": 1, "adam": 2, "ftrl": 2}
@@ -116,6 +117,25 @@ def _memory_store(name: str, rows: int, line_size: int, on_device: bool = False)
                     memory="device" if on_device else "host")
 
 
+def _real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_slot_locations(rows: int, per_rank: int, world: int) -> None:
+    """ConfigError when a rank's slot table would outgrow the directory's 32-bit locations:
+    its rows with the garbage at its bound (GARBAGE_RATIO of the slots) must fit in them, as
+    the store refuses to grow past them (a StoreError in the middle of training)."""
+    slots = MAX_LOCATION + 1
+    usable = int(slots * (1 - slot_file.GARBAGE_RATIO))
+    if per_rank > usable:
+        need = -(-rows // usable)
+        raise ConfigError(
+            f"{per_rank:,} rows per rank on the slot engine need up to "
+            f"{per_rank / (1 - slot_file.GARBAGE_RATIO):,.0f} slots with garbage at its bound, "
+            f"beyond the directory's {slots:,} 32-bit locations: spread the table over at least "
+            f"{need} ranks (--world {need}; {world} now) or use --engine rocksdb")
+
+
 def _slots(rows: int, line_size: int, physical_block_size: int) -> tuple[TierPlan, int]:
     rpb, block_bytes = block_layout(line_size, physical_block_size)
     blocks = -(-rows // rpb)
@@ -151,15 +171,17 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
     if optimizer not in OPTIMIZER_STATES:
         raise ConfigError(f"optimizer={optimizer!r}: choose one of {sorted(OPTIMIZER_STATES)}")
     for name, value in (("rows", rows), ("embedding_dim", embedding_dim), ("world", world)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not whole_number(value) or value < 1:
             raise ConfigError(f"{name}={value!r} must be a positive integer")
-    if not 0.0 <= changed_per_snapshot <= 1.0:
+    rows, embedding_dim, world = int(rows), int(embedding_dim), int(world)
+    if not _real(changed_per_snapshot) or not 0.0 <= changed_per_snapshot <= 1.0:
         raise ConfigError(f"changed_per_snapshot={changed_per_snapshot!r} must be in [0, 1]")
-    if keep_snapshots < 0:
-        raise ConfigError(f"keep_snapshots={keep_snapshots!r} must be >= 0")
+    if not whole_number(keep_snapshots) or keep_snapshots < 0:
+        raise ConfigError(f"keep_snapshots={keep_snapshots!r} must be a whole number >= 0")
+    keep_snapshots = int(keep_snapshots)
     for name, value in (("admit_sketch_mb", admit_sketch_mb), ("cache_mb", cache_mb),
                         ("host_cache_mb", host_cache_mb)):
-        if not 0 <= value < math.inf:
+        if not _real(value) or not 0 <= value < math.inf:
             raise ConfigError(f"{name}={value!r} (--{name.replace('_', '-')}) must be a finite "
                               "number of MB >= 0")
     if isinstance(physical_block_size, bool) or physical_block_size not in PHYSICAL_BLOCK_SIZES:
@@ -186,6 +208,7 @@ def plan_capacity(rows: int, embedding_dim: int, optimizer: str = "sgd",
             out.tiers.append(_cache("host.lru", host_cache_mb, line_size, per_rank,
                                     setting="host_cache_mb"))
         if engine == "slots":
+            _check_slot_locations(rows, per_rank, world)
             tier, live = _slots(per_rank, line_size, physical_block_size)
             steady = live / (1 - slot_file.GARBAGE_RATIO)
             # each interval's compaction retires about f / GARBAGE_RATIO of the table (victims

@@ -111,6 +111,19 @@ def test_the_sketch_halves_its_counters_after_counting_half_its_width():
     assert sketch.counts_after(first)[0][0] == 1  # key 7's old occurrence has aged out
 
 
+def test_one_call_counting_several_half_widths_halves_once_for_each():
+    """A step with more new ids than half the sketch's width halved it only once and dropped
+    the excess from the count (found by a fault campaign: 10,240 ids into a 1,024-wide sketch
+    gave 5 halvings where the rule gives 20)."""
+    sketch = CountMinSketch(64, 2)
+    keys = np.arange(1, 81, dtype=np.uint64)   # 80 keys: two halvings (32 each), 16 left over
+    sketch.add(*sketch.counts_after(keys)[::-1])
+    assert sketch.halvings == 2 and sketch.counted == 16
+    assert sketch.counts.max() == 0   # counts of 1 or 2 (collisions) halved twice
+    sketch.add(*sketch.counts_after(np.arange(100, 116, dtype=np.uint64))[::-1])
+    assert sketch.halvings == 3 and sketch.counted == 0
+
+
 def test_admission_state_with_halvings_resumes_exactly(tmp_path):
     lifecycle = oe.make_lifecycle_options(admit_min_count=3, sketch_mb=64 * 4 * 2 / 2**20)
     emb = embedding(lifecycle=lifecycle, path=tmp_path)
@@ -382,3 +395,21 @@ def test_a_damaged_admission_sketch_is_refused_at_load(tmp_path):
         sketch.write_bytes(bytes(data))
         with pytest.raises(SnapshotError, match="admission_sketch.npy' fails its checksum"):
             emb.load_snapshot("s")
+
+
+def test_inspect_counts_the_lifecycle_columns_in_a_line(tmp_path):
+    """With eviction on each stored line carries the last-seen step and the frequency: inspect's
+    summary said the line was the embedding and its state alone (E floats where E + 2 are
+    stored)."""
+    from one_embedding.inspect_snapshot import format_inspection, inspect_path
+
+    emb = embedding(lifecycle=oe.make_lifecycle_options(steps_to_live=5), path=tmp_path)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    step(emb, opt, [1, 2, 3])
+    emb.save_snapshot("s")
+    emb.close()
+    found = inspect_path(str(tmp_path))
+    assert found[0]["lifecycle_columns"] == 2
+    text = " ".join(format_inspection(found).split())   # the summary wraps at 100 columns
+    assert (f"A key's line: {E + 2} floats ({4 * (E + 2)} B): the {E}-float embedding, 2 of the "
+            "lifecycle (last-seen step, frequency).") in text, text

@@ -159,3 +159,26 @@ def test_plan_counts_the_lifecycle_columns_and_the_admission_sketch():
                                                                  lifecycle=rules)) as emb:
         assert sketch.ram_bytes == emb._shard._lifecycle.sketch.nbytes  # what it allocates
         assert emb._shard.layout.stored_size * 4 == evicting.line_bytes
+
+
+def test_plan_refuses_a_slot_table_past_its_32_bit_locations_and_names_the_ranks():
+    """A rank's slot directory holds 32-bit locations: 6e9 rows on one rank was planned without
+    a word, and training would have stopped with a StoreError once the table grew there."""
+    from one_embedding.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"6,000,000,000 rows per rank on the slot engine .* "
+                                          r"at least 2 ranks \(--world 2; 1 now\)"):
+        plan_capacity(6_000_000_000, 16, cache_mb=64)
+    assert plan_capacity(6_000_000_000, 16, cache_mb=64, world=2).rows_per_rank == 3_000_000_000
+    assert plan_capacity(6_000_000_000, 16, cache_mb=64, engine="rocksdb").rows_per_rank == \
+        6_000_000_000
+
+
+def test_plan_api_takes_numpy_integers_and_names_bad_types():
+    from one_embedding.errors import ConfigError
+
+    assert plan_capacity(np.int64(1000), np.int32(16), cache_mb=64).rows == 1000
+    with pytest.raises(ConfigError, match=r"keep_snapshots=1.5 must be a whole number"):
+        plan_capacity(1000, 16, cache_mb=64, keep_snapshots=1.5)
+    with pytest.raises(ConfigError, match=r"cache_mb='64' \(--cache-mb\) must be a finite number"):
+        plan_capacity(1000, 16, cache_mb="64")
