@@ -192,7 +192,11 @@ def cmd_inspect(args) -> int:
     are still shown."""
     from .inspect_snapshot import format_inspection, inspect_path
 
-    found = inspect_path(args.path, args.name, args.rows, quick=args.quick)
+    if args.rows is not None and not args.json:
+        raise ConfigError(f"--rows {args.rows} sets the sample rows of the --json output, and "
+                          "the summary shows none: add --json")
+    found = inspect_path(args.path, args.name, 3 if args.rows is None else args.rows,
+                         quick=args.quick)
     print(json.dumps(found, indent=1, default=str) if args.json else format_inspection(found))
     damaged = [s for s in found if s["status"] == "damaged"]
     for s in damaged:
@@ -317,7 +321,7 @@ def build_parser() -> argparse.ArgumentParser:
     from . import __version__
     from .config import DEVICES, OPTIMIZERS
 
-    ap = argparse.ArgumentParser(prog="one-embedding", description=__doc__)
+    ap = argparse.ArgumentParser(prog="one-embedding", description=__doc__.replace("``", ""))
     ap.add_argument("--version", action="version", version=f"one-embedding {__version__}",
                     help="print the version of one_embedding and exit")
     sub = ap.add_subparsers(dest="command", required=True)
@@ -358,7 +362,7 @@ def build_parser() -> argparse.ArgumentParser:
                                        "status 1 when one is damaged)")
     p.add_argument("path", help="the persistent_path (or its <rank>-<world> folder)")
     p.add_argument("--name", default=None, help="one snapshot (default: all)")
-    p.add_argument("--rows", type=_sample_rows, default=3,
+    p.add_argument("--rows", type=_sample_rows, default=None,
                    help="sample rows per snapshot in the --json output (default: 3)")
     p.add_argument("--quick", action="store_true",
                    help="check the data a snapshot shares (SSTs, slot segments) by size and key "

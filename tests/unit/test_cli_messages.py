@@ -28,6 +28,19 @@ def test_inspect_refuses_a_negative_row_count(tmp_path, capsys):
     assert "'-1' must be a whole number of rows >= 0" in capsys.readouterr().err
 
 
+def test_inspect_refuses_sample_rows_the_summary_would_not_show(tmp_path, capsys):
+    """--rows sets the --json output's sample rows; with the summary it was silently ignored."""
+    assert cli.main(["inspect", str(tmp_path), "--rows", "2"]) == 2
+    assert "--rows 2 sets the sample rows of the --json output" in capsys.readouterr().err
+
+
+def test_the_programs_help_has_no_markup(capsys):
+    with pytest.raises(SystemExit):
+        cli.main(["--help"])
+    out = capsys.readouterr().out
+    assert "one-embedding train | bench" in out and "``" not in out
+
+
 def test_a_bad_line_names_the_cli_flag_that_skips_it(tmp_path, capsys):
     bad = tmp_path / "day_0.tsv"
     bad.write_text("x\ty\n")

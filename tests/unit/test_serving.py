@@ -60,7 +60,7 @@ def test_predictor_refuses_what_it_cannot_serve(tmp_path):
     path = tmp_path / "run"
     train(TrainConfig(steps=2, batch_size=64, synthetic_rows=2000, persistent_path=str(path),
                       eval_batches=1), metrics_path=os.devnull, progress=False)
-    with pytest.raises(SnapshotError, match="named 'nope'"):
+    with pytest.raises(SnapshotError, match="named 'nope'; it holds 'final': pick one"):
         Predictor(path, snapshot="nope")
     with Predictor(path) as p:
         with pytest.raises(InputError, match="shape"):

@@ -144,6 +144,12 @@ class Predictor:
         for _ in range(2):  # a second listing if every checkpoint listed was deleted meanwhile
             sets = _checkpoint_sets(self.path, snapshot)
             if not sets:
+                others = sorted({c[2] for c in _checkpoint_sets(self.path, None)}) \
+                    if snapshot else []
+                if others:
+                    raise SnapshotError(f"{self.path!r} holds no complete checkpoint named "
+                                        f"{snapshot!r}; it holds {', '.join(map(repr, others))}: "
+                                        "pick one, or leave --snapshot out for the newest")
                 what = f"complete checkpoint named {snapshot!r}" if snapshot else \
                     "complete checkpoint"
                 raise SnapshotError(f"{self.path!r} holds no {what} (every rank's part, with "
