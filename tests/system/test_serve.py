@@ -491,6 +491,7 @@ def test_a_server_started_before_its_training_waits_then_serves(tmp_path):
         assert not server.client.is_server_ready() and not server.grpc.is_server_ready()
         assert not server.client.is_model_ready("dlrm") and not server.grpc.is_model_ready("dlrm")
         assert server.raw("GET", "/v2/health/ready")[0] == 400
+        assert ("one_embedding_snapshot_switches_total", ()) in _metric_samples(server)  # 200
         status, body = server.raw("POST", "/v2/models/embedding/infer", json.dumps(
             {"inputs": [{"name": "keys", "datatype": "INT64", "shape": [1], "data": [1]}]}))
         assert status == 503 and b"not ready" in body, body

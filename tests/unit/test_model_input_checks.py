@@ -1,7 +1,7 @@
 """What a model and its loss do with inputs outside the happy path (found by a fault campaign):
-a backward without a forward, an inf / NaN gradient (refused before any dense gradient is
-touched, and never applied by the optimizer), integer or empty logits, Python lists, and
-constructor arguments each named in a ConfigError instead of numpy's or Python's own error."""
+a backward without a forward, an inf / NaN gradient (never applied to a weight or a row; skipped
+under a loss scale), integer or empty logits, Python lists, and constructor arguments each named
+in a ConfigError instead of numpy's or Python's own error."""
 import numpy as np
 import pytest
 
@@ -34,16 +34,50 @@ def test_backward_without_a_forward_says_so(cls):
 
 
 @pytest.mark.parametrize("cls", [DLRM, DCN, DeepFM])
-def test_a_nan_gradient_is_refused_before_any_dense_gradient_moves(cls):
+def test_a_nan_gradient_never_reaches_a_weight_or_a_row(cls):
+    """A NaN dlogits: the embedding's gradient check refuses it (the table unchanged), and the
+    dense gradients it reached on the way are refused by the optimizer's step, which updates
+    nothing (before, that step made every dense weight NaN without a word)."""
     model = make(cls)
+    opt = oe.Optimizer(oe.optim.SGD(model.parameters(), lr=0.1), embeddings=[model.embedding])
     dense, ids, _ = batch()
     model(dense, ids)
     dlogits = np.ones(B, np.float32)
     dlogits[2] = np.nan
-    with pytest.raises(InputError, match=r"dlogits\[2\] is nan.*no gradient was accumulated"):
+    with pytest.raises(InputError, match=r"grad_out holds a non-finite value .* the table is "
+                                         r"unchanged"):
         model.backward(dlogits)
-    assert not any(p.grad.any() for p in model.parameters())
-    assert not model.embedding.has_gradients
+    before = [p.data.copy() for p in model.parameters()]
+    with pytest.raises(InputError, match=r"has a non-finite gradient: nothing was updated"):
+        opt.step()
+    for p, b in zip(model.parameters(), before):
+        np.testing.assert_array_equal(p.data, b)
+
+
+def test_an_fp16_overflow_under_a_loss_scale_skips_its_step():
+    """NaN logits from an fp16 forward that overflowed are an overflow, not bad input, when a
+    loss scale is in use: the step is skipped and the scale backs off, as PyTorch's GradScaler
+    does (a check of dlogits, added and removed the same day, stopped such runs)."""
+    from one_embedding.nn import amp
+
+    model = make(DLRM)
+    scaler = LossScaler()
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.05), embeddings=[model.embedding],
+                       parameters=list(model.parameters()), loss_scale=scaler)
+    _, ids, labels = batch()
+    before = [p.data.copy() for p in model.parameters()]
+    dense = np.full((B, 2), 1e9, np.float32)     # the bottom MLP overflows fp16
+    with amp.autocast("fp16"), np.errstate(all="ignore"):
+        embedded = model.embedding(ids)
+        logits = model.forward_from_embeddings(dense, embedded)
+        _, _, dembedded = model.loss_and_backward_to_embeddings(logits, labels,
+                                                                loss_scale=scaler.scale)
+    assert not np.isfinite(logits).all()
+    scaler.backward(model.embedding, dembedded.astype(np.float32))
+    opt.step()
+    assert opt.skipped and scaler.skipped_steps == 1 and scaler.scale == 2.0 ** 15
+    for p, b in zip(model.parameters(), before):
+        np.testing.assert_array_equal(p.data, b)
 
 
 def test_the_optimizer_never_applies_a_non_finite_dense_gradient():

@@ -128,15 +128,43 @@ def test_a_predictor_waiting_for_its_run_serves_the_first_checkpoint_published(t
         assert p.refresh() is False
 
 
-def test_the_first_checkpoint_of_a_waiting_server_is_not_a_switch():
-    import types
-
+def test_the_first_checkpoint_of_a_waiting_server_is_not_a_switch(tmp_path):
+    """The follower's first load of a predictor that waited goes to ``on_first`` (served, not
+    a switch); later ones to ``on_switch``, whatever a /metrics scrape read in between (it
+    named the first checkpoint before the follower's call, which then counted as a switch)."""
     pytest.importorskip("prometheus_client")
+    from one_embedding.serving.server import Follower
     from one_embedding.serving.service import Metrics
 
-    m = Metrics(types.SimpleNamespace(ready=False))
-    m.switched("step-5")     # the follower found the first checkpoint
-    m.switched("step-10")
-    lines = m.exposition().decode().splitlines()
-    assert "one_embedding_snapshot_switches_total 1.0" in lines, lines
-    assert 'one_embedding_snapshot_info{snapshot="step-10"} 1.0' in lines, lines
+    path = tmp_path / "run"
+    with Predictor(path, cache_mb=0, wait=True) as p:
+        m = Metrics(p)
+        follower = Follower(p, 3600, on_switch=m.switched, on_first=m.served)
+        follower.poll()
+        assert not p.ready
+        _run(path, 4, snapshot_interval=2, keep_snapshots=0)
+        p.requested = "step-2"
+        follower.poll()                  # the first checkpoint
+        m.served(p.snapshot)             # a scrape
+        p.requested = "final"
+        follower.poll()                  # a switch
+        lines = m.exposition().decode().splitlines()
+        assert "one_embedding_snapshot_switches_total 1.0" in lines, lines
+        assert 'one_embedding_snapshot_info{snapshot="final"} 1.0' in lines, lines
+
+
+def test_a_waiting_predictor_outlives_a_damaged_first_checkpoint(tmp_path):
+    """Started (wait=True) when the newest checkpoint is damaged, it waits for the next instead
+    of failing at start (a restarted server beside a live run would crash-loop); a refresh says
+    why, once the same way each time."""
+    path = tmp_path / "run"
+    _run(path, 4)
+    _flip_byte(path / "0-1" / "snapshots" / "final" / "trainer" / "arrays.npz", at=200)
+    with Predictor(path, cache_mb=0, wait=True) as p:
+        assert not p.ready
+        with pytest.raises(SnapshotError, match="fails its checksum"):
+            p.refresh()
+    with Predictor(path / "later", cache_mb=0, wait=True) as p:
+        (path / "later").write_text("x")   # made a file meanwhile: never a run, say so
+        with pytest.raises(SnapshotError, match="is a file, not a training run's folder"):
+            p.refresh()

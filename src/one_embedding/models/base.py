@@ -336,20 +336,14 @@ class CTRModel(Module):
         raise NotImplementedError(f"{type(self).__name__} has no fused loss path")
 
     def _dlogits(self, dlogits, batch):
-        """dlogits (batch,) -> in the model's dtype. InputError before anything accumulates: a
-        backward without a forward, a wrong shape, or (on the host path) an inf / NaN, which
-        would turn every dense gradient into NaN. The device path adds no pass for it: there the
-        embedding's deferred gradient check stops the run before its next checkpoint."""
+        """dlogits (batch,) -> in the model's dtype; InputError for a backward without a
+        forward or a wrong shape. An inf / NaN is not refused here: under a loss scale it is an
+        overflow, whose step the optimizer skips (PyTorch's GradScaler rule); without one the
+        embedding's gradient check refuses it, and the optimizer then refuses the dense
+        gradients it reached, updating nothing."""
         if batch is None:
             raise InputError(f"{type(self).__name__}.backward() without a forward(): run "
                              "forward first")
         if tuple(getattr(dlogits, "shape", ())) != (batch,):
             raise InputError(f"dlogits have shape {tuple(getattr(dlogits, 'shape', ()))}, expected ({batch},)")
-        if host_sync.deferred_checks() is None:
-            xp = array_namespace(dlogits)
-            bad = ~xp.isfinite(dlogits)
-            host_sync.check(bad.any(), lambda at, value: (
-                f"dlogits[{int(at)}] is {value}: the loss's gradient must be finite (check "
-                "the loss, e.g. lower the learning rate); no gradient was accumulated"),
-                "model: dlogits check", details=lambda: (xp.argmax(bad), dlogits[xp.argmax(bad)]))
         return dlogits.astype(self.dtype, copy=False)

@@ -139,7 +139,10 @@ class Predictor:
         self._refused = None
         self._current: _Served | None = None
         if wait:
-            self.refresh()
+            try:
+                self.refresh()
+            except SnapshotError:   # a damaged first checkpoint: refused (``_refused``), and
+                pass                # the next refresh says so; a newer one is still awaited
             return
         for _ in range(2):  # a second listing if every checkpoint listed was deleted meanwhile
             sets = _checkpoint_sets(self.path, snapshot)
@@ -166,6 +169,9 @@ class Predictor:
     # ---------------------------------------------------------------- which checkpoint
     def _newest(self):
         if not os.path.isdir(self.path):  # waiting for a run that has not started
+            if os.path.exists(self.path):
+                raise SnapshotError(f"persistent_path {self.path!r} is a file, not a training "
+                                    "run's folder: no checkpoint can appear there")
             return None
         sets = _checkpoint_sets(self.path, self.requested)
         return sets[-1] if sets else None

@@ -121,7 +121,7 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
             content, extra = encode_response(decoded, name, outputs, {"snapshot": snapshot})
             status = 200
         except ProtocolError as e:
-            if e.status >= 500:
+            if e.status >= 500 and e.status != 503:   # 503: not ready yet, nothing failed
                 log.error("inference on %r failed: %s", name, e)
             status, content, extra = e.status, json.dumps({"error": str(e)}).encode(), {}
         except asyncio.CancelledError:
@@ -150,7 +150,8 @@ def create_app(service: Service, max_request_mb: float = DEFAULT_MAX_REQUEST_MB)
             return JSONResponse({"error": "this server keeps no metrics"}, status_code=404)
         from prometheus_client import CONTENT_TYPE_LATEST
 
-        service.metrics.served(predictor.snapshot)
+        if predictor.ready:   # before the first checkpoint there is none to name
+            service.metrics.served(predictor.snapshot)
         return Response(service.metrics.exposition(), headers={"content-type": CONTENT_TYPE_LATEST})
 
     routes = [
@@ -193,10 +194,12 @@ async def _method_not_allowed(scope, send) -> None:
 
 class Follower:
     """A daemon thread calling ``predictor.refresh()`` every ``seconds`` until stopped;
-    ``on_switch(snapshot)`` after each switch."""
+    ``on_switch(snapshot)`` after each switch, ``on_first(snapshot)`` instead when it loaded
+    the first checkpoint of a predictor that waited for one (that is no switch)."""
 
-    def __init__(self, predictor: Predictor, seconds: float, on_switch=None):
+    def __init__(self, predictor: Predictor, seconds: float, on_switch=None, on_first=None):
         self.predictor, self.seconds, self.on_switch = predictor, float(seconds), on_switch
+        self.on_first = on_first
         self._stop = threading.Event()
         self._last_refusal = None
         self._thread = threading.Thread(target=self._run, name="one_embedding-follow", daemon=True)
@@ -210,19 +213,25 @@ class Follower:
 
     def _run(self) -> None:
         while not self._stop.wait(self.seconds):
-            try:
-                if self.predictor.refresh():
-                    log.warning("serving snapshot %r", self.predictor.snapshot)
-                    if self.on_switch is not None:
-                        self.on_switch(self.predictor.snapshot)
-            except OneEmbeddingError as e:  # the newest checkpoint is damaged: refused
-                if str(e) != self._last_refusal:  # once, not at every poll
-                    log.error("the newest checkpoint was refused: %s; still serving %s", e,
-                              self._serving())
-                    self._last_refusal = str(e)
-            except Exception:  # a snapshot half-deleted under us: try again next time
-                log.exception("following the training path failed; still serving %s",
-                              self._serving())
+            self.poll()
+
+    def poll(self) -> None:
+        """One look for a newer checkpoint (the thread's loop body)."""
+        first = not self.predictor.ready
+        try:
+            if self.predictor.refresh():
+                log.warning("serving snapshot %r", self.predictor.snapshot)
+                then = self.on_first if first else self.on_switch
+                if then is not None:
+                    then(self.predictor.snapshot)
+        except OneEmbeddingError as e:  # the newest checkpoint is damaged: refused
+            if str(e) != self._last_refusal:  # once, not at every poll
+                log.error("the newest checkpoint was refused: %s; still serving %s", e,
+                          self._serving())
+                self._last_refusal = str(e)
+        except Exception:  # a snapshot half-deleted under us: try again next time
+            log.exception("following the training path failed; still serving %s",
+                          self._serving())
 
     def stop(self) -> None:
         self._stop.set()
@@ -257,7 +266,8 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
     predictor = Predictor(persistent_path, snapshot=snapshot, cache_mb=cache_mb, scratch=scratch,
                           wait=wait_for_checkpoint)
     service = Service(predictor, max_batch_size, max_queue_delay_us * 1e-6)
-    follower = Follower(predictor, poll_seconds, on_switch=service.metrics.switched).start() \
+    follower = Follower(predictor, poll_seconds, on_switch=service.metrics.switched,
+                        on_first=service.metrics.served).start() \
         if poll_seconds > 0 else None
     grpc_server = None
     # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler

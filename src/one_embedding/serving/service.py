@@ -186,10 +186,9 @@ class Metrics:
 
     def switched(self, snapshot: str) -> None:
         """The predictor switched checkpoints, to ``snapshot`` (the follower's call after each
-        switch: counted once each, even where the new checkpoint has the old one's name). The
-        first checkpoint of a server that waited for one is served, not counted as a switch."""
-        if self._served is not None:
-            self.switches.inc()
+        switch: counted once each, even where the new checkpoint has the old one's name; the
+        first checkpoint of a server that waited for one is ``served``, no switch)."""
+        self.switches.inc()
         self.served(snapshot)
 
     def answered(self, model: str, protocol: str, code: int, seconds: float, rows: int) -> None:
