@@ -62,10 +62,15 @@ class EmbeddingInputs:
         tables = tuple(tables)
         if not tables:
             raise ConfigError("tables is empty: give at least one make_table_options(...)")
+        n_columns = len(self.column_dims)
         for i, t in enumerate(tables):
             if not isinstance(t, TableOptions):
                 raise ConfigError(f"tables[{i}]={t!r}: build tables with make_table_options(...)")
-            if len(t.columns) != len(self.column_dims):
+        # a table of one initializer initialises every column with it, as OneFlow's does
+        tables = tuple(make_table_options([t.columns[0].initializer] * n_columns)
+                       if len(t.columns) == 1 and n_columns > 1 else t for t in tables)
+        for i, t in enumerate(tables):
+            if len(t.columns) != n_columns:
                 raise ConfigError(
                     f"tables[{i}] has {len(t.columns)} column(s) but embedding_dim="
                     f"{list(self.column_dims)} has {len(self.column_dims)}: give one "
@@ -96,7 +101,8 @@ class EmbeddingInputs:
             info = np.iinfo(self.key_type)
             if lo < info.min or hi > info.max:
                 bad = lo if lo < info.min else hi
-                hint = "negative ids need a signed key_type" if bad < 0 else "use a wider key_type"
+                hint = ("negative ids need a signed key_type" if bad < 0 and info.min == 0
+                        else "use a wider key_type")
                 raise InputError(
                     f"id {bad} does not fit key_type={self.key_type.name} "
                     f"[{info.min}, {info.max}]: {hint}"

@@ -352,8 +352,14 @@ class StoreOptions:
         if self.storage_dim != -1 and (not whole_number(self.storage_dim) or self.storage_dim <= 0):
             raise ConfigError(f"storage_dim={self.storage_dim!r} must be a positive integer or -1")
         pbs = self.physical_block_size
-        if pbs not in PHYSICAL_BLOCK_SIZES:
+        if isinstance(pbs, bool) or pbs not in PHYSICAL_BLOCK_SIZES:
             raise ConfigError(f"physical_block_size={pbs!r} must be a power of two in 512..65536")
+        # whole numbers given as floats or numpy integers are stored as ints: they reach JSON
+        # manifests and byte arithmetic (np.int64(512) failed the save, 4096.0 the segments)
+        for name in ("capacity", "size_factor", "storage_dim", "physical_block_size"):
+            value = getattr(self, name)
+            if value is not None:
+                object.__setattr__(self, name, int(value))
         if self.kind == "cached_ssd":
             if self.engine not in SSD_ENGINES:
                 raise ConfigError(f"engine={self.engine!r} must be one of {SSD_ENGINES}")
@@ -399,7 +405,7 @@ class StoreOptions:
         checked: a bad value raises ``ConfigError`` naming its key."""
         if isinstance(store, StoreOptions):
             return store
-        return cls(**oneflow_dict_fields(store, CacheOptions))
+        return cls(**oneflow_dict_fields(store, CacheOptions, LifecycleOptions))
 
 
 def make_device_mem_store_options(

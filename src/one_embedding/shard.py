@@ -463,6 +463,12 @@ def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int, bad=None) -
         "the run stops before its next checkpoint"
     host_sync.check(bad.any(), lambda at, key, g_max: (
         f"the {type(optimizer).__name__} update of step {step} makes the row of key "
-        f"{int(key)} non-finite (gradient max |g| = {g_max}): {after}; lower the learning "
-        "rate or check the loss"), "update: finite rows check", details=first_bad)
+        f"{_shown_key(int(key))} non-finite (gradient max |g| = {g_max}): {after}; lower the "
+        "learning rate or check the loss"), "update: finite rows check", details=first_bad)
+
+
+def _shown_key(key: int) -> str:
+    """A stored key (its uint64 form) as a user wrote it: a negative signed id is stored as its
+    two's complement, so ``key`` past 2**63 is shown with its signed value too."""
+    return f"{key} (id {key - 2**64} as a signed key)" if key >= 2**63 else str(key)
 

@@ -37,10 +37,23 @@ so the classes come in as arguments.
 from __future__ import annotations
 
 import copy
+import dataclasses
+import math
+import numbers
 
 from .errors import ConfigError
 
 _EXTENSION = "one_embedding"
+
+#: the keys of each level of the layout: another key (a misspelt one) is refused, where it would
+#: otherwise be ignored and its default used (a misspelt size_factor silently became 1)
+_KEYS = {
+    "the dict": ("kv_store", "size_factor", "storage_dim", _EXTENSION),
+    "kv_store": ("caches", "persistent_table"),
+    "kv_store['persistent_table']": ("path", "physical_block_size", "capacity_hint"),
+    "cache": ("policy", "cache_memory_budget_mb", "capacity", "value_memory_kind"),
+    _EXTENSION: ("engine", "lifecycle", "storage_dim"),
+}
 
 
 def to_oneflow_dict(options) -> dict:
@@ -62,7 +75,10 @@ def to_oneflow_dict(options) -> dict:
         },
         "size_factor": options.size_factor,
         "storage_dim": options.storage_dim,
-        _EXTENSION: {"engine": options.engine, "lifecycle": options.lifecycle},
+        # the lifecycle as its fields: the dict stays plain data (JSON, a copy to edit)
+        _EXTENSION: {"engine": options.engine,
+                     "lifecycle": dataclasses.asdict(options.lifecycle)
+                     if options.lifecycle is not None else None},
     }
 
 
@@ -76,12 +92,37 @@ def _need(mapping, key: str, where: str):
     return mapping[key]
 
 
-def oneflow_dict_fields(store: dict, cache_type) -> dict:
+def _known(mapping: dict, level: str, where: str) -> None:
+    """ConfigError naming the keys of ``mapping`` that its ``level`` of the layout lacks."""
+    extra = sorted(map(repr, set(mapping) - set(_KEYS[level])))
+    if extra:
+        raise ConfigError(f"store options: {where} has no key {', '.join(extra)}: its keys are "
+                          f"{', '.join(map(repr, _KEYS[level]))} (a misspelt key would be "
+                          "ignored and its default used)")
+
+
+def _rows(value, where: str):
+    """A row count of the layout (0 or None: none given) -> int or None."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) \
+            or not math.isfinite(value) or value != int(value) or value < 0:
+        raise ConfigError(f"store options: {where} is {value!r}: give a whole number of rows "
+                          "(0: none)")
+    return int(value) or None
+
+
+def oneflow_dict_fields(store: dict, cache_type, lifecycle_type=None) -> dict:
     """OneFlow's dict -> the keyword arguments of ``StoreOptions`` (checked; errors name the key
-    and the fix). ``cache_type``: ``CacheOptions``, built (and so checked) for each cache."""
+    and the fix). ``cache_type``: ``CacheOptions``, built (and so checked) for each cache;
+    ``lifecycle_type``: ``LifecycleOptions``, built from the extension's lifecycle fields."""
     kv = _need(store, "kv_store", "the dict")
+    _known(store, "the dict", "the dict")
     table = _need(kv, "persistent_table", "kv_store")
-    path = _need(table, "path", "kv_store['persistent_table']")
+    _known(kv, "kv_store", "kv_store")
+    _need(table, "path", "kv_store['persistent_table']")
+    _known(table, "kv_store['persistent_table']", "kv_store['persistent_table']")
+    path = table["path"]
     if isinstance(path, tuple):
         path = list(path)  # one per rank, as OneFlow takes them (StoreOptions checks them)
     caches = kv.get("caches", [])
@@ -90,16 +131,22 @@ def oneflow_dict_fields(store: dict, cache_type) -> dict:
     if not isinstance(caches, (list, tuple)) or not 1 <= len(caches) <= 2:
         raise ConfigError(f"store options: kv_store['caches'] must be one or two cache dicts, got "
                           f"{caches!r}")
-    levels, capacity = [], table.get("capacity_hint") or None
+    levels = []
+    capacity = _rows(table.get("capacity_hint"), "kv_store['persistent_table']['capacity_hint']")
     for i, cache in enumerate(caches):
         where = f"kv_store['caches'][{i}]"
         policy = _need(cache, "policy", where)
         location = _need(cache, "value_memory_kind", where)
+        _known(cache, "cache", where)
         if policy == "full":
-            capacity = cache.get("capacity") or capacity
+            capacity = _rows(cache.get("capacity"), f"{where}['capacity']") or capacity
             levels.append(cache_type("full", location))
-        else:
+            continue
+        try:
             levels.append(cache_type(policy, location, cache.get("cache_memory_budget_mb")))
+        except ConfigError as e:   # named by the dict's key, not the builder's argument
+            raise ConfigError(f"store options: {where}['cache_memory_budget_mb'] is "
+                              f"{cache.get('cache_memory_budget_mb')!r}: {e}") from None
     kinds = [(c.policy == "full", c.location) for c in levels]
     if kinds == [(True, "device")]:
         kind = "device_mem"
@@ -113,19 +160,35 @@ def oneflow_dict_fields(store: dict, cache_type) -> dict:
                           "a full host cache (cached_host_mem), or evicting caches over the SSD "
                           "table (cached_ssd)")
     extension = store.get(_EXTENSION) or {}
+    if not isinstance(extension, dict):
+        raise ConfigError(f"store options: {_EXTENSION!r} must be a dict (keys "
+                          f"{', '.join(map(repr, _KEYS[_EXTENSION]))}), got "
+                          f"{type(extension).__name__}")
+    _known(extension, _EXTENSION, repr(_EXTENSION))
     engine = extension.get("engine") or ("slots" if kind == "cached_ssd" else None)
+    lifecycle = extension.get("lifecycle")
+    if isinstance(lifecycle, dict) and lifecycle_type is not None:
+        try:
+            lifecycle = lifecycle_type(**lifecycle)
+        except TypeError as e:
+            raise ConfigError(f"store options: {_EXTENSION}['lifecycle'] {e}: its keys are "
+                              f"{', '.join(f.name for f in dataclasses.fields(lifecycle_type))}"
+                              ) from None
     storage_dim = store.get("storage_dim", extension.get("storage_dim", -1))
     if "storage_dim" in store and "storage_dim" in extension \
             and store["storage_dim"] != extension["storage_dim"]:
         raise ConfigError(f"store options: storage_dim is {store['storage_dim']!r} but "
                           f"{_EXTENSION}['storage_dim'] is {extension['storage_dim']!r}: keep "
                           "one (OneFlow's place is the top level)")
-    return dict(kind=kind, persistent_path=path, capacity=int(capacity) if capacity else None,
+    return dict(kind=kind, persistent_path=path, capacity=capacity,
                 size_factor=store.get("size_factor", 1),
                 storage_dim=storage_dim,
                 physical_block_size=table.get("physical_block_size", 4096), caches=tuple(levels),
-                engine=engine if kind == "cached_ssd" else None,
-                lifecycle=extension.get("lifecycle"))
+                # another store's engine: the default one (what an edit of a cached_ssd dict
+                # into another preset leaves) is dropped, any other passed on to be refused
+                engine=engine if kind == "cached_ssd" else
+                (None if extension.get("engine") in (None, "slots") else extension["engine"]),
+                lifecycle=lifecycle)
 
 
 # ---------------------------------------------------------------- the read-only view

@@ -40,6 +40,7 @@ import numpy as np
 from .chain import open_store_for_snapshot, read_snapshot_rows
 from .embedding_inputs import dtype_name, keys_as_uint64, resolve_key_type
 from .errors import ConfigError, InputError, SnapshotError
+from .options import PHYSICAL_BLOCK_SIZES
 from .parallel.shuffle import owner_rank
 from .store.lock import PathLock
 from .store.snapshots import SnapshotDirectory, check_snapshot_name
@@ -98,6 +99,15 @@ def _check_positive(name: str, value) -> int:
     return int(value)
 
 
+def _check_block_size(value) -> int:
+    """physical_block_size as the stores take it (a power of two in 512..65536): a writer given
+    1000 failed only at its first write, with a disk I/O error."""
+    if isinstance(value, bool) or value not in PHYSICAL_BLOCK_SIZES:
+        raise ConfigError(f"physical_block_size={value!r} must be a power of two in 512..65536 "
+                          "(OneFlow's: 512 or 4096)")
+    return int(value)
+
+
 def _check_embedding_dims(embedding_dims, storage_dim: int) -> list[int] | None:
     """The embedding columns recorded in the manifest (``load_snapshot`` compares them with the
     loading embedding's); None (OneFlow's writer has no such argument): not recorded, so the
@@ -138,12 +148,15 @@ class PersistentTableWriter:
     def __init__(self, paths: Sequence, snapshot_name: str, key_type, value_type,
                  storage_dim: int, physical_block_size: int = 4096, *, engine: str = "slots",
                  embedding_dims=None):
+        # what __del__ and abort() release, set before any check can raise
+        self._closed = False
+        self._locks, self._snapshots, self._scratch, self._stores = [], [], [], []
         self.folders = _check_paths(paths, placed=True)
         self.snapshot_name = check_snapshot_name(snapshot_name)
         self.key_type = resolve_key_type(key_type)
         _check_value_type(value_type)
         self.storage_dim = _check_positive("storage_dim", storage_dim)
-        self.physical_block_size = _check_positive("physical_block_size", physical_block_size)
+        self.physical_block_size = _check_block_size(physical_block_size)
         if engine not in ENGINES:
             raise ConfigError(f"engine={engine!r} must be one of {sorted(ENGINES)}")
         self.engine = ENGINES[engine]
@@ -152,8 +165,6 @@ class PersistentTableWriter:
         self.rows_written = 0
         #: rows that a later one of the same key replaced (within one write or across writes)
         self.replaced = 0
-        self._closed = False
-        self._locks, self._snapshots, self._scratch, self._stores = [], [], [], []
         try:
             for folder in self.folders:
                 # the embedding's LOCK: no embedding may open this folder (its recover() would
@@ -340,7 +351,7 @@ class PersistentTableReader:
         self.storage_dim = _check_positive("storage_dim", storage_dim)
         # the engine that wrote each folder's snapshot reads it back: the block size is the
         # snapshot's own, this argument is accepted for OneFlow's signature and checked only
-        self.physical_block_size = _check_positive("physical_block_size", physical_block_size)
+        self.physical_block_size = _check_block_size(physical_block_size)
         if engine is not None and engine not in ENGINES:
             raise ConfigError(f"engine={engine!r} must be one of {sorted(ENGINES)} or None (the "
                               "engine each snapshot's manifest names)")

@@ -132,9 +132,12 @@ def test_bad_embedding_arguments(kwargs, match):
 
 
 def test_column_count_must_match_tables():
-    tables = [oe.make_table_options(oe.make_normal_initializer())]
-    with pytest.raises(oe.ConfigError, match=r"1 column\(s\) but embedding_dim=\[4, 1\] has 2"):
-        oe.MultiTableMultiColumnEmbedding("t", [4, 1], np.float32, np.int64, tables,
+    # a table of one initializer initialises every column (OneFlow's rule); two columns for
+    # three are refused
+    init = oe.make_normal_initializer()
+    tables = [oe.make_table_options([oe.make_column_options(init)] * 2)]
+    with pytest.raises(oe.ConfigError, match=r"2 column\(s\) but embedding_dim=\[4, 1, 2\] has 3"):
+        oe.MultiTableMultiColumnEmbedding("t", [4, 1, 2], np.float32, np.int64, tables,
                                           oe.make_device_mem_store_options(None, 10))
 
 

@@ -120,6 +120,19 @@ def test_a_dict_and_its_options_pass_the_same_checks(tmp_path):
     (lambda d: d.__setitem__("size_factor", 0), "size_factor=0"),
     (lambda d: d["kv_store"]["caches"][0].pop("value_memory_kind"), "'value_memory_kind'"),
     (lambda d: d["kv_store"].__setitem__("caches", []), "one or two cache dicts"),
+    # a fault campaign's (2026-12-07): raw Python errors, silent coercions, misspelt keys
+    (lambda d: d.__setitem__("one_embedding", [1]), "'one_embedding' must be a dict"),
+    (lambda d: d["kv_store"]["persistent_table"].__setitem__("capacity_hint", "abc"),
+     "['capacity_hint'] is 'abc': give a whole number of rows"),
+    (lambda d: d["kv_store"]["persistent_table"].__setitem__("capacity_hint", 1.5),
+     "['capacity_hint'] is 1.5"),
+    (lambda d: d["kv_store"]["caches"][0].__setitem__("cache_memory_budget_mb", "64"),
+     "kv_store['caches'][0]['cache_memory_budget_mb'] is '64'"),
+    (lambda d: d.__setitem__("size_factr", 2), "the dict has no key 'size_factr'"),
+    (lambda d: d["kv_store"]["persistent_table"].__setitem__("capacty", 5),
+     "kv_store['persistent_table'] has no key 'capacty'"),
+    (lambda d: d["one_embedding"].__setitem__("engne", "rocksdb"),
+     "'one_embedding' has no key 'engne'"),
 ])
 def test_bad_edits_are_refused(tmp_path, edit, message):
     # was test_bad_edits_are_refused_and_change_nothing: the check now runs in from_dict, and
@@ -188,3 +201,33 @@ def test_options_and_store_dict_import_no_cycle(root):
     tree = ast.parse((root / "src" / "one_embedding" / "store_dict.py").read_text())
     imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)}
     assert "options" not in imported and imported <= {"__future__", "errors"}
+
+
+def test_whole_numbers_given_as_floats_or_numpy_integers_are_stored_as_ints(tmp_path):
+    """np.int64(512) was accepted, then failed the snapshot's JSON manifest after training;
+    4096.0 failed the slot segments' arithmetic."""
+    import json
+
+    for pbs in (np.int64(512), 4096.0):
+        store = oe.make_cached_ssd_store_options(1, str(tmp_path / str(pbs)), capacity=np.int64(9),
+                                                 physical_block_size=pbs)
+        assert type(store.physical_block_size) is int and type(store.capacity) is int
+        emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None, store)
+        emb(np.arange(5))
+        emb.save_snapshot("s")
+        emb.close()
+
+
+def test_the_dict_with_a_lifecycle_is_plain_json_and_builds_the_same_options(tmp_path):
+    import json
+
+    lifecycle = oe.make_lifecycle_options(admit_min_count=2, steps_to_live=10)
+    store = oe.make_cached_host_mem_store_options(16, str(tmp_path), 5000, lifecycle=lifecycle)
+    assert StoreOptions.from_dict(json.loads(json.dumps(store.to_dict()))) == store
+
+
+def test_an_engine_given_to_another_store_in_the_dict_is_refused_not_dropped(tmp_path):
+    d = oe.make_device_mem_store_options(str(tmp_path), capacity=10).to_dict()
+    d["one_embedding"]["engine"] = "rocksdb"
+    with pytest.raises(ConfigError, match="engine"):
+        StoreOptions.from_dict(d)

@@ -383,3 +383,34 @@ def test_docstring_examples_run_and_leave_no_folder(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the examples' folders go
     assert doctest.testmod(module).failed == 0
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_block_size_the_stores_refuse_is_refused_by_the_writer_and_reader(tmp_path, caplog):
+    """1000 (or 2**20) was accepted by the writer and failed at its first write with a disk I/O
+    error; the refusal leaves no warning behind at garbage collection (the writer's __del__
+    found none of its attributes)."""
+    import gc
+    import logging
+
+    with caplog.at_level(logging.WARNING):
+        for bad in (1000, 2**20, True):
+            with pytest.raises(oe.ConfigError, match=rf"physical_block_size={bad!r} must be a "
+                                                     "power of two in 512..65536"):
+                oe.make_persistent_table_writer([str(tmp_path / "w")], "s", np.int64,
+                                                np.float32, 8, physical_block_size=bad)
+            with pytest.raises(oe.ConfigError, match="physical_block_size"):
+                oe.make_persistent_table_reader([str(tmp_path / "w")], "s", np.int64,
+                                                np.float32, 8, physical_block_size=bad)
+        with pytest.raises(oe.ConfigError, match="value_type"):
+            oe.make_persistent_table_writer([str(tmp_path / "w")], "s", np.int64, np.float64, 8)
+        gc.collect()
+    assert not [r for r in caplog.records if "table writer" in r.getMessage()], caplog.text
+
+
+def test_a_table_of_one_initializer_initialises_every_column_of_a_multi_column_embedding():
+    """OneFlow applies a table's single initializer to every column; it was refused here."""
+    init = oe.make_constant_initializer(0.25)
+    store = oe.make_device_mem_store_options(None, capacity=100)
+    emb = oe.MultiTableMultiColumnEmbedding("m", [2, 3], np.float32, np.int64,
+                                            [oe.make_table_options(init)], store)
+    np.testing.assert_array_equal(emb(np.arange(4)), np.full((4, 5), 0.25, np.float32))
