@@ -253,8 +253,10 @@ class Optimizer:
     def _refuse_non_finite_dense(self) -> None:
         """InputError naming the first dense parameter whose gradient holds an inf / NaN,
         before anything is updated (as a row whose update would not be finite is refused):
-        without a loss scale to skip the step, it would make the parameter NaN for good. On
-        the CPU path only (the device path reads nothing back mid-step)."""
+        without a loss scale to skip the step, it would make the parameter NaN for good. On the
+        CPU path only (the device path reads nothing back mid-step)."""
+        if self._dense_launcher() is not None:
+            return   # the device path: a read of the device each step; not checked there
         grads = [p.grad for p in self.parameters if p.grad is not None]
         if not grads or all_finite(*grads):
             return
