@@ -387,21 +387,7 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
         grad = grad.reshape(-1, self.embedding_dim).astype(np.float32, copy=False)
         if state.keep is not None:
             grad = grad[state.keep]
-        bad = ~xp.isfinite(grad)
-        width = self.embedding_dim
-
-        def first_bad():
-            at = xp.argmax(bad.ravel())
-            return at, grad.ravel()[at]
-
-        # read at once (the table unchanged), or on the device path at the next metrics read,
-        # before any checkpoint is written
-        after = "the table is unchanged" if host_sync.deferred_checks() is None else \
-            "the run stops before its next checkpoint"
-        host_sync.check(bad.any(), lambda at, value: (
-            f"grad_out holds a non-finite value ({value}) at row {int(at) // width}: {after}; "
-            "check the loss (e.g. lower the learning rate)"),
-            "embedding: gradient check", details=first_bad)
+        self._check_finite_grad(grad, state.keep)
         local = state.exchange.local
         n_keys = local.unique_keys.shape[0]
         if self._sum_at_update(state):   # the gradient shuffle would be the identity

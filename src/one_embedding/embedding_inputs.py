@@ -86,6 +86,32 @@ class EmbeddingInputs:
         return int(padding_idx)
 
     # ---------------------------------------------------------------- input validation
+    def _check_finite_grad(self, grad, keep) -> None:
+        """InputError naming the first inf / NaN of ``grad`` ((n, E) float32, the kept rows of a
+        backward's grad_out; keep: (rows,) bool of the non-padding rows, or None): read at once
+        (the table unchanged), or on the device path at the next metrics read, before any
+        checkpoint is written. The row named is grad_out's own, padding rows counted."""
+        if grad.size == 0:   # no row (an all-padding batch): nothing to check, and no argmax
+            return
+        xp = self.xp
+        bad = ~xp.isfinite(grad)
+        width = self.embedding_dim
+
+        def first_bad():
+            at = xp.argmax(bad.ravel())
+            return at, grad.ravel()[at]
+
+        def row(at) -> int:   # read only when the check failed
+            kept = int(at) // width
+            return kept if keep is None else int(np.flatnonzero(to_numpy(keep))[kept])
+
+        after = "the table is unchanged" if host_sync.deferred_checks() is None else \
+            "the run stops before its next checkpoint"
+        host_sync.check(bad.any(), lambda at, value: (
+            f"grad_out holds a non-finite value ({value}) at row {row(at)}: {after}; "
+            "check the loss (e.g. lower the learning rate)"),
+            "embedding: gradient check", details=first_bad)
+
     def _validate_ids(self, ids, xp=np) -> np.ndarray:
         ids = as_array(xp, ids, "ids")
         if ids.dtype.kind not in "iu":

@@ -451,6 +451,8 @@ def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int, bad=None) -
     a ``fused_update.SummedGradients`` of v keys; bad: (v,) bool, the rows the device's update
     kernel noted as it stored an inf or NaN (``device_ops.run_update``; a fixed-capacity
     batch's rows from its live count on never), else found here from ``lines``."""
+    if keys.shape[0] == 0:   # nothing updated (admission let no key in): nothing to check, and
+        return               # the check's details (an argmax) cannot be taken of no rows
     if bad is None:
         bad = ~xp.isfinite(lines).all(axis=1)
 
@@ -469,6 +471,10 @@ def _check_finite_rows(xp, keys, lines, grads, optimizer, step: int, bad=None) -
 
 def _shown_key(key: int) -> str:
     """A stored key (its uint64 form) as a user wrote it: a negative signed id is stored as its
-    two's complement, so ``key`` past 2**63 is shown with its signed value too."""
-    return f"{key} (id {key - 2**64} as a signed key)" if key >= 2**63 else str(key)
+    two's complement (64-bit; an int32 one in 32 bits), so it is shown with its signed value."""
+    if key >= 2**63:
+        return f"{key} (id {key - 2**64} as a signed key)"
+    if 2**31 <= key < 2**32:
+        return f"{key} (id {key - 2**32} if the key type is int32)"
+    return str(key)
 

@@ -132,3 +132,36 @@ def test_a_deferred_checks_64_bit_detail_is_read_exactly():
         host_sync.check(np.bool_(True), lambda k: f"key {k}", "t: key", details=lambda: (key,))
     with pytest.raises(InputError, match=rf"^step 0: key {2**63 + 1}$"):
         checks.read(np)
+
+
+@pytest.mark.parametrize("case", ["admission", "all_padding"])
+def test_a_step_with_no_row_passes_its_deferred_checks(case):
+    """Deferred (the device trainer's mode), a check takes its details when it is registered:
+    an update of no key (admission let none in: every device run with --admit-min-count 2
+    died at step 1) or a backward of padding only took an argmax of nothing (found by a fault
+    campaign). Such steps have nothing to check."""
+    lifecycle = oe.make_lifecycle_options(admit_min_count=2) if case == "admission" else None
+    store = oe.make_device_mem_store_options(None, 100, lifecycle=lifecycle)
+    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None, store,
+                                 padding_idx=0 if case == "all_padding" else None)
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    ids = np.zeros((3, 2), np.int64) if case == "all_padding" else np.array([[1, 2], [3, 4]])
+    checks = host_sync.DeferredChecks()
+    with host_sync.deferring(checks):
+        out = emb(ids)
+        emb.backward(np.ones(out.shape, np.float32))
+        opt.step()
+        checks.read(np)
+    assert len(emb) == 0
+    emb.close()
+
+
+def test_a_non_finite_gradient_names_its_row_of_grad_out_padding_included():
+    emb = oe.MultiTableEmbedding("t", 4, np.float32, np.int64, None,
+                                 oe.make_device_mem_store_options(None, 100), padding_idx=0)
+    ids = np.array([[0, 5], [0, 6], [7, 0]])    # rows 0, 2, 5 padding
+    out = emb(ids)
+    grad = np.ones(out.shape, np.float32)
+    grad[2, 0, 1] = np.nan                      # row 4 of the (6, E) grad_out
+    with pytest.raises(InputError, match=r"non-finite value \(nan\) at row 4:"):
+        emb.backward(grad)
