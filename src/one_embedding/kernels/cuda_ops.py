@@ -125,11 +125,17 @@ def bias_act_forward(h, b, relu):
     words = cm.mask_words(rows * cols)
     mask = cp.empty((words,), dtype=cp.uint32) if relu else None
     if words:
-        # without relu the mask pointer is never dereferenced; h stands in for it
+        # without relu the mask pointer is never dereferenced: an empty uint32 array of the
+        # kernel's own type stands in for it (the emulator checks every argument's type)
         _launch_warps("mlp", "bias_act_forward", h.dtype, words,
                       (h, b, np.int64(rows), np.int32(cols), np.int32(bool(relu)), h,
-                       mask if relu else h, np.int32(cm.LOADS_AHEAD)))
+                       mask if relu else _no_mask(cp), np.int32(cm.LOADS_AHEAD)))
     return h, mask
+
+
+def _no_mask(cp):
+    """The ``unsigned* relu_mask`` argument of a launch without ReLU (never read)."""
+    return cp.empty((0,), dtype=cp.uint32)
 
 
 def bias_act_backward(dy, mask):
@@ -145,7 +151,7 @@ def bias_act_backward(dy, mask):
     if cols:
         cm.get_kernel("mlp", "bias_act_backward", dy.dtype)(
             grid, block,
-            (dy, dy if mask is None else mask, np.int32(mask is not None), np.int64(rows),
+            (dy, _no_mask(cp) if mask is None else mask, np.int32(mask is not None), np.int64(rows),
              np.int32(cols), np.int64(rows_per_chunk), dh, partial, np.int32(cm.LOADS_AHEAD)))
     return dh, partial.sum(axis=0)
 
