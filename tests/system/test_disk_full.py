@@ -114,15 +114,19 @@ def test_rocksdb_disk_full_in_every_save_phase_keeps_every_snapshot(small_disk, 
 
 @pytest.mark.slow
 def test_cli_disk_full_during_garbage_collection_has_no_traceback(small_disk):
-    """The issue's case: the train CLI on a full disk (GC reclaim lowered to any garbage, so it
-    runs in this small table): one line naming the full disk, exit 2, the checkpoints that were
-    published load."""
+    """The issue's case: the train CLI on a full disk (GC reclaim lowered to any blob garbage,
+    so it runs in this small table): one line naming the full disk, exit 2, the checkpoints that
+    were published load. (Until the keys' SSTs stopped counting as garbage, they alone made
+    the reclaim due here.)"""
     from one_embedding.inspect_snapshot import inspect_path
 
     code = ("import sys; from one_embedding.store import rocksdb_store as r; "
-            "r.RECLAIM_MIN_BYTES = 0; from one_embedding.cli import main; sys.exit(main())")
+            "r.RECLAIM_MIN_BYTES = 0; r.COMPACT_ABOVE = 1.0; "
+            "from one_embedding.cli import main; sys.exit(main())")
     seen = []
-    for free_kb in (640, 1024, 1536):
+    # free space chosen so that the GC phase is hit (measured on 2026-12-07: 1,280, 1,664 and
+    # 1,792 KB; the others fill the disk in a flush or a snapshot's save)
+    for free_kb in (640, 1024, 1280, 1664, 1792):
         path = small_disk / f"t{free_kb}"
         args = ["train", "--synthetic-rows", "20000", "--batch-size", "512", "--no-progress",
                 "--store", "cached_ssd", "--engine", "rocksdb", "--cache-mb", "0.1",
