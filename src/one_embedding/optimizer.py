@@ -152,6 +152,8 @@ class Optimizer:
         if not dense and not any(emb.has_gradients for emb in self.embeddings) and not (
                 flats and (on_device or any(host_sync.flag(
                     flat.any_nonzero(), "optimizer: dense grad nonzero") for flat in flats))):
+            for emb in self.embeddings:   # a backward of no row (an empty batch) is done with
+                emb.zero_grad()
             return loss  # nothing received a gradient: the step does not count
         t = self.step_count + 1
         # unscaled inside the update, where it reads the gradient: no pass over the grads
