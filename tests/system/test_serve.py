@@ -476,6 +476,7 @@ def test_follows_training_as_it_publishes_and_prunes(tmp_path):
         server.close()
 
 
+@pytest.mark.slow  # a server and a training run of its own (~10 s); the unit tests cover the parts
 def test_a_server_started_before_its_training_waits_then_serves(tmp_path):
     """`serve --wait-for-checkpoint` on a run not started yet: live and answering, not ready
     (REST 400 and gRPC false, as the protocol's health answers are), inference 503 naming the

@@ -110,20 +110,7 @@ def test_plan_command_prints_a_table_or_json_and_refuses_bad_input():
     tiny = run("--rows", "10", "--embedding-dim", "8", "--cache-mb", "1e-6")
     assert tiny.returncode == 2 and "cache_mb=1e-06 (--cache-mb" in tiny.stderr
     assert run("--rows", "10", "--embedding-dim", "8", "--store", "device_mem").returncode == 0
-    # a fault campaign's: settings of tiers the store lacks were ignored (train refuses them),
-    # and --keep-snapshots 0 planned the smallest disk for what keeps every checkpoint in train
-    for args, said in ((["--store", "device_mem", "--host-cache-mb", "100"],
-                        "--host-cache-mb 100 is a setting of --store cached_ssd's SSD tier"),
-                       (["--store", "cached_host_mem", "--cache-mb", "4", "--engine", "rocksdb"],
-                        "--engine rocksdb is a setting of --store cached_ssd's SSD tier"),
-                       (["--store", "device_mem", "--cache-mb", "64"],
-                        "--cache-mb 64 sizes the device cache of the cached stores"),
-                       (["--cache-mb", "4", "--keep-snapshots", "0"],
-                        "as train's, 0 keeps every checkpoint")):
-        refused = run("--rows", "1e6", "--embedding-dim", "16", *args)
-        assert refused.returncode == 2 and said in refused.stderr, refused.stderr
-    default = run("--rows", "1e6", "--embedding-dim", "16", "--cache-mb", "4")
-    assert "peak with 4 retained" in default.stdout  # train's default, 3, and the final one
+
     # the optimizers train takes, no other (momentum SGD has no train flag)
     momentum = run("--rows", "10", "--embedding-dim", "8", "--cache-mb", "1", "--optimizer",
                    "momentum")
@@ -182,3 +169,23 @@ def test_plan_api_takes_numpy_integers_and_names_bad_types():
         plan_capacity(1000, 16, cache_mb=64, keep_snapshots=1.5)
     with pytest.raises(ConfigError, match=r"cache_mb='64' \(--cache-mb\) must be a finite number"):
         plan_capacity(1000, 16, cache_mb="64")
+
+
+def test_plan_refuses_what_train_refuses_and_keeps_snapshots_as_train_does(capsys):
+    """A fault campaign's: settings of tiers the store lacks were ignored (train refuses them),
+    and --keep-snapshots 0 planned the smallest disk for what keeps every checkpoint in train."""
+    from one_embedding import cli
+
+    base = ["plan", "--rows", "1e6", "--embedding-dim", "16"]
+    for args, said in ((["--store", "device_mem", "--host-cache-mb", "100"],
+                        "--host-cache-mb 100 is a setting of --store cached_ssd's SSD tier"),
+                       (["--store", "cached_host_mem", "--cache-mb", "4", "--engine", "rocksdb"],
+                        "--engine rocksdb is a setting of --store cached_ssd's SSD tier"),
+                       (["--store", "device_mem", "--cache-mb", "64"],
+                        "--cache-mb 64 sizes the device cache of the cached stores"),
+                       (["--cache-mb", "4", "--keep-snapshots", "0"],
+                        "as train's, 0 keeps every checkpoint")):
+        assert cli.main(base + args) == 2
+        assert said in capsys.readouterr().err
+    assert cli.main(base + ["--cache-mb", "4"]) == 0
+    assert "peak with 4 retained" in capsys.readouterr().out  # train's default 3, and the final
