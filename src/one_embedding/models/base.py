@@ -134,11 +134,6 @@ def layer_sizes(name, sizes) -> tuple:
     return tuple(sizes)
 
 
-def check_flag(name, value) -> bool:
-    if not isinstance(value, (bool, np.bool_)):
-        raise ConfigError(f"{name}={value!r} must be True or False")
-    return bool(value)
-
 
 class CTRModel(Module):
     """Base of the click-through-rate models. Sub-classes set ``num_tables``,

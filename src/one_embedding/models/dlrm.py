@@ -20,7 +20,8 @@ from ..errors import ConfigError, InputError
 from ..nn import MLP, DotInteraction, padding_to_multiple
 from ..nn.interaction import num_pairs
 from ..nn.linear import _check_dtype
-from .base import (CTRModel, build_embedding, check_embedding_args, check_flag, check_seed,
+from ..optim.checks import check_bool
+from .base import (CTRModel, build_embedding, check_embedding_args, check_seed,
                    check_table_sizes, layer_sizes, positive)
 
 #: Criteo 1TB cardinalities C1..C26 of MLPerf v1 / OneFlow's defaults (REFERENCE.md).
@@ -51,7 +52,7 @@ class DLRM(CTRModel):
         self.dense_features = positive("dense_features", dense_features)
         self.dtype = _check_dtype(dtype)
         bottom_mlp, top_mlp = layer_sizes("bottom_mlp", bottom_mlp), layer_sizes("top_mlp", top_mlp)
-        self_interaction = check_flag("self_interaction", self_interaction)
+        self_interaction = check_bool("DLRM", "self_interaction", self_interaction)
         pad_to_multiple = positive("pad_to_multiple", pad_to_multiple)
         seed = check_seed(seed)
         if not bottom_mlp or bottom_mlp[-1] != self.embedding_dim:
