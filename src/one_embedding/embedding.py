@@ -29,6 +29,7 @@ import ctypes
 import logging
 import numbers
 import os
+import threading
 from typing import Sequence
 
 import numpy as np
@@ -153,8 +154,19 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
         self.xp = self.launch.xp if self.launch is not None else np
         self._shard = EmbeddingShard(self.name, self.layout, self.tables, self.seed, store_options,
                                      self.rank, self.world, self.launch)
-        self._last: StepState | None = None
+        # the last forward / embed of each thread: a backward() without a state takes the calling
+        # thread's, so an evaluation lookup on another thread between a training forward and its
+        # backward cannot hand that backward its own keys
+        self._last_by_thread = threading.local()
         self._pending: list[StepState] = []
+
+    @property
+    def _last(self) -> StepState | None:
+        return getattr(self._last_by_thread, "state", None)
+
+    @_last.setter
+    def _last(self, state: StepState | None) -> None:
+        self._last_by_thread.state = state
 
     def _check_ranks_agree(self) -> None:
         """ConfigError on every rank when the ranks built this embedding differently (a
@@ -362,7 +374,7 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
 
     def backward(self, grad_out, state: StepState | None = None) -> None:
         """grad_out: (..., embedding_dim) float32, the gradient of the output of ``state`` (by
-        default the last forward / embed).
+        default the last forward / embed of the calling thread).
 
         Sums the gradient per unique key (duplicates summed, padding ignored), sends it to the
         key's owner and keeps it there for the next ``Optimizer.step``. Several lookups may feed
@@ -376,7 +388,8 @@ class MultiTableMultiColumnEmbedding(EmbeddingInputs):
         if state is None:
             state = self._last
         if state is None:
-            raise InputError("backward() without a forward(): look the ids up first")
+            raise InputError("backward() without a forward() on this thread: look the ids up first "
+                             "(or pass the state of the lookup: backward(grad, state))")
         xp = self.xp
         grad = to_numpy(grad_out, "grad_out") if xp is np else as_array(xp, grad_out, "grad_out")
         want = state.ids_shape + (self.embedding_dim,)
