@@ -40,6 +40,8 @@ STORES = ("device_mem", "cached_host_mem", "cached_ssd")
 ENGINES = ("slots", "rocksdb")
 CROSS_KINDS = ("vector", "matrix")
 ON_BAD_LINE = ("error", "skip")
+PARQUET_LAYOUTS = ("auto", "one_embedding", "oneflow")
+PARQUET_KEYS = ("auto", "global", "per_column")
 DEVICES = ("cpu", "cuda")
 COMMS = ("auto", "mpi", "nccl")
 #: --optimizer left unset: each model's reference optimizer (the models' docstrings: OneFlow's zoo
@@ -76,8 +78,8 @@ class TrainConfig:
     model: str = option("dlrm", group="model", choices=MODELS,
                         help="the model: DLRM, Deep & Cross Network or DeepFM")
     data: tuple[str, ...] = option(group="data", default_factory=lambda: ("synthetic",),
-                                   help="'synthetic', or Criteo TSV / Parquet files (a "
-                                        "folder's: DIR/*)")
+                                   help="'synthetic', or Criteo TSV / Parquet files, "
+                                        "folders of them or quoted patterns ('DIR/*.parquet')")
     synthetic_cardinalities: str = option(
         "kaggle", group="data", choices=tuple(sorted(CRITEO_CARDINALITIES)),
         help="--data synthetic: the per-column cardinalities of C1..C26: kaggle (Criteo Kaggle's "
@@ -163,6 +165,17 @@ class TrainConfig:
     on_bad_line: str = option("error", group="data", choices=ON_BAD_LINE,
                               help="a malformed line of a TSV file: stop naming it (error) or "
                                    "skip and count it (skip)")
+    parquet_layout: str = option(
+        "auto", group="data", choices=PARQUET_LAYOUTS,
+        help="Parquet files' dense columns: auto (this library's metadata decides; a file "
+             "without it is OneFlow's raw + 1), one_embedding (used as stored: already "
+             "log(x+1), or transformed by another tool), oneflow (raw + 1, the log taken here)")
+    parquet_keys: str = option(
+        "auto", group="data", choices=PARQUET_KEYS,
+        help="Parquet files' C1..C26: global (keys as stored), per_column (ids numbered within "
+             "each column, as NVTabular / HugeCTR write them: key = id + column * 2**32), auto "
+             "(global; a file without this library's metadata whose columns' id ranges overlap "
+             "is refused, naming both)")
     read_ahead: int = option(4, group="data", at_least=0,
                              help="batches the loader's thread reads ahead (0: no thread)")
     decay_start: int = option(0, group="training", at_least=0,
@@ -313,6 +326,10 @@ class TrainConfig:
              "shapes the synthetic source's ids; --data names files: drop it"),
             ("synthetic_rows", given("synthetic_rows") and not synthetic,
              "sizes the synthetic source; --data names files: drop it"),
+            ("parquet_layout", given("parquet_layout") and synthetic,
+             "reads Parquet files' dense columns; --data synthetic has none: drop it"),
+            ("parquet_keys", given("parquet_keys") and synthetic,
+             "reads Parquet files' ids; --data synthetic has none: drop it"),
             ("synthetic_cardinalities", given("synthetic_cardinalities") and not synthetic,
              "picks the synthetic source's tables; --data names files (their ids say their "
              "tables): drop it"),

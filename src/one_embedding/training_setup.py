@@ -67,6 +67,11 @@ def make_loaders(cfg: TrainConfig):
     paths = list(cfg.data)
     # a TSV reader option; Parquet inputs (told by their content, not their name) ignore it
     opts = dict(on_bad_line=cfg.on_bad_line)
+    # Parquet reader options, passed only where given (a TSV input refuses them)
+    if cfg.parquet_layout != "auto":
+        opts["layout"] = cfg.parquet_layout
+    if cfg.parquet_keys != "auto":
+        opts["keys"] = cfg.parquet_keys
     train = BatchLoader(paths, cfg.batch_size, split="train", drop_last=True, shuffle=True,
                         seed=cfg.seed, **common, **opts)
     evaluate = BatchLoader(paths, cfg.batch_size, split="eval", **common, **opts)

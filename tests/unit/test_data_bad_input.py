@@ -84,7 +84,7 @@ def test_tsv_options_on_parquet_paths(tmp_path):
 def test_missing_path_and_folder_are_named(tmp_path):
     with pytest.raises(InputError, match=r"nothere\.parquet: no such TSV file or Parquet file"):
         BatchLoader(tmp_path / "nothere.parquet", 4)
-    with pytest.raises(InputError, match=rf"{tmp_path.name} is a folder: pass the files in it"):
+    with pytest.raises(InputError, match=rf"{tmp_path.name} is a folder with no data files"):
         BatchLoader(tmp_path, 4)
 
 
@@ -171,10 +171,10 @@ def test_cli_convert_errors_are_one_line(tmp_path):
 def criteo_columns(rows=8, seed=0):
     rng = np.random.default_rng(seed)
     columns = {"label": pa.array(rng.integers(0, 2, rows).astype(np.float32))}
-    for i in range(1, 14):
-        columns[f"I{i}"] = pa.array(rng.random(rows).astype(np.float32))
-    for i in range(1, 27):
-        columns[f"C{i}"] = pa.array(rng.integers(0, 1000, rows))
+    for i in range(1, 14):   # OneFlow's layout (no metadata of ours): raw + 1, integers
+        columns[f"I{i}"] = pa.array(rng.integers(1, 100, rows).astype(np.float32))
+    for i in range(1, 27):   # keys unique across columns, as OneFlow's tools make them
+        columns[f"C{i}"] = pa.array(rng.integers(0, 1000, rows) + (i << 32))
     return columns
 
 

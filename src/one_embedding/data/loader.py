@@ -61,6 +61,7 @@ import numpy as np
 
 from ..errors import ConfigError
 from .parquet import ParquetReader, is_parquet_file
+from .parquet_inputs import expand_paths
 from .schema import Batch, splitmix64
 from .tsv import Chunk, TSVSource
 
@@ -75,7 +76,7 @@ class _Failure:
 # bad lines exist only in TSV; Parquet inputs accept and ignore this option, so one set of reader
 # options serves any input, whatever the files are called (a damaged Parquet file always raises)
 _TSV_LINE_OPTIONS = ("on_bad_line",)
-_PARQUET_OPTIONS = {"batch_rows", "layout"}
+_PARQUET_OPTIONS = {"batch_rows", "layout", "keys"}
 
 
 def open_source(source, **reader_options):
@@ -93,6 +94,7 @@ def open_source(source, **reader_options):
     paths = [source] if isinstance(source, (str, os.PathLike)) else list(source)
     if not paths:
         raise ConfigError("no input files: pass a path, a list of paths, or a source object")
+    paths = expand_paths(paths)
     kinds = {is_parquet_file(p) for p in paths}
     if kinds == {True}:
         for name in _TSV_LINE_OPTIONS:
@@ -104,6 +106,10 @@ def open_source(source, **reader_options):
                               f"takes {sorted(_PARQUET_OPTIONS)})")
         return ParquetReader(paths, **reader_options)
     if kinds == {False}:
+        parquet_only = sorted(set(reader_options) & _PARQUET_OPTIONS)
+        if parquet_only:
+            raise ConfigError(f"reader options {parquet_only} apply to Parquet files, but "
+                              f"{paths} are TSV: drop them")
         return TSVSource(paths, **reader_options)
     raise ConfigError(f"mixed Parquet and TSV inputs {[os.fspath(p) for p in paths]}: "
                       f"convert the TSV files first (one-embedding convert, or "

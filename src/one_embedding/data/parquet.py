@@ -23,6 +23,10 @@ reader takes the log (OneFlow's) or not (ours) -- exactly once either way:
 The layout is detected per file from that metadata; ``ParquetReader(..., layout=...)`` names it
 instead (for a file of ours whose metadata a rewrite dropped), but never against the file's own
 metadata: that conflict, the one that would take the log twice or not at all, is an InputError.
+A file read as OneFlow's must hold integers in I1..I13 (raw + 1): a non-integer value (a file
+whose dense values another tool transformed already) is refused, naming the override. Files
+that other tools wrote, with ids numbered within each column, and the paths such tools leave
+(folders, ``_SUCCESS``, ``_metadata``): ``parquet_inputs``.
 
 A file is Parquet by its content (``PAR1`` magic), never by its name. Bad files fail with an
 ``InputError`` naming the file, and the column where one is to blame: a missing column or one of
@@ -43,6 +47,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from ..errors import ConfigError, InputError
+from .parquet_inputs import check_keys, check_oneflow_dense, decide_keys, key_column
 from .schema import (DENSE_COLUMNS, LABEL_COLUMN, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS,
                      KeyScheme)
 from .tsv import FILE_SHIFT, Chunk, CriteoTSVReader, default_max_hex_digits
@@ -76,6 +81,9 @@ def is_parquet_file(path) -> bool:
     try:
         with open(path, "rb") as f:
             head = f.read(8)
+        if head.startswith(b"\x93NUMPY"):
+            raise InputError(f"{path} is a NumPy .npy file (TorchRec's preprocessed Criteo?), "
+                             f"which is not read: pass Criteo's TSV files or Parquet files")
         for magic, name, tool in COMPRESSED:
             if head.startswith(magic):
                 raise InputError(f"{path} is {name}-compressed: decompress it first ({tool} "
@@ -199,9 +207,22 @@ def _column(table: pa.Table, name: str, dtype, where: str) -> np.ndarray:
     return col.to_numpy().astype(dtype, copy=False)
 
 
-def table_to_chunk(table: pa.Table, schema: str, first_row: int, where: str = "") -> Chunk:
+def _check_finite(dense: np.ndarray, first_row: int, where: str) -> None:
+    """InputError naming the first NaN or infinite dense value (the model would refuse it later
+    without the file and row)."""
+    bad = ~np.isfinite(dense)
+    if bad.any():
+        row, col = (int(v) for v in np.argwhere(bad)[0])
+        raise InputError(f"{where}row {first_row + row}: I{col + 1} is {dense[row, col]}; "
+                         f"Criteo's dense features are finite numbers (missing -> 0 in ours, "
+                         f"1 in OneFlow's): fix the file")
+
+
+def table_to_chunk(table: pa.Table, schema: str, first_row: int, where: str = "",
+                   keys: str = "global") -> Chunk:
     """Arrow table (one Criteo schema) -> Chunk; positions = first_row + arange(N).
-    where: prefix of error messages (the file and row group)."""
+    where: prefix of error messages (the file and row group); keys: how the C columns' ids
+    become keys (``parquet_inputs``: "global" as stored, or "per_column")."""
     n = table.num_rows
     labels = _column(table, LABEL_COLUMN, np.float32, where)
     outside = (labels < 0) | (labels > 1) | np.isinf(labels)  # NaN: an unlabelled file's
@@ -214,14 +235,17 @@ def table_to_chunk(table: pa.Table, schema: str, first_row: int, where: str = ""
         raw_plus_one = np.empty((n, NUM_DENSE), np.float64)
         for j, name in enumerate(DENSE_COLUMNS):
             raw_plus_one[:, j] = _column(table, name, np.float64, where)
+        _check_finite(raw_plus_one, first_row, where)
+        check_oneflow_dense(raw_plus_one, first_row, where)
         dense = oneflow_dense(raw_plus_one)
     else:
         dense = np.empty((n, NUM_DENSE), np.float32)
         for j, name in enumerate(DENSE_COLUMNS):
             dense[:, j] = _column(table, name, np.float32, where)
+        _check_finite(dense, first_row, where)
     ids = np.empty((n, NUM_SPARSE), np.int64)
     for j, name in enumerate(SPARSE_COLUMNS):
-        ids[:, j] = _column(table, name, np.int64, where)
+        ids[:, j] = key_column(_column(table, name, np.int64, where), j, keys, first_row, where)
     return Chunk(dense, ids, labels, np.arange(first_row, first_row + n, dtype=np.int64))
 
 
@@ -230,20 +254,29 @@ class ParquetReader:
 
     layout: None (detect each file's layout from its metadata), or "one_embedding" / "oneflow"
     for files without our metadata (``detect_schema``); ``schemas`` lists each file's layout.
+    keys: None (decide per file), "global" or "per_column": how the C columns' ids become keys
+    (``parquet_inputs``); ``key_modes`` lists each file's.
     Work is divided into units of one row group each (``units()``), which the loader shards over
     ranks. Chunk positions are ``file_index << 44 | row index within the file``.
     """
 
-    def __init__(self, path_or_paths, *, batch_rows: int = 65536, layout: str | None = None):
+    def __init__(self, path_or_paths, *, batch_rows: int = 65536, layout: str | None = None,
+                 keys: str | None = None):
         self.paths = _paths(path_or_paths)
         if not (isinstance(batch_rows, (int, np.integer)) and batch_rows >= 1):
             raise ConfigError(f"batch_rows={batch_rows!r}: use a positive count, e.g. 65536")
         self.batch_rows = int(batch_rows)
         self.layout = _check_layout(layout)
+        self.keys = check_keys(keys)
         self.schemas = [detect_schema(p, layout) for p in self.paths]
+        #: each file's key mode, "global" or "per_column" (``parquet_inputs``)
+        self.key_modes = []
         self._row_groups = []
         for p in self.paths:
             meta = pq.ParquetFile(p).metadata
+            _refuse_summary_file(p, meta)
+            ours = _metadata_layout(p, meta.metadata or {}) is not None
+            self.key_modes.append(decide_keys(p, self.keys, ours, meta))
             self._row_groups.append([meta.row_group(g).num_rows
                                      for g in range(meta.num_row_groups)])
         self.skipped = 0
@@ -281,7 +314,8 @@ class ParquetReader:
             batches = parquet.iter_batches(batch_size=self.batch_rows, row_groups=[group],
                                            columns=list(COLUMNS), use_threads=False)
             for table in _exact_tables(batches, self.batch_rows):
-                chunk = table_to_chunk(table, self.schemas[file_index], first_row, where)
+                chunk = table_to_chunk(table, self.schemas[file_index], first_row, where,
+                                       self.key_modes[file_index])
                 chunk.positions |= np.int64(file_index << FILE_SHIFT)
                 yield chunk
                 first_row += table.num_rows
@@ -293,6 +327,15 @@ class ParquetReader:
     def __iter__(self) -> Iterator[Chunk]:
         for unit in self.units():
             yield from self.read_unit(unit)
+
+
+def _refuse_summary_file(path: str, meta) -> None:
+    """InputError for a dataset's summary file (Dask's / Spark's ``_metadata``): a footer whose
+    row groups live in other files, which reading it as data would fail on mid-run."""
+    if meta.num_row_groups and meta.num_columns and meta.row_group(0).column(0).file_path:
+        raise InputError(f"{path} is a dataset's summary file: its row groups live in "
+                         f"{meta.row_group(0).column(0).file_path} and the other part files; "
+                         f"pass those (or the folder, whose '_' files are skipped)")
 
 
 def _exact_tables(batches, rows: int) -> Iterator[pa.Table]:
