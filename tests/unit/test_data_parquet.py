@@ -292,7 +292,8 @@ def test_oneflow_layout_refuses_a_value_beyond_int32(tmp_path):
     labels, raw, present, hexes, hex_present = raw_rows(rows=20)
     raw[7, 4], present[7, 4] = 3_000_000_000, True
     tsv = write_tsv(tmp_path / "big.tsv", labels, raw, present, hexes, hex_present)
-    with pytest.raises(InputError, match=r"I5 = 3000000000 .* does not fit OneFlow's int32 raw "
+    with pytest.raises(InputError, match=r"big\.tsv: the line at byte \d+: I5 = 3000000000 "
+                                         r"does not fit OneFlow's int32 raw "
                                          r"\+ 1: write layout='one_embedding'"):
         convert_tsv_to_parquet(tsv, tmp_path / "big.parquet", progress=False, layout="oneflow")
     assert not (tmp_path / "big.parquet").exists()

@@ -373,18 +373,26 @@ def _damaged_column(path: str, group: int) -> str:
     return ""
 
 
-def chunk_to_table(chunk: Chunk, metadata: dict, layout: str = "one_embedding") -> pa.Table:
+def chunk_to_table(chunk: Chunk, metadata: dict, layout: str = "one_embedding",
+                   paths: Sequence[str] = ()) -> pa.Table:
     """Chunk -> Arrow table in ``parquet_schema(layout)``, carrying ``metadata`` as JSON under
-    METADATA_KEY (our layout) or SOURCE_KEY (OneFlow's, whose chunk.dense holds raw + 1)."""
+    METADATA_KEY (our layout) or SOURCE_KEY (OneFlow's, whose chunk.dense holds raw + 1).
+    paths: the TSV files the chunk's positions index (``file << FILE_SHIFT | byte offset``), to
+    name the file of a value OneFlow's layout cannot hold."""
     dense = chunk.dense
     if layout == "oneflow":
         info = np.iinfo(np.int32)
         outside = (dense < info.min) | (dense > info.max)
         if outside.any():
-            row, col = np.argwhere(outside)[0]
-            raise InputError(f"I{col + 1} = {int(dense[row, col]) - 1} at file position "
-                             f"{int(chunk.positions[row])} does not fit OneFlow's int32 raw + 1: "
-                             f"write layout='one_embedding' instead")
+            row, col = (int(v) for v in np.argwhere(outside)[0])
+            pos = int(chunk.positions[row])
+            file, offset = pos >> FILE_SHIFT, pos & ((1 << FILE_SHIFT) - 1)
+            name = paths[file] if file < len(paths) else f"file {file}"
+            raw = float(dense[row, col]) - 1     # float64: exact below 2**53
+            shown = f"{int(raw)}" if abs(raw) < 2.0 ** 53 else f"about {raw:.6g}"
+            raise InputError(f"{name}: the line at byte {offset}: I{col + 1} = {shown} "
+                             f"does not fit OneFlow's int32 raw + 1: "
+                             f"write layout='one_embedding' (--layout one_embedding) instead")
         dense = dense.astype(np.int32)
     schema = parquet_schema(layout)
     arrays = [pa.array(chunk.labels, pa.float32())]
@@ -499,7 +507,8 @@ def convert_tsv_to_parquet(src, dst, *, has_label: bool = True,
             merged = Chunk(*(np.concatenate([getattr(c, k) for c in pending])
                              for k in ("dense", "ids", "labels", "positions")))
             take = min(row_group_rows, pending_rows)
-            writer.write_table(chunk_to_table(merged.take(slice(0, take)), metadata, layout),
+            writer.write_table(chunk_to_table(merged.take(slice(0, take)), metadata, layout,
+                                              paths),
                                row_group_size=row_group_rows)
             groups += 1
             rows += take
