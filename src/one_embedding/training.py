@@ -411,10 +411,13 @@ class Trainer:
         with CtrlC() as ctrl_c:
             try:
                 return self._run(ctrl_c)
-            except TrainingInterrupted:
-                raise
-            except (KeyboardInterrupt, SystemError) as e:
-                if interrupt_of(e) is None:
+            except BaseException as e:
+                # a run that ends in an error or an interrupt releases its store (the path's
+                # lock) and threads too: a resume in this process (a notebook, where the last
+                # error keeps this Trainer alive) found the path locked by nobody it could reach
+                self.close()
+                if isinstance(e, TrainingInterrupted) or not isinstance(
+                        e, (KeyboardInterrupt, SystemError)) or interrupt_of(e) is None:
                     raise
                 # the disk says what is saved: an interrupted save published nothing, and a
                 # finished one may have pruned older checkpoints already
@@ -485,9 +488,10 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-        # the loader's read-ahead thread stops here, where a Ctrl-C is raised, not when the
-        # generator is collected (a Ctrl-C there is printed as ignored and lost)
-        source.close()
+            # the loader's read-ahead thread stops here, where a Ctrl-C is raised, not when
+            # the generator is collected (a Ctrl-C there is printed as ignored and lost); after
+            # an error or an interrupt too, so that no thread outlives the run
+            source.close()
         ctrl_c.check()
         self.read_losses(pending)  # the loader ran out before --steps
         if progress.step > self._logged_step:   # an epoch run's last step: its record too
@@ -586,6 +590,7 @@ class Trainer:
         return run_counts(self.embedding.store_stats(), self._tier_counts_before)
 
     def close(self) -> None:
+        """Close the metrics file and the embedding (its store, the path's lock); twice is fine."""
         if self.writer is not None:
             self.writer.close()
         self.embedding.close()

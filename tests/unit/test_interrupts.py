@@ -139,3 +139,43 @@ def test_the_cli_takes_a_ctrl_c_made_a_system_error_as_ctrl_c(monkeypatch, tmp_p
     monkeypatch.setattr("one_embedding.training.train", fails)
     with pytest.raises(SystemError, match="a real one"):
         cli.main(["train", "--steps", "5", "--no-progress"])
+
+
+def test_an_interrupted_run_releases_its_store_and_threads_for_a_resume_in_this_process(tmp_path):
+    """A notebook keeps the last error, and through its traceback the Trainer: its store (the
+    path's lock) and read-ahead thread stayed, so resuming in the same process was refused with
+    'in use by this process' (found by a fault campaign)."""
+    path = str(tmp_path / "table")
+    cfg = TrainConfig(steps=12, persistent_path=path, snapshot_interval=4, **TINY)
+    before = set(threading.enumerate())
+    trainer = Trainer(cfg, metrics_path=os.devnull, progress=False)
+    train_step = trainer.train_step
+
+    def step(*args):
+        if trainer.progress.step == 6:
+            press_ctrl_c()
+        return train_step(*args)
+
+    trainer.train_step = step
+    with pytest.raises(TrainingInterrupted) as kept:   # the error (and the Trainer) stay alive
+        trainer.run()
+    assert kept.value.checkpoint == (4, "step-4")
+    assert set(threading.enumerate()) <= before, "threads outlived the interrupted run"
+    resumed = Trainer(TrainConfig(**{**cfg.__dict__, "resume": True}), metrics_path=os.devnull,
+                      progress=False)
+    assert resumed.run()["steps"] == 12
+
+
+def test_a_run_that_fails_releases_its_store(tmp_path):
+    path = str(tmp_path / "table")
+    trainer = Trainer(TrainConfig(steps=6, persistent_path=path, **TINY),
+                      metrics_path=os.devnull, progress=False)
+
+    def fails(*args):
+        raise RuntimeError("a bug in a custom step")
+
+    trainer.train_step = fails
+    with pytest.raises(RuntimeError, match="a bug in a custom step"):
+        trainer.run()
+    Trainer(TrainConfig(steps=6, persistent_path=path, overwrite=True, **TINY),
+            metrics_path=os.devnull, progress=False).run()
