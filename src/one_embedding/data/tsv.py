@@ -22,6 +22,9 @@ after a complete field (which a stripped 37..39-field line would look like: a cu
 told from one, so it is refused too). A complete file whose last line is stripped, or ends in an
 empty field or in a shorter hex value, needs a final newline to be read.
 
+Compressed files. A gzip, zstd, bzip2 or xz file is refused when a reader or source is made
+(``refuse_compressed``).
+
 Parsing is vectorized per block of lines (default 1 MiB): newline and tab positions give a
 (lines, fields) table of field starts and ends, the first bytes of every field are gathered into a
 (lines, fields, width) array, and digits are combined one character position at a time across all
@@ -41,6 +44,26 @@ from ..errors import ConfigError, InputError
 from .schema import NUM_DENSE, NUM_SPARSE, Batch, KeyScheme, dense_log
 
 MAX_LINE_BYTES = 1 << 20  # a "line" longer than this is binary garbage, not a Criteo row
+
+#: (magic bytes, format, the tool that decompresses it) of compressed files a source may be
+COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
+              (b"BZh", "bzip2", "bunzip2 -k"), (b"\xfd7zXZ", "xz", "unxz -k"))
+
+
+def refuse_compressed(path) -> None:
+    """InputError when ``path`` starts with the magic bytes of a compressed format (Criteo 1TB
+    ships ``day_N.gz``: read as TSV its bytes were a few bad lines, and skipping bad lines dropped
+    them all). A file that cannot be opened is left to the read that follows."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+    except OSError:
+        return
+    for magic, name, tool in COMPRESSED:
+        if head.startswith(magic):
+            raise InputError(f"{path} is {name}-compressed: decompress it first ({tool} "
+                             f"{path}) and pass the file it gives")
 
 _HEX = np.full(256, -1, dtype=np.int16)
 _HEX[np.frombuffer(b"0123456789", np.uint8)] = np.arange(10)
@@ -323,6 +346,7 @@ class CriteoTSVReader:
         self.end = end
         self.skipped = 0
         self.rows = 0
+        refuse_compressed(self.path)
 
     def _line_number(self, offset: int) -> int:
         """1-based number of the line starting at byte ``offset`` (counts newlines before it)."""
@@ -470,6 +494,7 @@ class TSVSource:
         for p in self.paths:
             if not os.path.isfile(p):
                 raise InputError(f"{p}: no such TSV file")
+            refuse_compressed(p)
         if unit_bytes < 1:
             raise ConfigError(f"unit_bytes={unit_bytes}: use a positive size such as 256 << 20")
         self.unit_bytes = int(unit_bytes)
