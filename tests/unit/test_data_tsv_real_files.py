@@ -1,4 +1,5 @@
-"""Raw TSV files as they come: compressed downloads refused by the reader and the source."""
+"""Raw TSV files as they come: compressed downloads and a UTF-8 byte order mark, through every
+read path (whole file, small blocks, byte-range units)."""
 
 import bz2
 import gzip
@@ -77,3 +78,36 @@ def test_compressed_file_is_refused_by_reader_and_source(tmp_path, name, compres
         TSVSource(path, on_bad_line="skip")
     with pytest.raises(InputError, match=refusal):
         TSVSource([good, path], on_bad_line="skip")  # not only the first file is checked
+
+
+# --- a UTF-8 byte order mark ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("end", ["\n", "\r\n"])
+def test_byte_order_mark_at_the_start_is_skipped(tmp_path, engine, end):
+    """'\\ufeff1' was a bad label: the file failed, or skip dropped its first row."""
+    lines = labelled_lines(30)
+    clean = read_criteo_tsv(write(tmp_path / "clean.tsv", lines, end), engine=engine)
+    path = write(tmp_path / "bom.tsv", lines, end, prefix=BOM)
+    for block_bytes in (7, 100, 1 << 20):
+        assert_same_rows(read_criteo_tsv(path, engine=engine, block_bytes=block_bytes), clean)
+    reader = CriteoTSVReader(path, on_bad_line="skip", engine=engine)
+    assert_same_rows(list(reader), clean)
+    assert reader.skipped == 0
+    # every split into byte ranges, a boundary inside the mark included, reads each row once
+    for unit_bytes in (1, 2, 3, 4, 5, 50, 1000, 1 << 20):
+        chunks, positions, skipped = unit_reads(path, unit_bytes, engine=engine)
+        assert_same_rows(chunks, clean)
+        assert skipped == 0 and positions[0] == len(BOM) and (np.diff(positions) > 0).all()
+    # only at the file's start: a mark inside the file is a bad line
+    (tmp_path / "inside.tsv").write_bytes((end.join(lines[:2]) + end).encode() + BOM +
+                                          (end.join(lines[2:]) + end).encode())
+    with pytest.raises(InputError, match=r"inside\.tsv:3: bad Criteo line \(label '\\ufeff0'"):
+        read_criteo_tsv(tmp_path / "inside.tsv", engine=engine)
+
+
+def test_byte_order_mark_then_the_only_line_without_newline(tmp_path):
+    line = labelled_lines(1)[0]
+    (tmp_path / "one.tsv").write_bytes(BOM + line.encode())
+    (tmp_path / "clean.tsv").write_bytes(line.encode())
+    assert_same_rows(read_criteo_tsv(tmp_path / "one.tsv"), read_criteo_tsv(tmp_path / "clean.tsv"))

@@ -22,6 +22,9 @@ after a complete field (which a stripped 37..39-field line would look like: a cu
 told from one, so it is refused too). A complete file whose last line is stripped, or ends in an
 empty field or in a shorter hex value, needs a final newline to be read.
 
+A UTF-8 byte order mark at the start of a file is skipped (line 1 then starts, and has its
+position, after it); one elsewhere is part of its line.
+
 Compressed files. A gzip, zstd, bzip2 or xz file is refused when a reader or source is made
 (``refuse_compressed``).
 
@@ -44,6 +47,7 @@ from ..errors import ConfigError, InputError
 from .schema import NUM_DENSE, NUM_SPARSE, Batch, KeyScheme, dense_log
 
 MAX_LINE_BYTES = 1 << 20  # a "line" longer than this is binary garbage, not a Criteo row
+BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some editors write at a file's start: skipped
 
 #: (magic bytes, format, the tool that decompresses it) of compressed files a source may be
 COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
@@ -406,7 +410,13 @@ class CriteoTSVReader:
         stop = self.end
         with open(self.path, "rb") as f:
             pos = self.start
-            if pos > 0:
+            if pos == 0 and f.read(len(BOM)) == BOM:
+                # a byte order mark is no part of line 1, which this range owns (its first
+                # byte is the file's): it starts after the mark, where its position points
+                pos = len(BOM)
+                if stop is not None and 0 < stop <= pos:
+                    stop = pos + 1
+            elif pos > 0:
                 f.seek(pos - 1)
                 if f.read(1) != b"\n":
                     while True:  # the line under way belongs to the previous range
