@@ -1,5 +1,6 @@
-"""Raw TSV files as they come: compressed downloads and a UTF-8 byte order mark, through every
-read path (whole file, small blocks, byte-range units)."""
+"""Raw TSV files as they come: compressed downloads, a UTF-8 byte order mark, blank lines
+(concatenated files) and CRLF endings, through every read path (whole file, small blocks,
+byte-range units, the loader and its resume)."""
 
 import bz2
 import gzip
@@ -8,7 +9,9 @@ import lzma
 import numpy as np
 import pytest
 
-from one_embedding.data import CriteoTSVReader, TSVSource, read_criteo_tsv
+from one_embedding.data import (BatchLoader, CriteoTSVReader, TSVSource, convert_tsv_to_parquet,
+                                read_criteo_tsv)
+from one_embedding.data.tsv import FILE_SHIFT
 from one_embedding.errors import InputError
 
 ENGINES = ["numba", "numpy"]
@@ -111,3 +114,99 @@ def test_byte_order_mark_then_the_only_line_without_newline(tmp_path):
     (tmp_path / "one.tsv").write_bytes(BOM + line.encode())
     (tmp_path / "clean.tsv").write_bytes(line.encode())
     assert_same_rows(read_criteo_tsv(tmp_path / "one.tsv"), read_criteo_tsv(tmp_path / "clean.tsv"))
+
+
+# --- blank lines ---------------------------------------------------------------------------------
+
+def with_blanks(lines, end):
+    """The text of ``lines`` with empty lines at the start, between files (twice in a row) and at
+    the end, as concatenating files or ``echo >> file`` leave them."""
+    return (end + end.join(lines[:10]) + end + end + end + end.join(lines[10:25]) + end + end +
+            end.join(lines[25:]) + end + end).encode()
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+@pytest.mark.parametrize("end", ["\n", "\r\n"])
+def test_blank_lines_are_skipped_not_bad(tmp_path, engine, end):
+    """A blank line was a hard error ('1 tab-separated fields ...: ''')."""
+    lines = labelled_lines(40, stripped=True)
+    clean = read_criteo_tsv(write(tmp_path / "clean.tsv", lines, end), engine=engine)
+    path = tmp_path / "blank.tsv"
+    path.write_bytes(with_blanks(lines, end))
+    for block_bytes in (5, 100, 1 << 20):
+        assert_same_rows(read_criteo_tsv(path, engine=engine, block_bytes=block_bytes), clean)
+        reader = CriteoTSVReader(path, on_bad_line="skip", engine=engine, block_bytes=block_bytes)
+        assert_same_rows(list(reader), clean)
+        assert reader.skipped == 0 and reader.rows == 40
+    for unit_bytes in (1, 2, 40, 333, 1000, 1 << 20):
+        chunks, positions, skipped = unit_reads(path, unit_bytes, engine=engine)
+        assert_same_rows(chunks, clean)
+        assert skipped == 0 and (np.diff(positions) > 0).all()
+    # with a bad line among them, the bad line's number counts the blank lines before it
+    bad = lines[:20] + ["1\tbroken"] + lines[20:]
+    path.write_bytes(with_blanks(bad, end))
+    with pytest.raises(InputError, match=r"blank\.tsv:24: bad Criteo line \(2 tab-separated"):
+        read_criteo_tsv(path, engine=engine)
+    reader = CriteoTSVReader(path, on_bad_line="skip", engine=engine)
+    assert_same_rows(list(reader), clean)
+    assert reader.skipped == 1
+
+
+def test_only_blank_lines_and_a_byte_order_mark(tmp_path):
+    for data in (b"\n", b"\n\n\n", b"\r\n\r\n", BOM, BOM + b"\n", BOM + b"\r\n\n"):
+        (tmp_path / "empty.tsv").write_bytes(data)
+        reader = CriteoTSVReader(tmp_path / "empty.tsv", on_bad_line="error")
+        assert list(reader) == [] and reader.skipped == 0, data
+        chunks, _, skipped = unit_reads(tmp_path / "empty.tsv", 1)
+        assert chunks == [] and skipped == 0
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_blank_lines_keep_positions_and_resume_consistent(tmp_path, shuffle):
+    """Positions identify rows (the byte offset of each line): the same whatever the units, so
+    the loader's split and resume see the same rows with the blank lines skipped."""
+    lines = labelled_lines(400, seed=3)
+    path = tmp_path / "day_0.tsv"
+    path.write_bytes(BOM + with_blanks(lines, "\n"))
+    clean = read_criteo_tsv(write(tmp_path / "clean.tsv", lines))
+    _, reference, _ = unit_reads(path, 1 << 30)
+    for unit_bytes in (3000, 7001):
+        chunks, positions, _ = unit_reads(path, unit_bytes)
+        np.testing.assert_array_equal(positions, reference)
+        assert_same_rows(chunks, clean)
+        assert (positions >> FILE_SHIFT == 0).all()
+    text = path.read_bytes()
+    starts = np.array([i for i in range(len(text))
+                       if (i == len(BOM) or text[i - 1:i] == b"\n") and text[i:i + 1] != b"\n"
+                       and i < len(text)])
+    np.testing.assert_array_equal(reference, starts)  # each row at its line's first byte
+    options = dict(shuffle=shuffle, shuffle_buffer=100, seed=5, split="train", eval_fraction=0.25)
+    full = list(BatchLoader(TSVSource(path, unit_bytes=3000), 32, read_ahead=0, **options))
+    assert len(full) >= 6
+    for k in (1, len(full) // 2, len(full) - 1):
+        loader = BatchLoader(TSVSource(path, unit_bytes=3000), 32, read_ahead=0, **options)
+        loader.set_epoch(0, start_batch=k)
+        tail = list(loader)
+        assert len(tail) == len(full) - k
+        for got, want in zip(tail, full[k:]):
+            np.testing.assert_array_equal(got.ids, want.ids)
+            np.testing.assert_array_equal(got.labels, want.labels)
+
+
+@pytest.mark.parametrize("layout", ["one_embedding", "oneflow"])
+def test_conversion_of_a_file_with_a_mark_and_blank_lines(tmp_path, layout):
+    """Both layouts (OneFlow's re-scans each block for the raw integers and finds its rows by
+    position) convert the file as they convert it clean."""
+    import pyarrow.parquet as pq
+
+    lines = labelled_lines(60, seed=4, stripped=True)
+    path = tmp_path / "quirks.tsv"
+    path.write_bytes(BOM + with_blanks(lines, "\r\n"))
+    clean = write(tmp_path / "clean.tsv", lines)
+    out = {}
+    for name, src in (("quirks", path), ("clean", clean)):
+        out[name] = tmp_path / f"{name}.parquet"
+        stats = convert_tsv_to_parquet(src, out[name], layout=layout, progress=False,
+                                       block_bytes=512)
+        assert stats["rows"] == 60 and stats["skipped"] == 0
+    assert pq.read_table(out["quirks"]).equals(pq.read_table(out["clean"]))

@@ -23,7 +23,8 @@ told from one, so it is refused too). A complete file whose last line is strippe
 empty field or in a shorter hex value, needs a final newline to be read.
 
 A UTF-8 byte order mark at the start of a file is skipped (line 1 then starts, and has its
-position, after it); one elsewhere is part of its line.
+position, after it); one elsewhere is part of its line. Empty lines (``\\n``,
+``\\r\\n``), e.g. where files were concatenated, are skipped: no row and no bad line.
 
 Compressed files. A gzip, zstd, bzip2 or xz file is refused when a reader or source is made
 (``refuse_compressed``).
@@ -196,6 +197,17 @@ def default_max_hex_digits(key_scheme: KeyScheme) -> int:
     if key_scheme.mode == "mod" and not key_scheme.keeps_wide_values:
         return CRITEO_HEX_DIGITS
     return 16
+
+
+def _blank_lines(buf: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    """(N,) bool: which of the lines starting at ``starts`` in ``buf`` are empty ("\\n",
+    "\\r\\n", or a last "\\r"), e.g. where files were concatenated: skipped, not bad lines."""
+    n = buf.size
+    if not starts.size:
+        return np.zeros(0, bool)
+    first = buf[np.minimum(starts, n - 1)]
+    second = np.where(starts + 1 < n, buf[np.minimum(starts + 1, n - 1)], 10)
+    return (first == 10) | ((first == 13) & (second == 10))
 
 
 def _explain_cut(line: bytes, min_fields: int, max_fields: int) -> str | None:
@@ -381,16 +393,20 @@ class CriteoTSVReader:
 
     def _parse(self, data: bytes, file_offset: int, stop: int | None, final: bool = False):
         """Rows of the whole lines in ``data``; final: ``data`` is the file's last line, which
-        has no newline (checked for a cut)."""
+        has no newline (checked for a cut). Empty lines are skipped, not bad lines."""
         buf = np.frombuffer(data, dtype=np.uint8)
         dense, ids, labels, starts, bad = parse_lines(
             buf, has_label=self.has_label, key_scheme=self.key_scheme, min_fields=self.min_fields,
             engine=self.engine, max_hex_digits=self.max_hex_digits)
-        if final and bad.size == 1 and _explain_cut(data, *self._field_range()) is not None:
+        blank = _blank_lines(buf, starts)
+        if final and bad.size == 1 and not blank[0] and \
+                _explain_cut(data, *self._field_range()) is not None:
             bad[0] = True
+        keep = ~blank
         if stop is not None:
-            inside = starts + file_offset < stop
-            dense, ids, labels, starts, bad = (a[inside] for a in (dense, ids, labels, starts, bad))
+            keep &= starts + file_offset < stop
+        if not keep.all():
+            dense, ids, labels, starts, bad = (a[keep] for a in (dense, ids, labels, starts, bad))
         if bad.any():
             first = int(np.argmax(bad))
             if self.on_bad_line == "error":
