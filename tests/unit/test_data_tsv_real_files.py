@@ -1,6 +1,6 @@
-"""Raw TSV files as they come: compressed downloads, a UTF-8 byte order mark, blank lines
-(concatenated files) and CRLF endings, through every read path (whole file, small blocks,
-byte-range units, the loader and its resume)."""
+"""Raw TSV files as they come: Kaggle's test.txt read as labelled, compressed downloads, a UTF-8
+byte order mark, blank lines (concatenated files) and CRLF endings, through every read path
+(whole file, small blocks, byte-range units, the loader and its resume)."""
 
 import bz2
 import gzip
@@ -35,6 +35,20 @@ def labelled_lines(rows, seed=0, stripped=False):
     return lines
 
 
+def kaggle_test_lines(rows, seed=1):
+    """Kaggle test.txt lines (I1..I13, C1..C26: 39 fields, no label) that each also read as a
+    valid labelled line stripped of an empty C26: I1 is 0 or 1, C1 (which lands in I13) is
+    all decimal digits or empty."""
+    rng = np.random.default_rng(seed)
+    lines = []
+    for i in range(rows):
+        ints = [str(i % 2)] + [str(int(v)) for v in rng.integers(0, 500, 12)]
+        cats = ["" if i % 3 == 0 else f"{int(rng.integers(0, 10**8)):08d}"] + \
+            [f"{int(v):08x}" for v in rng.integers(0, 1 << 32, 25)]
+        lines.append("\t".join(ints + cats))
+    return lines
+
+
 def write(path, lines, end="\n", prefix=b""):
     path.write_bytes(prefix + (end.join(lines) + end).encode())
     return path
@@ -59,6 +73,53 @@ def unit_reads(path, unit_bytes, **options):
     chunks = [c for unit in source.units() for c in source.read_unit(unit)]
     positions = np.concatenate([c.positions for c in chunks]) if chunks else np.zeros(0, np.int64)
     return chunks, positions, source.skipped
+
+
+# --- Kaggle's test.txt (no label column) read as labelled ----------------------------------------
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_unlabelled_file_read_as_labelled_is_never_read_shifted(tmp_path, engine):
+    """Every line here also reads as a labelled line stripped of its empty C26, every column
+    shifted by one (label <- I1, ..., C1 <- I13): such lines were accepted under skip, and the
+    error named no missing label column."""
+    lines = kaggle_test_lines(60)
+    path = write(tmp_path / "test.txt", lines)
+    unlabelled = read_criteo_tsv(path, has_label=False, engine=engine)
+    assert len(unlabelled) == 60 and np.isnan(unlabelled.labels).all()
+    with pytest.raises(InputError, match=r"test\.txt:1: bad Criteo line \(39 fields, and no line "
+                                         r".*has 40: a file without labels\?.* every column would "
+                                         r"shift by one .*pass has_label=False; convert "
+                                         r"--no-label\)"):
+        read_criteo_tsv(path, engine=engine)
+    for block_bytes in (100, 1 << 20):
+        reader = CriteoTSVReader(path, on_bad_line="skip", engine=engine, block_bytes=block_bytes)
+        assert sum(len(c) for c in reader) == 0 and reader.skipped == 60
+    chunks, _, skipped = unit_reads(path, 500, on_bad_line="skip", engine=engine)
+    assert chunks == [] and skipped == 60
+    assert list(BatchLoader(TSVSource(path, unit_bytes=500, on_bad_line="skip"), 8)) == []
+
+
+def test_an_unlabelled_line_in_a_labelled_file_gets_the_hint(tmp_path):
+    """A test.txt line whose I1 is 0 or 1 failed on I13 (its C1) with no word of the label."""
+    fields = kaggle_test_lines(1)[0].split("\t")
+    fields[13] = "f62f2a74"  # C1, read as labelled: I13
+    path = write(tmp_path / "mixed.tsv", labelled_lines(5) + ["\t".join(fields)])
+    with pytest.raises(InputError, match=r"mixed\.tsv:6: bad Criteo line \(I13 'f62f2a74' is not "
+                                         r"an integer of at most 18 digits \(an unlabelled "
+                                         r"test\.txt line\? pass has_label=False; convert "
+                                         r"--no-label\)\)"):
+        read_criteo_tsv(path)
+
+
+@pytest.mark.parametrize("engine", ENGINES)
+def test_stripped_labelled_lines_still_read(tmp_path, engine):
+    """Lines stripped of trailing empty fields (37..39 fields) in a labelled file keep reading,
+    padded with missing fields, a 39-field one included."""
+    lines = labelled_lines(300, stripped=True)
+    assert {len(line.split("\t")) for line in lines} == {37, 38, 39, 40}
+    path = write(tmp_path / "stripped.tsv", lines)
+    padded = write(tmp_path / "padded.tsv", labelled_lines(300))
+    assert_same_rows(read_criteo_tsv(path, engine=engine), read_criteo_tsv(padded, engine=engine))
 
 
 # --- compressed files ----------------------------------------------------------------------------

@@ -22,11 +22,19 @@ after a complete field (which a stripped 37..39-field line would look like: a cu
 told from one, so it is refused too). A complete file whose last line is stripped, or ends in an
 empty field or in a shorter hex value, needs a final newline to be read.
 
-A UTF-8 byte order mark at the start of a file is skipped (line 1 then starts, and has its
-position, after it); one elsewhere is part of its line. Empty lines (``\\n``,
-``\\r\\n``), e.g. where files were concatenated, are skipped: no row and no bad line.
+Unlabelled files read as labelled. A test.txt line (39 fields) would read as a labelled line
+stripped of an empty C26 with every column shifted by one (label <- I1, ..., C1 <- I13) whenever
+its I1 is 0 or 1 and its C1 all decimal digits. So a file read as labelled whose first 64 KiB hold
+a 39-field line and no 40-field one is taken for such a file: none of its lines shorter than 40
+fields is accepted (each is a bad line whose error says to pass has_label=False). A stripped
+labelled file has whole lines among its first ones in practice (Criteo's C25 and C26 are missing
+together, so its stripped lines have 37 or 38 fields; C26 is present in about half the rows). A
+bad line that reads as an unlabelled line gets the same hint.
 
-Compressed files. A gzip, zstd, bzip2 or xz file is refused when a reader or source is made
+Other file quirks. A UTF-8 byte order mark at the start of a file is skipped (line 1 then starts,
+and has its position, after it); one elsewhere is part of its line. Empty lines (``\\n``,
+``\\r\\n``), e.g. where files were concatenated, are skipped: no row and no bad line. ``\\r\\n``
+endings read as ``\\n``. A gzip, zstd, bzip2 or xz file is refused when a reader or source is made
 (``refuse_compressed``).
 
 Parsing is vectorized per block of lines (default 1 MiB): newline and tab positions give a
@@ -49,6 +57,7 @@ from .schema import NUM_DENSE, NUM_SPARSE, Batch, KeyScheme, dense_log
 
 MAX_LINE_BYTES = 1 << 20  # a "line" longer than this is binary garbage, not a Criteo row
 BOM = b"\xef\xbb\xbf"  # a UTF-8 byte order mark some editors write at a file's start: skipped
+HEAD_BYTES = 64 << 10  # how much of a file's start tells a labelled file from an unlabelled one
 
 #: (magic bytes, format, the tool that decompresses it) of compressed files a source may be
 COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
@@ -152,24 +161,18 @@ def _parse_hex(buf, starts, ends, max_digits: int = 16):
     return values, present, bad
 
 
-def _explain(line: bytes, has_label: bool, min_fields: int, max_fields: int,
-             max_hex_digits: int = 16) -> str:
-    """Why one line is bad, in words (the slow path, only for error messages)."""
-    fields = line.rstrip(b"\r").split(b"\t")
-    count = len(fields)
-    if not (min_fields <= count <= max_fields):
-        return f"{count} tab-separated fields, expected {min_fields}..{max_fields}"
-    fields += [b""] * (max_fields - len(fields))
+UNLABELLED_HINT = " (an unlabelled test.txt line? pass has_label=False; convert --no-label)"
+
+
+def _field_problem(fields: list, has_label: bool, max_hex_digits: int) -> str | None:
+    """Why the first bad field of a line of an accepted field count is bad (None: none is)."""
     names = (["label"] if has_label else []) + [f"I{i}" for i in range(1, 14)] + \
         [f"C{i}" for i in range(1, 27)]
     for name, field in zip(names, fields):
         text = field.decode("utf-8", "backslashreplace")
         if name == "label":
             if field not in (b"0", b"1"):
-                hint = (" (an unlabelled test.txt line? pass has_label=False; convert "
-                        "--no-label)") \
-                    if count == max_fields - 1 else ""
-                return f"label {text!r} is not 0 or 1{hint}"
+                return f"label {text!r} is not 0 or 1"
         elif name.startswith("I") and field:
             body = field[1:] if field[:1] == b"-" else field
             if not body.isdigit() or not body.isascii() or len(body) > 18:
@@ -183,7 +186,38 @@ def _explain(line: bytes, has_label: bool, min_fields: int, max_fields: int,
                         f"mode='mod' a wider value folds, value % mod, onto another and shares "
                         f"its embedding row); if such values are meant, use "
                         f"KeyScheme(mode='hash'), which keeps all 64 bits")
-    return "unparseable line"
+    return None
+
+
+def _reads_unlabelled(line: bytes, max_fields: int, max_hex_digits: int = 16) -> bool:
+    """Whether a line that is not a whole labelled line (fewer than ``max_fields`` fields) reads
+    as a line without a label (Kaggle's test.txt: 39 fields, or 36..38 when stripped)."""
+    fields = line.rstrip(b"\r").split(b"\t")
+    return max_fields - 4 <= len(fields) < max_fields and \
+        _field_problem(fields, False, max_hex_digits) is None
+
+
+def _explain(line: bytes, has_label: bool, min_fields: int, max_fields: int,
+             max_hex_digits: int = 16, unlabelled_head: bool = False) -> str:
+    """Why one line is bad, in words (the slow path, only for error messages). A labelled line
+    that would read as an unlabelled one gets the hint to pass has_label=False; unlabelled_head:
+    the file's start has no whole labelled line (``_head_is_unlabelled``), so none shorter is
+    accepted."""
+    fields = line.rstrip(b"\r").split(b"\t")
+    count = len(fields)
+    if not (min_fields <= count <= max_fields):
+        reason = f"{count} tab-separated fields, expected {min_fields}..{max_fields}"
+    else:
+        fields += [b""] * (max_fields - len(fields))
+        reason = _field_problem(fields, has_label, max_hex_digits)
+    if reason is None and has_label and unlabelled_head and count < max_fields:
+        reason = (f"{count} fields, and no line in the file's first {HEAD_BYTES >> 10} KiB has "
+                  f"{max_fields}: a file without labels? Read as labelled, every column would "
+                  f"shift by one (label <- I1, ..., C1 <- I13)")
+    reason = reason or "unparseable line"
+    if has_label and _reads_unlabelled(line, max_fields, max_hex_digits):
+        reason += UNLABELLED_HINT
+    return reason
 
 
 CRITEO_HEX_DIGITS = 8  # Criteo's categoricals are 32-bit hashes written as 8 hex characters
@@ -197,6 +231,24 @@ def default_max_hex_digits(key_scheme: KeyScheme) -> int:
     if key_scheme.mode == "mod" and not key_scheme.keeps_wide_values:
         return CRITEO_HEX_DIGITS
     return 16
+
+
+def _head_is_unlabelled(path: str, max_fields: int) -> bool:
+    """Whether a file read as labelled looks like Kaggle's test.txt, which has no label column:
+    among the whole lines of its first ``HEAD_BYTES`` none has ``max_fields`` (40) fields and one
+    has one fewer (39). Such lines would read with every column shifted by one (label <- I1, ...,
+    C1 <- I13) as lines stripped of an empty C26, so in such a file a line of fewer than 40
+    fields is a bad line. A labelled file, stripped or not, has whole lines in its first lines
+    (Criteo's C25 and C26 are missing together, so its stripped lines have 37 or 38 fields)."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(HEAD_BYTES)
+    except OSError:
+        return False  # the read that follows names the problem
+    if len(head) == HEAD_BYTES:
+        head = head[:head.rfind(b"\n") + 1]  # whole lines only
+    counts = {line.count(b"\t") + 1 for line in head.split(b"\n") if line.rstrip(b"\r")}
+    return max_fields not in counts and max_fields - 1 in counts
 
 
 def _blank_lines(buf: np.ndarray, starts: np.ndarray) -> np.ndarray:
@@ -335,6 +387,8 @@ class CriteoTSVReader:
     consecutive ranges cover a file exactly once; max_hex_digits: longest categorical accepted
     (1..16, default 16; ``default_max_hex_digits`` gives the training paths' stricter choice).
     A final line without a newline is checked for a cut (module docstring, "Truncated files").
+    Empty lines and a leading byte order mark are skipped; a file that reads as unlabelled is
+    refused line by line; a compressed file is refused here (module docstring).
 
     After iteration, ``rows`` is the number of rows yielded and ``skipped`` the bad lines dropped.
     """
@@ -362,6 +416,7 @@ class CriteoTSVReader:
         self.end = end
         self.skipped = 0
         self.rows = 0
+        self._unlabelled_head = False  # set per iteration: _head_is_unlabelled
         refuse_compressed(self.path)
 
     def _line_number(self, offset: int) -> int:
@@ -385,7 +440,10 @@ class CriteoTSVReader:
         min_fields, max_fields = self._field_range()
         reason = _explain_cut(line, min_fields, max_fields) if final else None
         if reason is None:
-            reason = _explain(line, self.has_label, min_fields, max_fields, self.max_hex_digits)
+            reason = _explain(line, self.has_label, min_fields, max_fields, self.max_hex_digits,
+                              self._unlabelled_head)
+        elif self.has_label and _reads_unlabelled(line, max_fields, self.max_hex_digits):
+            reason += UNLABELLED_HINT
         shown = line[:120].decode("utf-8", "backslashreplace")
         raise InputError(f"{self.path}:{self._line_number(offset)}: bad Criteo line ({reason}): "
                          f"{shown!r}; fix the file or pass on_bad_line='skip' (--on-bad-line "
@@ -395,8 +453,11 @@ class CriteoTSVReader:
         """Rows of the whole lines in ``data``; final: ``data`` is the file's last line, which
         has no newline (checked for a cut). Empty lines are skipped, not bad lines."""
         buf = np.frombuffer(data, dtype=np.uint8)
+        min_fields, max_fields = self._field_range()
+        if self._unlabelled_head:  # test.txt read as labelled: no line may pass as stripped
+            min_fields = max_fields
         dense, ids, labels, starts, bad = parse_lines(
-            buf, has_label=self.has_label, key_scheme=self.key_scheme, min_fields=self.min_fields,
+            buf, has_label=self.has_label, key_scheme=self.key_scheme, min_fields=min_fields,
             engine=self.engine, max_hex_digits=self.max_hex_digits)
         blank = _blank_lines(buf, starts)
         if final and bad.size == 1 and not blank[0] and \
@@ -424,6 +485,8 @@ class CriteoTSVReader:
         self.skipped = 0
         self.rows = 0
         stop = self.end
+        self._unlabelled_head = self.has_label and \
+            _head_is_unlabelled(self.path, self._field_range()[1])
         with open(self.path, "rb") as f:
             pos = self.start
             if pos == 0 and f.read(len(BOM)) == BOM:
