@@ -5,6 +5,7 @@ while its retention deletes the one being served."""
 import http.client
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -596,6 +597,36 @@ def test_sigterm_leaves_no_scratch_folder(run):
     finally:
         server.close()
     assert not any(server.scratch.iterdir()), sorted(server.scratch.rglob("*"))
+
+
+def test_ctrl_c_exits_130_and_leaves_no_scratch_folder(run):
+    """A Ctrl-C (SIGINT) exited 0: uvicorn raised it again inside asyncio, which swallowed it,
+    so a supervisor or an `&&` chain took the stopped server for a success (found by a fault
+    campaign)."""
+    server = Server(run)
+    server.proc.send_signal(signal.SIGINT)
+    assert server.proc.wait(timeout=30) == 130
+    assert "Traceback" not in server.proc.stderr.read()
+    assert not any(server.scratch.iterdir()), sorted(server.scratch.rglob("*"))
+
+
+@pytest.mark.slow  # three server starts (~10 s)
+def test_a_signal_while_the_snapshot_loads_leaves_no_scratch_folder(run, tmp_path):
+    """SIGTERM before the server had installed its handler (while it loaded the snapshot)
+    killed it with its private store left in the scratch folder."""
+    scratch = tmp_path / "scratch"
+    for delay in (0.8, 1.6, 2.4):
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "one_embedding", "serve", "--persistent-path", str(run),
+             "--port", str(free_port()), "--scratch", str(scratch)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        time.sleep(delay)
+        proc.terminate()
+        code = proc.wait(timeout=30)
+        err = proc.stderr.read()
+        assert code in (143, -signal.SIGTERM), err[-2000:]   # killed before the package loaded
+        assert "Traceback" not in err, err[-2000:]
+        assert not scratch.exists() or not any(scratch.iterdir()), sorted(scratch.rglob("*"))
 
 
 def test_sigterm_with_a_client_stalled_in_its_body_exits_after_the_grace(run):

@@ -263,20 +263,23 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
 
     threadpool_limits(blas_threads, user_api="blas")
 
-    predictor = Predictor(persistent_path, snapshot=snapshot, cache_mb=cache_mb, scratch=scratch,
-                          wait=wait_for_checkpoint)
-    service = Service(predictor, max_batch_size, max_queue_delay_us * 1e-6)
-    follower = Follower(predictor, poll_seconds, on_switch=service.metrics.switched,
-                        on_first=service.metrics.served).start() \
-        if poll_seconds > 0 else None
-    grpc_server = None
-    # uvicorn shuts down gracefully on SIGTERM, then raises the signal again under the handler
-    # it found: with the default one the process dies before the finally below closes the
-    # predictor (whose scratch folder would stay behind); this one exits through it instead
-    previous = None
+    # uvicorn shuts down gracefully on SIGTERM / SIGINT, then raises the signal again under the
+    # handler it found: with the default SIGTERM one the process died before the finally below
+    # closed the predictor (whose scratch folder stayed behind), and asyncio swallowed the
+    # SIGINT (exit status 0 after a Ctrl-C); these exit through the finally with 128 + signal.
+    # Installed before anything is loaded: a signal while the snapshot loads exits the same way
+    previous = {}
     if threading.current_thread() is threading.main_thread():
-        previous = signal.signal(signal.SIGTERM, _exit_on_sigterm)
+        previous = {sig: signal.signal(sig, _exit_on_signal)
+                    for sig in (signal.SIGTERM, signal.SIGINT)}
+    predictor = service = follower = grpc_server = None
     try:
+        predictor = Predictor(persistent_path, snapshot=snapshot, cache_mb=cache_mb,
+                              scratch=scratch, wait=wait_for_checkpoint)
+        service = Service(predictor, max_batch_size, max_queue_delay_us * 1e-6)
+        follower = Follower(predictor, poll_seconds, on_switch=service.metrics.switched,
+                            on_first=service.metrics.served).start() \
+            if poll_seconds > 0 else None
         if grpc_port is not None:
             from .grpc_service import start_grpc
 
@@ -297,12 +300,15 @@ def serve(persistent_path: str, snapshot: str | None = None, host: str = "127.0.
             grpc_server.stop(grace=2)
         if follower is not None:
             follower.stop()
-        service.close()
-        predictor.close()
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
+        if service is not None:
+            service.close()
+        if predictor is not None:
+            predictor.close()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
-def _exit_on_sigterm(signum, frame):
-    """SIGTERM as SystemExit (exit status 128 + 15, as a process killed by it reports)."""
+def _exit_on_signal(signum, frame):
+    """SIGTERM / SIGINT as SystemExit (exit status 128 + the signal, as a process killed by it
+    reports: 143, 130)."""
     raise SystemExit(128 + signum)

@@ -29,7 +29,7 @@ import numpy as np
 
 from ..cache.set_associative import SetAssociativeCache
 from ..chain import open_store_for_snapshot
-from ..errors import StoreError
+from ..errors import ConfigError, StoreError
 from ..initializers import fill_initial_values
 from ..parallel.shuffle import owner_rank
 from ..store.durable import file_crc32
@@ -144,6 +144,12 @@ class ServedTable:
         self.dim = layout.embedding_dim
         manifest = sources[0][1]
         self.stored_size = int(manifest["line_size"]) + int(manifest.get("lifecycle_columns", 0))
+        if scratch is not None:   # a folder named for the private stores is made if missing
+            try:
+                os.makedirs(scratch, exist_ok=True)
+            except OSError as e:
+                raise ConfigError(f"scratch folder {scratch!r} cannot be made ({e}): give a "
+                                  f"folder this process can write") from e
         self._scratch = tempfile.TemporaryDirectory(prefix="one_embedding_serve_", dir=scratch)
         self._lock = threading.Lock()
         self._ranks: list[SnapshotRows] = []
