@@ -50,7 +50,7 @@ from ..errors import ConfigError, InputError
 from .parquet_inputs import check_keys, check_oneflow_dense, decide_keys, key_column
 from .schema import (DENSE_COLUMNS, LABEL_COLUMN, NUM_DENSE, NUM_SPARSE, SPARSE_COLUMNS,
                      KeyScheme)
-from .tsv import FILE_SHIFT, Chunk, CriteoTSVReader, default_max_hex_digits
+from .tsv import FILE_SHIFT, Chunk, CriteoTSVReader, default_max_hex_digits, refuse_compressed
 
 METADATA_KEY = b"one_embedding.criteo"
 #: provenance of a OneFlow-layout file written by ``convert_tsv_to_parquet(layout="oneflow")``;
@@ -62,11 +62,6 @@ LAYOUTS = ("one_embedding", "oneflow")
 PARQUET_MAGIC = b"PAR1"
 COLUMNS = (LABEL_COLUMN, *DENSE_COLUMNS, *SPARSE_COLUMNS)
 _ARROW_ERRORS = (OSError, pa.ArrowException)  # what pyarrow raises for unreadable bytes
-
-
-#: (magic bytes, format, the tool that decompresses it) of compressed files a source may be
-COMPRESSED = ((b"\x1f\x8b", "gzip", "gunzip -k"), (b"\x28\xb5\x2f\xfd", "zstd", "zstd -d"),
-              (b"BZh", "bzip2", "bunzip2 -k"), (b"\xfd7zXZ", "xz", "unxz -k"))
 
 
 def is_parquet_file(path) -> bool:
@@ -84,10 +79,7 @@ def is_parquet_file(path) -> bool:
         if head.startswith(b"\x93NUMPY"):
             raise InputError(f"{path} is a NumPy .npy file (TorchRec's preprocessed Criteo?), "
                              f"which is not read: pass Criteo's TSV files or Parquet files")
-        for magic, name, tool in COMPRESSED:
-            if head.startswith(magic):
-                raise InputError(f"{path} is {name}-compressed: decompress it first ({tool} "
-                                 f"{path}) and pass the file it gives")
+        refuse_compressed(path)
         return head[:len(PARQUET_MAGIC)] == PARQUET_MAGIC
     except FileNotFoundError:
         raise InputError(f"{path}: no such TSV file or Parquet file; check the path") from None
