@@ -76,11 +76,8 @@ def cmd_train(args) -> int:
     cfg.check_flags_act()
     _check_metrics_path(args.metrics, args.data)
     # a scheduler's SIGTERM (preemption, a job's time limit: what mpiexec passes on to every
-    # rank) stops the run as Ctrl-C does, with the checkpoint and the resume command (exit 143)
-    previous = None
-    if threading.current_thread() is threading.main_thread() \
-            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
-        previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
+    # rank) stops the run as Ctrl-C does (main's handler), with the checkpoint and the resume
+    # command (exit 143)
     try:
         final = train(cfg, metrics_path=args.metrics, progress=not args.no_progress,
                       metrics_stdout=args.json)
@@ -96,9 +93,6 @@ def cmd_train(args) -> int:
         if rank <= 1:
             print(_interrupted(e, cfg, getattr(args, "argv", None)), file=sys.stderr, flush=True)
         raise e
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
     if default_comm().rank != 0:  # with several ranks, rank 0 alone reports (as it logs)
         return 0
     from .run_summary import train_summary
@@ -473,6 +467,14 @@ def main(argv=None) -> int:
     # the process is the CLI's own: the library never changes its limits by itself
     raise_open_file_limit("a slot-engine table keeps one file open per live segment")
     args.argv = argv  # train's Ctrl-C message repeats the command, with --resume
+    _terminated.clear()   # (main may run several times in one process: tests, notebooks)
+    # SIGTERM (a scheduler's, a `timeout`'s) stops a command as Ctrl-C does, through its
+    # cleanup (bench's scratch tables, train's checkpoint message), with exit status 143; serve
+    # installs handlers of its own for uvicorn's graceful shutdown
+    previous = None
+    if args.command != "serve" and threading.current_thread() is threading.main_thread() \
+            and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        previous = signal.signal(signal.SIGTERM, _sigterm_as_interrupt)
     try:
         return args.func(args)
     except OneEmbeddingError as e:
@@ -495,6 +497,9 @@ def main(argv=None) -> int:
             traceback.print_exc()
             _end_job(1)
         raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
 
 def _interrupt_code() -> int:

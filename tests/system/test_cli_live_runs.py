@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import helpers
+import pytest
 
 ROOT = helpers.ROOT
 ENV = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -129,3 +130,29 @@ def test_sigterm_stops_like_ctrl_c_with_the_checkpoint_and_exit_143(tmp_path):
     assert "Traceback" not in err
     assert re.search(r"interrupted at step \d+; the last checkpoint saved is 'step-\d+'", err), err
     assert "--resume" in err
+
+
+@pytest.mark.slow  # a bench run of its own (~10 s)
+def test_sigterm_stops_bench_through_its_cleanup(tmp_path):
+    """bench had no SIGTERM handler: a scheduler's SIGTERM killed it with its scratch tables
+    (slot files, a RocksDB, their lock) left in the temporary folder (found by a fault
+    campaign). It now stops as Ctrl-C does: exit 143, nothing left."""
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "one_embedding", "bench", "--stores", "cached_ssd:slots",
+         "--steps", "100000", "--batch-size", "256", "--synthetic-rows", "20000",
+         "--out", str(tmp_path / "out")],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+        env={**ENV, "TMPDIR": str(scratch)}, cwd=ROOT)
+    deadline = time.monotonic() + 120
+    while not list(scratch.glob("one_embedding_bench_*/**/LOCK")):   # its table is open
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "bench opened no table in time"
+        time.sleep(0.05)
+    time.sleep(1.0)
+    proc.terminate()
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, err[-3000:]
+    assert "Traceback" not in err, err[-3000:]
+    assert not list(scratch.iterdir()), sorted(map(str, scratch.rglob("*")))[:10]
