@@ -10,11 +10,21 @@ lists every file of ``db/`` with its size. Garbage is reclaimed first only when 
 to the snapshot's data files and copies of its metadata (a copy where the file system cannot
 link). Deleting a snapshot removes its links; a file goes when its last link does: disk is
 reclaimed without a collector of our own.
+
+``rocksdb.json`` records the layout's ``format``: 2 is the current one (the rows in the default
+column family, every stored key also in the ``keys`` column family, which gates reads). A file
+without the field was written either by a version of that layout from before the field, or by
+one from before the ``keys`` column family (format 1: the rows alone); the DB's column families
+tell them apart. A format-1 snapshot is migrated as it loads: the working DB's ``keys`` family
+is rebuilt from the stored rows (the snapshot's own files are never written). A newer format is
+refused, and so is a snapshot without the field whose ``keys`` family disagrees with its row
+count (an older version wrote rows into a current-layout DB without listing their keys).
 """
 from __future__ import annotations
 
 import errno
 import json
+import logging
 import os
 import shutil
 
@@ -24,6 +34,14 @@ from .durable import (copy_file, file_crc32, fsync_dir, fsync_path, no_space_lef
 from .snapshots import read_manifest
 
 INFO_FILE = "rocksdb.json"
+#: the layout ``rocksdb.json`` records as ``format``: 1 = rows only (before the keys column
+#: family; never written with the field), 2 = rows + the keys column family
+ROCKSDB_FORMAT = 2
+#: the column family of the stored keys (empty values) in format 2
+KEYS_CF = "keys"
+_REBUILD_BATCH = 1 << 16
+
+log = logging.getLogger("one_embedding.store")
 #: the immutable data files of a DB (shared by hard links); the rest are small metadata copies
 _SHARED_SUFFIXES = (".sst", ".blob")
 
@@ -82,8 +100,8 @@ class RocksDBSnapshots:
             # this one did not is new (computed then), so nothing else is needed
             fsync_dir(target)
             write_bytes_atomic(os.path.join(directory, INFO_FILE), json.dumps(
-                {"engine": "rocksdb", "line_size": self.line_size, "rows": self._rows,
-                 "db_files": files}).encode())
+                {"engine": "rocksdb", "format": ROCKSDB_FORMAT, "line_size": self.line_size,
+                 "rows": self._rows, "db_files": files}).encode())
         except OSError as e:
             what = "the disk is full" if no_space_left(e) else "an I/O error stopped it"
             raise StoreError(
@@ -105,6 +123,16 @@ class RocksDBSnapshots:
             raise SnapshotError(
                 f"{self.name}: snapshot {directory!r} holds {info}; this store needs a 'rocksdb' "
                 f"snapshot of line_size={self.line_size}")
+        fmt = info.get("format")
+        if fmt is not None and (not isinstance(fmt, int) or isinstance(fmt, bool) or fmt < 2):
+            raise SnapshotError(
+                f"{self.name}: snapshot {directory!r} is damaged: {INFO_FILE} records format "
+                f"{fmt!r}, which no one_embedding writes; load another snapshot")
+        if fmt is not None and fmt > ROCKSDB_FORMAT:
+            raise SnapshotError(
+                f"{self.name}: rocksdb snapshot {directory!r} was written by a newer "
+                f"one_embedding (rocksdb format {fmt}; this version reads up to "
+                f"{ROCKSDB_FORMAT}): upgrade one_embedding to read it")
         for entry, size in db_files.items():
             fpath = os.path.join(directory, "db", entry)
             if os.path.basename(entry) != entry or not os.path.isfile(fpath) \
@@ -131,9 +159,83 @@ class RocksDBSnapshots:
                     copy_file(src, dst)
         except OSError as e:
             raise StoreError(f"{self.name}: restoring {source!r} into {self.path!r} failed: {e}") from None
-        self._open()
-        self._rows = int(info["rows"])
+        try:
+            families = self._rd.Rdict.list_cf(self.path)
+        except Exception as e:  # rocksdict raises plain Exception for a bad MANIFEST
+            raise SnapshotError(f"{self.name}: snapshot {directory!r} is damaged: its RocksDB "
+                                f"column families cannot be read ({e}); load another snapshot") from None
+        self._open()  # adds an empty keys family to a format-1 DB (the working copy only)
+        rows = int(info["rows"])
+        fmt = info.get("format")
+        if KEYS_CF not in families:
+            if fmt is not None:
+                raise SnapshotError(
+                    f"{self.name}: snapshot {directory!r} is damaged: {INFO_FILE} records format "
+                    f"{fmt} but its DB has no {KEYS_CF!r} column family; load another snapshot")
+            counted = self._rebuild_keys(directory)
+            if counted != rows:
+                log.warning("%s: snapshot %r records %d rows, its DB holds %d: counting these",
+                            self.name, directory, rows, counted)
+            log.info("%s: snapshot %r was written by an older one_embedding (rocksdb format 1, "
+                     "no %r column family); its %d keys were listed in the working DB (the "
+                     "snapshot is unchanged; the next save writes format %d)", self.name,
+                     directory, KEYS_CF, counted, ROCKSDB_FORMAT)
+            rows = counted
+        elif fmt is None:
+            listed = self._count_keys()
+            if listed != rows:
+                raise SnapshotError(
+                    f"{self.name}: rocksdb snapshot {directory!r} records {rows} rows but its "
+                    f"{KEYS_CF!r} column family lists {listed} keys, and {INFO_FILE} has no "
+                    "format field: an older one_embedding (from before the keys column family) "
+                    "wrote rows into a DB of this layout without listing their keys, so this "
+                    "version cannot read it reliably; load a snapshot this version wrote, or "
+                    "read this one with the version that saved it")
+        self._rows = rows
         self._remember_checksums(directory)
+
+    def _count_keys(self) -> int:
+        """How many keys the working DB's keys column family lists (iterated: no estimate)."""
+        it = self._keys.iter()
+        it.seek_to_first()
+        n = 0
+        while it.valid():
+            n += 1
+            it.next()
+        self._iter_status(it)
+        return n
+
+    def _iter_status(self, it) -> None:
+        try:
+            it.status()
+        except Exception as e:  # rocksdict raises plain Exception
+            raise StoreError(f"{self.name}: reading {self.path!r} failed: {e}; load another "
+                             "snapshot") from None
+
+    def _rebuild_keys(self, directory: str) -> int:
+        """Format 1 -> 2 in the working DB: put every key of the rows' column family into the
+        (new, empty) keys column family. Returns how many."""
+        it = self._db.iter()
+        it.seek_to_first()
+        n = 0
+        while True:
+            batch, count = self._rd.WriteBatch(raw_mode=True), 0
+            while it.valid() and count < _REBUILD_BATCH:
+                key = it.key()
+                if len(key) != 8:
+                    raise SnapshotError(
+                        f"{self.name}: snapshot {directory!r} holds a key of {len(key)} bytes "
+                        "(8 expected): it is not a table of this engine; load another snapshot")
+                batch.put(key, b"", self._keys_handle)
+                count += 1
+                it.next()
+            if count:
+                with self._io(f"listing {count} keys of an older snapshot"):
+                    self._db.write(batch, self._write_options)
+                n += count
+            if not it.valid():
+                self._iter_status(it)
+                return n
 
     def _remember_checksums(self, directory: str) -> None:
         """Take the CRC32s the snapshot's manifest records of its SSTs (the working DB links the

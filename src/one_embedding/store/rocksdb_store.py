@@ -38,13 +38,11 @@ from ..errors import StoreError
 from ..tiers import StoreTier, empty_lines
 from .direct_io import probe_direct_io
 from .durable import no_space_left
-from .rocksdb_snapshots import INFO_FILE, RocksDBSnapshots  # noqa: F401 - INFO_FILE: re-exported
+from .rocksdb_snapshots import INFO_FILE, KEYS_CF, RocksDBSnapshots  # noqa: F401 - INFO_FILE: re-exported
 
 DB_DIR = "rocksdb"
 #: the most ``flush(wait_idle=True)`` waits for RocksDB's flushes and compactions to settle
 IDLE_WAIT_SECONDS = 120.0
-#: the column family of the stored keys (empty values): the row count's existence checks
-KEYS_CF = "keys"
 _PARALLEL_KEYS = 1 << 13
 #: RocksDB's block cache (key blocks of both column families; rows are cached by the tiers
 #: above): small and fixed, so the RAM a stored key costs is the table readers' alone

@@ -1,0 +1,146 @@
+"""On-disk formats of older and newer versions: read correctly, or refused with a clear reason,
+never read as something else (an empty table, a damaged snapshot)."""
+import hashlib
+import json
+import os
+
+import numpy as np
+import pytest
+
+from one_embedding.errors import SnapshotError
+from one_embedding.store.rocksdb_store import INFO_FILE, RocksDBStore, encode_keys
+
+LINE = 6
+
+
+def _rows(n=700, seed=0):
+    rng = np.random.default_rng(seed)
+    keys = rng.choice(1 << 40, size=n, replace=False).astype(np.uint64)
+    return keys, rng.standard_normal((n, LINE)).astype(np.float32)
+
+
+def _legacy_rocksdb_snapshot(folder, keys, lines):
+    """A snapshot as one_embedding left it before the keys column family (28be611): a RocksDB
+    checkpoint whose default column family maps 8-byte big-endian keys to the raw float32 line,
+    and a rocksdb.json without a format field."""
+    import rocksdict as rd
+    work = os.path.join(os.path.dirname(folder), "legacy-work")
+    opts = rd.Options(raw_mode=True)
+    opts.create_if_missing(True)
+    db = rd.Rdict(work, opts)
+    batch = rd.WriteBatch(raw_mode=True)
+    raw = lines.tobytes()
+    for i, k in enumerate(encode_keys(keys)):
+        batch.put(k, raw[i * 4 * LINE:(i + 1) * 4 * LINE])
+    db.write(batch)
+    db.flush()
+    os.makedirs(folder)
+    rd.Checkpoint(db).create_checkpoint(os.path.join(folder, "db"))
+    db.close()
+    assert rd.Rdict.list_cf(os.path.join(folder, "db")) == ["default"]
+    files = {e: os.path.getsize(os.path.join(folder, "db", e))
+             for e in sorted(os.listdir(os.path.join(folder, "db")))}
+    with open(os.path.join(folder, INFO_FILE), "w") as f:
+        json.dump({"engine": "rocksdb", "line_size": LINE, "rows": len(keys), "db_files": files}, f)
+
+
+def _digest(folder):
+    out = {}
+    for d, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(d, name), "rb") as f:
+                out[os.path.relpath(os.path.join(d, name), folder)] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def _read_all(store):
+    parts = list(store.export_batches())
+    keys = np.concatenate([k for k, _ in parts]) if parts else np.empty(0, np.uint64)
+    lines = np.concatenate([v for _, v in parts]) if parts else np.empty((0, LINE), np.float32)
+    return keys, lines
+
+
+def test_a_rocksdb_snapshot_without_the_keys_column_family_loads_every_row_bit_for_bit(tmp_path):
+    keys, lines = _rows()
+    snap = str(tmp_path / "snap")
+    _legacy_rocksdb_snapshot(snap, keys, lines)
+    before = _digest(snap)
+    store = RocksDBStore(LINE, str(tmp_path / "store"))
+    try:
+        store.load_snapshot(snap)
+        assert len(store) == len(keys)
+        got_keys, got = _read_all(store)
+        order = np.argsort(keys)
+        np.testing.assert_array_equal(got_keys, keys[order])
+        np.testing.assert_array_equal(got.view(np.uint32), lines[order].view(np.uint32))
+        out = np.zeros((len(keys), LINE), np.float32)
+        assert store.find(keys, out, np.arange(len(keys))).size == 0
+        np.testing.assert_array_equal(out.view(np.uint32), lines.view(np.uint32))
+        # writes count exactly afterwards (the keys are listed), and a save is the new format
+        store.insert_or_assign(np.array([keys[0], 7], np.uint64), np.ones((2, LINE), np.float32))
+        assert len(store) == len(keys) + 1
+        os.makedirs(tmp_path / "resaved")
+        store.save_snapshot(str(tmp_path / "resaved"))
+    finally:
+        store.close()
+    assert _digest(snap) == before  # the user's snapshot is never written
+    with open(tmp_path / "resaved" / INFO_FILE) as f:
+        assert json.load(f)["format"] == 2
+    again = RocksDBStore(LINE, str(tmp_path / "store2"))
+    try:
+        again.load_snapshot(str(tmp_path / "resaved"))
+        assert len(again) == len(keys) + 1
+    finally:
+        again.close()
+
+
+def _head_snapshot(tmp_path, name="head"):
+    keys, lines = _rows(300)
+    store = RocksDBStore(LINE, str(tmp_path / "w"))
+    try:
+        store.insert_or_assign(keys, lines)
+        os.makedirs(tmp_path / name)
+        store.save_snapshot(str(tmp_path / name))
+    finally:
+        store.close()
+    return str(tmp_path / name), keys
+
+
+def _edit_info(folder, **changes):
+    path = os.path.join(folder, INFO_FILE)
+    with open(path) as f:
+        info = json.load(f)
+    for k, v in changes.items():
+        if v is None:
+            info.pop(k, None)
+        else:
+            info[k] = v
+    with open(path, "w") as f:
+        json.dump(info, f)
+
+
+def test_a_rocksdb_snapshot_of_a_newer_format_is_refused_as_newer(tmp_path):
+    snap, _ = _head_snapshot(tmp_path)
+    _edit_info(snap, format=3)
+    store = RocksDBStore(LINE, str(tmp_path / "store"))
+    try:
+        with pytest.raises(SnapshotError, match=r"newer one_embedding \(rocksdb format 3"):
+            store.load_snapshot(snap)
+    finally:
+        store.close()
+
+
+def test_a_rocksdb_snapshot_without_format_whose_keys_disagree_with_its_rows_is_refused(tmp_path):
+    """An older version writing into a current-layout DB added rows its keys family never
+    listed (500 of 1000 rows were read): without a format field the counts tell."""
+    snap, keys = _head_snapshot(tmp_path)
+    _edit_info(snap, format=None)
+    store = RocksDBStore(LINE, str(tmp_path / "store"))
+    try:
+        store.load_snapshot(snap)  # a current layout from before the format field: fine
+        assert len(store) == len(keys)
+        _edit_info(snap, rows=2 * len(keys))
+        with pytest.raises(SnapshotError, match="older one_embedding"):
+            store.load_snapshot(snap)
+    finally:
+        store.close()
