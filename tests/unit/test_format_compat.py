@@ -144,3 +144,21 @@ def test_a_rocksdb_snapshot_without_format_whose_keys_disagree_with_its_rows_is_
             store.load_snapshot(snap)
     finally:
         store.close()
+
+
+def test_a_serve_follower_reads_the_segments_of_a_format_2_slots_snapshot(tmp_path):
+    """slots.json format 2 names no block checksum (the legacy one): the follower's refresh
+    read its entries as format 3 and raised 'a segment entry ... is malformed' at every poll."""
+    from types import SimpleNamespace
+
+    from one_embedding.serving.predictor import _segment_infos
+    from one_embedding.store.segments import LEGACY_BLOCK_CHECKSUM
+
+    entry = {"id": 5, "slots": 256, "rows_bytes": 4096, "rows_crc32": 1, "keys_crc32": 2,
+             "sums_crc32": 3, "dead": 0, "dead_crc32": 0}
+    with open(tmp_path / "slots.json", "w") as f:
+        json.dump({"engine": "slots", "format": 2, "line_size": LINE, "pool": "../../segments",
+                   "segments": [entry]}, f)
+    rows = SimpleNamespace(store=SimpleNamespace(pool=object()))
+    (info,) = _segment_infos(rows, str(tmp_path))
+    assert (info.id, info.slots, info.block_checksum) == (5, 256, LEGACY_BLOCK_CHECKSUM)

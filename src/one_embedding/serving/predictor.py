@@ -35,6 +35,7 @@ from ..data.features import FeatureTransform
 from ..errors import ConfigError, InputError, SnapshotError
 from ..nn import inference
 from ..store.segments import SegmentInfo
+from ..store.slot_snapshots import READ_FORMATS
 from ..store.snapshots import SnapshotDirectory, lease, read_manifest, verify_files
 from .table import ServedTable
 
@@ -480,7 +481,9 @@ def _file_ids(served: _Served) -> set:
 
 
 def _segment_infos(rows, folder: str) -> list:
-    """The segments a slots snapshot in ``folder`` lists (``slots.json``), else []."""
+    """The segments a slots snapshot in ``folder`` lists (``slots.json``), else []. Each entry
+    is read as its snapshot's format wrote it (format 2 names no block checksum: the legacy
+    one), as the engine's own load reads it."""
     if rows.store is None or not hasattr(rows.store, "pool"):
         return []
     try:
@@ -488,7 +491,10 @@ def _segment_infos(rows, folder: str) -> list:
             layout = json.loads(f.read())
     except (OSError, ValueError):
         return []
-    return [SegmentInfo.from_dict(d) for d in layout.get("segments", [])]
+    fmt = layout.get("format") if isinstance(layout, dict) else None
+    if not isinstance(fmt, int) or fmt not in READ_FORMATS:
+        return []  # a format the engine refuses: its load says why
+    return [SegmentInfo.from_dict(d, READ_FORMATS[fmt]) for d in layout.get("segments", [])]
 
 
 def _check_new_segments(table: ServedTable, known: set) -> None:
