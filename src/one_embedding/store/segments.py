@@ -32,6 +32,7 @@ full disk fails when a segment is made, before a row moves) and mapped once, not
 """
 from __future__ import annotations
 
+import errno
 import os
 import re
 import zlib
@@ -196,8 +197,9 @@ class Segment:
         try:
             if self._keys.n < self.capacity:  # a failed seal cut it: allocate it again
                 _allocate(self.keys_fd, 0, 8 * self.capacity)
-                self._keys.unmap()
-                self._keys = MappedWords(self.path("keys"), self.capacity, self.pool.handles)
+                old, self._keys = self._keys, MappedWords(self.path("keys"), self.capacity,
+                                                          self.pool.handles)
+                old.unmap()
             data = np.ascontiguousarray(keys, np.uint64).tobytes()
             done = 0
             while done < len(data):
@@ -208,10 +210,13 @@ class Segment:
                                           "write the rows again")) from None
 
     def cut_keys(self) -> None:
-        """Cut the keys file to the slots written (sealing) and map just those."""
+        """Cut the keys file to the slots written (sealing) and map just those. The mapping of
+        the slots written comes first: after an interrupt anywhere here ``_keys.n`` is below
+        ``capacity`` whenever the file may be cut, so ``append_keys`` allocates it again."""
+        old, self._keys = self._keys, MappedWords(self.path("keys"), self.n_slots,
+                                                  self.pool.handles)
+        old.unmap()  # (mapped lazily: nothing maps the file past its cut)
         os.ftruncate(self.keys_fd, 8 * self.n_slots)
-        self._keys.unmap()
-        self._keys = MappedWords(self.path("keys"), self.n_slots, self.pool.handles)
 
     def fd(self) -> int:
         """The rows file's descriptor, opened again if the budget closed it (a caller that
@@ -302,16 +307,24 @@ class SegmentPool:
     # -- creating, sealing, opening ---------------------------------------------------------
     def create(self, seg_id: int, index: int, capacity: int) -> Segment:
         """A new, empty segment with room for ``capacity`` (<= segment_rows) rows preallocated
-        (a full disk fails here, before any row moves)."""
+        (a full disk fails here, before any row moves). Whatever stops it (an OSError, or a
+        KeyboardInterrupt anywhere), nothing of the segment stays behind: neither its
+        descriptors nor its files. The caller never asks twice for one ``seg_id``."""
         path = self.path(seg_id, "rows")
         try:
             fd, direct = open_block_file(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, self.direct,
                                          warn_as=self.folder)
         except OSError as e:
+            if e.errno == errno.EEXIST:
+                raise StoreError(
+                    f"cannot create the segment {path!r}: a file of that name exists already "
+                    "(another process or store writes segments into the same folder? give each "
+                    "its own persistent_path)") from None
             raise too_many_open_files(path, e) or StoreError(
                 f"cannot create the segment {path!r} ({e.strerror or e}): give a "
                 "persistent_path this process can write") from None
         keys_path = self.path(seg_id, "keys")
+        keys_fd = seg = None
         try:
             _allocate(fd, 0, self.blocks_for(capacity) * self.block_bytes)
             if direct and not check_alignment(fd, self.block_bytes):
@@ -321,32 +334,47 @@ class SegmentPool:
                 direct = False
                 warn_buffered(self.folder, f"O_DIRECT refuses {self.block_bytes}-byte blocks here")
             keys_fd = os.open(keys_path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                _allocate(keys_fd, 0, 8 * capacity)
-            except OSError:
-                os.close(keys_fd)
-                os.unlink(keys_path)
+            _allocate(keys_fd, 0, 8 * capacity)
+            seg = Segment(self, seg_id, index, fd, direct, False, 0, True, capacity,
+                          self.block_checksum, self.folder)
+            seg._sums_ram = np.zeros(self.blocks_for(capacity), np.uint64)
+            seg.keys_fd = keys_fd
+            seg._keys = MappedWords(keys_path, capacity, self.handles)
+            self.handles.file_used([seg])
+        except BaseException as e:
+            if seg is not None:
+                seg.close()  # its descriptors (and the budget's note of them)
+            else:
+                for d in (fd, keys_fd):
+                    if d is not None:
+                        os.close(d)
+            for p in (path, keys_path):  # (the rows file is ours: O_EXCL; so is the id)
+                try:
+                    os.unlink(p)
+                except OSError:  # never made, or not a file (EISDIR): nothing of ours there
+                    pass
+            if not isinstance(e, OSError):
                 raise
-        except OSError as e:
-            # nothing of the segment stays behind: neither its descriptors nor its files
-            if fd is not None:
-                os.close(fd)
-            os.unlink(path)
             raise too_many_open_files(path, e) or StoreError(write_failed(
                 "allocating the segment", path, e, "train on or save again (or move "
                 "persistent_path to a bigger disk); the rows held so far are unchanged")) from None
         self.direct = direct
-        seg = Segment(self, seg_id, index, fd, direct, False, 0, True, capacity,
-                      self.block_checksum, self.folder)
-        seg._sums_ram = np.zeros(self.blocks_for(capacity), np.uint64)
-        seg.keys_fd = keys_fd
-        seg._keys = MappedWords(keys_path, capacity, self.handles)
-        self.handles.file_used([seg])
         return seg
 
     def seal(self, seg: Segment) -> SegmentInfo:
         """Make ``seg`` immutable and durable: its rows file cut to the blocks used and synced,
-        its keys (and tombstones) written and synced. Returns what a snapshot records of it."""
+        its keys (and tombstones) written and synced. Returns what a snapshot records of it.
+
+        Two steps, each safe to run again after an interrupt anywhere in it: the files (until
+        ``seg.info`` is set, the segment is active and whole: anything that stops this step
+        leaves it so, to be sealed again), then the switch of ``seg`` to sealed, which only
+        reads ``seg.info``. A segment whose ``info`` is set takes no more rows: the caller
+        finishes the seal (calls this again) before it writes."""
+        if seg.info is None:
+            self._seal_files(seg)
+        return self._finish_seal(seg)
+
+    def _seal_files(self, seg: Segment) -> None:
         n_blocks = self.blocks_for(seg.n_slots)
         rows_crc = seg.rows_crc  # the segment's own only once every write below succeeded
         if seg.tail is not None:  # the partly filled last block is final now
@@ -365,18 +393,27 @@ class SegmentPool:
         os.fsync(seg.keys_fd)
         keys_crc = zlib.crc32(seg.keys[:seg.n_slots]) if seg.n_slots else 0
         fsync_dir(self.folder)
+        # the one assignment that makes it sealed (what follows only reads it)
         seg.info = SegmentInfo(seg.id, seg.n_slots, n_blocks * self.block_bytes, rows_crc,
                                keys_crc, zlib.crc32(sums.tobytes()),
                                int(dead.shape[0]),
                                zlib.crc32(dead.tobytes()) if dead.shape[0] else 0,
                                seg.checksum)
-        seg.rows_crc, seg.crc_blocks = rows_crc, n_blocks
+
+    def _finish_seal(self, seg: Segment) -> SegmentInfo:
+        """The RAM side of a seal whose files are written (``seg.info`` set): idempotent."""
+        info = seg.info
+        n_blocks = info.rows_bytes // self.block_bytes
+        seg.rows_crc, seg.crc_blocks = info.rows_crc32, n_blocks
         seg.sealed, seg.tail, seg.dead = True, None, []
-        os.close(seg.keys_fd)
-        seg.keys_fd = None
-        seg._sums_map = MappedWords(self.path(seg.id, "sums"), n_blocks, self.handles)
+        if seg.keys_fd is not None:
+            fd = seg.keys_fd
+            seg.keys_fd = None  # first: an interrupt may leak it, never close it twice
+            os.close(fd)
+        if seg._sums_map is None:
+            seg._sums_map = MappedWords(self.path(seg.id, "sums"), n_blocks, self.handles)
         seg._sums_ram = None
-        return seg.info
+        return info
 
     def check(self, info: SegmentInfo, folder: str, block_bytes: int, full: bool = False) -> None:
         """Raise SnapshotError unless the files of ``info`` in ``folder`` (written with blocks of

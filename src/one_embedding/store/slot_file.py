@@ -182,9 +182,15 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         return out
 
     def _take_index(self) -> int:
-        if self._free_indices:
-            return self._free_indices.pop()
+        """A directory index no live segment holds (the free list is a hint: an interrupt may
+        leave one there twice, or one that a live segment holds)."""
+        while self._free_indices:
+            index = self._free_indices.pop()
+            if index not in self._segments:
+                return index
         index = len(self._segments)
+        while index in self._segments:  # an index an interrupt kept off the free list
+            index += 1
         if (index + 1) * self.pool.segment_rows - 1 > MAX_LOCATION:
             raise StoreError(f"{self.name}: {index} live segments of {self.pool.segment_rows} rows "
                              "fill the 32-bit location space of the directory")
@@ -199,9 +205,9 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         locs = np.empty(n, np.int64)
         done = 0
         while done < n:
-            seg = self._active
+            seg = self._writable_active()
             if seg is None:
-                seg = self._active = self._new_segment()
+                seg = self._new_segment()
             take = min(seg.capacity - seg.n_slots, n - done)
             if take == 0:
                 self._seal_active()
@@ -219,15 +225,42 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         index = self._take_index()
         want = max(1024, len(self._index) // 8)
         capacity = min(self.pool.segment_rows, 1 << (want - 1).bit_length())
+        # the id is used up before its files may exist: an interrupt anywhere below never makes
+        # the next segment ask for a name that is taken (its files, if any, go at the next GC)
+        seg_id = self._next_id
+        self._next_id = seg_id + 1
         try:
-            seg = self.pool.create(self._next_id, index, capacity)
+            seg = self.pool.create(seg_id, index, capacity)
         except BaseException:
-            # the index goes back: lost, the next segment would take a live one's (len(...))
-            self._free_indices.append(index)
+            self._free_indices.append(index)  # (only a hint: _take_index checks it)
             raise
-        self._next_id += 1
+        # active first: an active segment outside the live table is dropped (_writable_active),
+        # a live unsealed one that is not active would have no info to save
+        self._active = seg
         self._add(seg)
         return seg
+
+    def _writable_active(self):
+        """The active segment, or None: what an interrupt left half done is finished first (a
+        seal whose files are written is completed; a segment that is not in the live table, or
+        no longer, is dropped)."""
+        seg = self._active
+        if seg is None:
+            return None
+        if self._segments.get(seg.index) is not seg:
+            self._drop_stray_active(seg)
+            return None
+        if seg.info is not None:  # sealed on disk: no row may go there any more
+            self._seal_active()
+            return None
+        return seg
+
+    def _drop_stray_active(self, seg) -> None:
+        """``seg`` is active but not in the live table (an interrupt between the two steps of
+        making or forgetting it): it holds no row a key points at; closed (again: idempotent),
+        its files go at the next GC."""
+        self._active = None
+        seg.close()
 
     def _add(self, seg) -> None:
         self._segments[seg.index] = seg
@@ -235,24 +268,33 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         self._legacy = None
 
     def _seal_active(self) -> None:
-        seg, self._active = self._active, None
+        """Seal the active segment (an empty one just leaves). It stays the active one until
+        the seal is complete: whatever stops it (a full disk, a KeyboardInterrupt), the next
+        save (or write) seals it again, or finishes the seal (``SegmentPool.seal``)."""
+        seg = self._active
         if seg is None:
             return
-        if seg.n_slots == 0 and not seg.dead:
+        if self._segments.get(seg.index) is not seg:  # an interrupted _forget / _new_segment
+            self._drop_stray_active(seg)
+            return
+        if seg.info is None and seg.n_slots == 0 and not seg.dead:
             self._forget(seg)
+            self._active = None
             return
         try:
             self.pool.seal(seg)
-        except OSError as e:
-            self._active = seg  # still active and whole: sealed again by the next save
+        except OSError as e:  # still active and whole: sealed again by the next save
             raise StoreError(f"{self.name}: " + write_failed(
                 "sealing the segment", seg.path("rows"), e, "save again")) from None
+        self._active = None
 
     def _forget(self, seg) -> None:
-        """Take ``seg`` out of the live table and close it (its files stay until GC)."""
+        """Take ``seg`` out of the live table and close it (its files stay until GC). Leaving
+        the live table is the first step: an interrupt after it costs a directory index at
+        most (``_take_index`` does not trust the free list)."""
         del self._segments[seg.index]
-        self._free_indices.append(seg.index)
         self._slots_total -= seg.n_slots
+        self._free_indices.append(seg.index)
         self._legacy = None
         seg.close()
 
@@ -323,12 +365,13 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         held = pos >= 0
         if not held.any():
             return 0
-        if self._active is None:  # first: a full disk fails here, before a key goes
-            self._active = self._new_segment()
+        active = self._writable_active()
+        if active is None:  # first: a full disk fails here, before a key goes
+            active = self._new_segment()
         self._count_live(self._index.locations_at(pos[held]), -1)
         self._index.erase_at(pos[held])
-        at = self._active.n_slots
-        self._active.dead.extend((int(k), at) for k in keys[held])
+        at = active.n_slots
+        active.dead.extend((int(k), at) for k in keys[held])
         self._maybe_compact()
         return int(held.sum())
 
@@ -342,11 +385,13 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
             yield keys[start:stop], self.read_locations(locs[start:stop])
 
     def clear(self) -> None:
-        """Drop every row: the live table becomes empty (its segments go at the next GC)."""
-        self._active = None
+        """Drop every row: the live table becomes empty (its segments go at the next GC). The
+        directory goes first: after an interrupt anywhere here the rows still live are garbage
+        no key points at."""
+        self._index.clear()
         for seg in list(self._segments.values()):
             self._forget(seg)
-        self._index.clear()
+        self._active = None
         self._broken = None
         self.collect_garbage()
 
@@ -407,10 +452,11 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
             dead = self.pool.read_dead(seg.info, self.pool.folder)
             if dead.shape[0]:
                 gone = self._index.positions(dead[:, 0], self._keys_of) < 0
-                if self._active is None:
-                    self._active = self._new_segment()
-                at = self._active.n_slots
-                self._active.dead.extend((int(k), at) for k in dead[gone, 0])
+                active = self._writable_active()
+                if active is None:
+                    active = self._new_segment()
+                at = active.n_slots
+                active.dead.extend((int(k), at) for k in dead[gone, 0])
         self.io_counts["compactions"] += 1
         self._forget(seg)
 
@@ -420,9 +466,9 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         owner: the files are the owner's, still in use (a child's exit deleted them)."""
         if self._io is None or os.getpid() != self._owner_pid:
             return
-        self._active = None
         for seg in list(self._segments.values()):
             self._forget(seg)
+        self._active = None
         try:
             self.collect_garbage()
         except OSError:

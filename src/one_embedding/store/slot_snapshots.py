@@ -77,6 +77,11 @@ class SlotSnapshots:
         try:
             self._seal_active()
             live = sorted(self._segments.values(), key=lambda s: s.id)
+            for seg in live:
+                if seg.info is None or not seg.sealed:
+                    # unsealed yet not active: left by an interrupt (a KeyboardInterrupt between
+                    # two steps of a clear or a load); sealing it is right whatever it holds
+                    self.pool.seal(seg)
             layout = {"engine": "slots", "format": FORMAT, "line_size": self.line_size,
                       "rows": len(self._index), "rows_per_block": self.pool.rows_per_block,
                       "block_bytes": self.pool.block_bytes,
@@ -138,13 +143,14 @@ class SlotSnapshots:
             self.pool.check(info, pool_dir, layout["block_bytes"])
         by_id = {s.id: s for s in self._segments.values() if s.sealed and s.owned and own}
         old = [s for s in self._segments.values() if s.id not in {i.id for i in infos} or not own]
-        self._active = None
-        for seg in old:
-            self._forget(seg)
-        self.pool.adopt(layout["rows_per_block"], layout["block_bytes"], layout["segment_rows"])
-        self._index.clear()
-        self._broken = None
-        try:
+        try:  # whatever stops it (a KeyboardInterrupt too), the live table ends up empty
+            self._index.clear()
+            for seg in old:
+                self._forget(seg)
+            self._active = None
+            self.pool.adopt(layout["rows_per_block"], layout["block_bytes"],
+                            layout["segment_rows"])
+            self._broken = None
             for info in infos:
                 if info.id not in by_id:
                     seg = self.pool.open_sealed(info, self._take_index(), pool_dir, own)
