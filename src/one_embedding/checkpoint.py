@@ -30,7 +30,8 @@ import numpy as np
 from .errors import LockedError, SnapshotError
 from .store.durable import fsync_path
 from .store.lock import PathLock
-from .store.snapshots import MANIFEST, SnapshotDirectory, read_manifest, verify_files
+from .store.snapshots import (MANIFEST, NewerFormatError, SnapshotDirectory, read_manifest,
+                              verify_files)
 
 log = logging.getLogger("one_embedding.checkpoint")
 
@@ -120,12 +121,16 @@ def load_checkpoint(name: str, embedding, *, model=None, optimizer=None, lr_sche
 def checkpoints(rank_folder: str, damaged: list | None = None) -> list[tuple[int, str]]:
     """The (step, name) of every complete checkpoint in a rank folder ``<path>/<r>-<P>``,
     oldest first. Snapshots without training state, or with a damaged manifest, are left out
-    (the latter's SnapshotErrors appended to ``damaged`` when given)."""
+    (the latter's SnapshotErrors appended to ``damaged`` when given). One written by a newer
+    one_embedding raises its NewerFormatError: a resume must neither go back past it nor call
+    the folder empty (its advice, --overwrite, would delete it), and pruning must not delete it."""
     snaps = SnapshotDirectory(rank_folder, create=False)
     found = []
     for name in snaps.names():
         try:
             manifest = read_manifest(snaps.path(name), name)
+        except NewerFormatError:
+            raise
         except SnapshotError as e:
             if damaged is not None:
                 damaged.append(e)

@@ -19,7 +19,7 @@ import numpy as np
 
 from .chain import open_store_for_snapshot
 from .errors import SnapshotError, StoreError
-from .store.snapshots import MANIFEST, SnapshotDirectory, lease
+from .store.snapshots import MANIFEST, NewerFormatError, SnapshotDirectory, lease
 
 
 def _snapshot_roots(path: str) -> list[str]:
@@ -39,7 +39,8 @@ def _snapshot_roots(path: str) -> list[str]:
 def inspect_path(path: str, name: str | None = None, rows: int = 3,
                  quick: bool = False) -> list[dict]:
     """One dict per snapshot under ``path`` (or only ``name``): ``"status"`` "ok" with its
-    manifest fields and ``rows`` sample lines, or "damaged" with ``"error"`` saying why.
+    manifest fields and ``rows`` sample lines, "damaged" with ``"error"`` saying why, or
+    "newer" (written by a newer one_embedding, in a format this version does not read).
     quick: check shared data by size and key checksums only (as a load does), not every byte."""
     out = []
     for root in _snapshot_roots(path):
@@ -47,6 +48,8 @@ def inspect_path(path: str, name: str | None = None, rows: int = 3,
         for snap in [name] if name else _published(snaps):
             try:
                 out.append(_inspect_one(root, snaps, snap, rows, quick))
+            except NewerFormatError as e:  # not damage: nothing this version can check
+                out.append({"path": root, "snapshot": snap, "status": "newer", "error": str(e)})
             except SnapshotError as e:
                 if name and not os.path.isdir(snaps.path(name)):
                     raise  # no such snapshot: a usage error, not damage

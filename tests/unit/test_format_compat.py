@@ -162,3 +162,47 @@ def test_a_serve_follower_reads_the_segments_of_a_format_2_slots_snapshot(tmp_pa
     rows = SimpleNamespace(store=SimpleNamespace(pool=object()))
     (info,) = _segment_infos(rows, str(tmp_path))
     assert (info.id, info.slots, info.block_checksum) == (5, 256, LEGACY_BLOCK_CHECKSUM)
+
+
+def _run_with_newer_checkpoint(tmp_path):
+    """A run folder whose only checkpoint a newer one_embedding wrote (manifest format_version
+    2, sealed as that version would seal it)."""
+    import one_embedding as oe
+    from one_embedding.store.snapshots import MANIFEST, _manifest_crc
+
+    path = tmp_path / "run"
+    tables = [oe.make_table_options(oe.make_uniform_initializer(-0.05, 0.05))]
+    store = oe.make_cached_ssd_store_options(0.01, str(path), size_factor=2, engine="rocksdb")
+    emb = oe.MultiTableEmbedding("r", 4, np.float32, np.int64, tables, store)
+    emb(np.arange(8, dtype=np.int64).reshape(-1, 1))
+    emb.save_snapshot("step-10")
+    emb.close()
+    mpath = path / "0-1" / "snapshots" / "step-10" / MANIFEST
+    with open(mpath) as f:
+        m = json.load(f)
+    m["format_version"] = 2
+    m["checkpoint"] = {"step": 10}
+    m.pop("manifest_crc32", None)
+    m["manifest_crc32"] = _manifest_crc(m)
+    with open(mpath, "w") as f:
+        json.dump(m, f)
+    return str(path)
+
+
+def test_a_checkpoint_of_a_newer_version_is_called_newer_never_damaged_or_absent(tmp_path):
+    from one_embedding.checkpoint import checkpoints, why_no_checkpoint
+    from one_embedding.inspect_snapshot import inspect_path
+    from one_embedding.serving import Predictor
+
+    path = _run_with_newer_checkpoint(tmp_path)
+    newer = r"newer one_embedding \(format 2; this version reads 1\): upgrade"
+    # resume (newest_checkpoint / why_no_checkpoint go through checkpoints()): never "no
+    # complete checkpoint ... --overwrite", which would delete the newer version's checkpoints
+    with pytest.raises(SnapshotError, match=newer):
+        checkpoints(os.path.join(path, "0-1"))
+    with pytest.raises(SnapshotError, match=newer):
+        why_no_checkpoint(path)
+    with pytest.raises(SnapshotError, match=newer):
+        Predictor(path, cache_mb=1, scratch=str(tmp_path / "scratch"))
+    (found,) = inspect_path(path)
+    assert found["status"] == "newer" and "upgrade" in found["error"]

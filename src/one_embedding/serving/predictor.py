@@ -36,7 +36,8 @@ from ..errors import ConfigError, InputError, SnapshotError
 from ..nn import inference
 from ..store.segments import SegmentInfo
 from ..store.slot_snapshots import READ_FORMATS
-from ..store.snapshots import SnapshotDirectory, lease, read_manifest, verify_files
+from ..store.snapshots import (NewerFormatError, SnapshotDirectory, lease, read_manifest,
+                               verify_files)
 from .table import ServedTable
 
 log = logging.getLogger("one_embedding.serve")
@@ -55,9 +56,11 @@ class _Gone(Exception):
     """A checkpoint deleted (or replaced) between the listing and its lease."""
 
 
-def _checkpoint_sets(path: str, name: str | None) -> list[tuple]:
+def _checkpoint_sets(path: str, name: str | None, newer: list | None = None) -> list[tuple]:
     """Every complete checkpoint under ``path``: (step, created, name, [folder per rank]) for
-    each name that every rank of some world holds (with ``name`` given: only that name)."""
+    each name that every rank of some world holds (with ``name`` given: only that name).
+    ``newer``: collects the NewerFormatError of each snapshot a newer version wrote (left out,
+    as damaged ones are, but worth saying when nothing else is there)."""
     found = []
     for world, ranks in rank_folders(path).items():
         if sorted(ranks) != list(range(world)):
@@ -71,6 +74,10 @@ def _checkpoint_sets(path: str, name: str | None) -> list[tuple]:
                     continue
                 try:
                     manifest = read_manifest(snaps.path(snap), snap)
+                except NewerFormatError as e:
+                    if newer is not None:
+                        newer.append(e)
+                    continue
                 except SnapshotError:
                     continue
                 step = (manifest.get("checkpoint") or {}).get("step")
@@ -146,7 +153,11 @@ class Predictor:
                 pass                # the next refresh says so; a newer one is still awaited
             return
         for _ in range(2):  # a second listing if every checkpoint listed was deleted meanwhile
-            sets = _checkpoint_sets(self.path, snapshot)
+            newer: list = []
+            sets = _checkpoint_sets(self.path, snapshot, newer)
+            if not sets and newer:
+                raise NewerFormatError(f"{self.path!r} holds checkpoints only a newer "
+                                       f"one_embedding reads: {newer[0]}")
             if not sets:
                 others = sorted({c[2] for c in _checkpoint_sets(self.path, None)}) \
                     if snapshot else []

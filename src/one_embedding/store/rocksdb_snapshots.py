@@ -31,7 +31,7 @@ import shutil
 from ..errors import SnapshotError, StoreError
 from .durable import (copy_file, file_crc32, fsync_dir, fsync_path, no_space_left,
                       write_bytes_atomic)
-from .snapshots import read_manifest
+from .snapshots import NewerFormatError, read_manifest
 
 INFO_FILE = "rocksdb.json"
 #: the layout ``rocksdb.json`` records as ``format``: 1 = rows only (before the keys column
@@ -129,7 +129,7 @@ class RocksDBSnapshots:
                 f"{self.name}: snapshot {directory!r} is damaged: {INFO_FILE} records format "
                 f"{fmt!r}, which no one_embedding writes; load another snapshot")
         if fmt is not None and fmt > ROCKSDB_FORMAT:
-            raise SnapshotError(
+            raise NewerFormatError(
                 f"{self.name}: rocksdb snapshot {directory!r} was written by a newer "
                 f"one_embedding (rocksdb format {fmt}; this version reads up to "
                 f"{ROCKSDB_FORMAT}): upgrade one_embedding to read it")

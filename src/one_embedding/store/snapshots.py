@@ -48,6 +48,11 @@ from ..errors import SnapshotError
 from .durable import disk_full, file_crc32, fsync_dir, write_bytes_atomic
 
 FORMAT_VERSION = 1
+
+
+class NewerFormatError(SnapshotError):
+    """A snapshot written by a newer one_embedding, in a format this version does not read: not
+    damage (nothing is wrong with it), and never a reason to delete or overwrite it."""
 MANIFEST = "manifest.json"
 #: the manifest field holding the CRC32 of the rest of the manifest
 MANIFEST_CRC = "manifest_crc32"
@@ -86,9 +91,14 @@ def read_manifest(folder: str, name: str) -> dict:
         raise SnapshotError(f"snapshot {name!r}: {mpath} is damaged ({e}); load another "
                             "snapshot") from None
     version = manifest.get("format_version")
+    if isinstance(version, int) and not isinstance(version, bool) and version > FORMAT_VERSION:
+        raise NewerFormatError(
+            f"snapshot {name!r} ({folder}) was written by a newer one_embedding (format "
+            f"{version}; this version reads {FORMAT_VERSION}): upgrade one_embedding to read it")
     if version != FORMAT_VERSION:
-        raise SnapshotError(f"snapshot {name!r} has format_version {version!r}; this library "
-                            f"reads {FORMAT_VERSION}")
+        raise SnapshotError(f"snapshot {name!r}: {mpath} is damaged: format_version {version!r} "
+                            f"is none one_embedding writes (this version reads "
+                            f"{FORMAT_VERSION}); load another snapshot")
     # manifests written before the checksum existed have none: they are read as they are
     if MANIFEST_CRC in manifest and manifest[MANIFEST_CRC] != _manifest_crc(manifest):
         raise SnapshotError(f"snapshot {name!r}: {mpath} fails its own checksum (damaged); "
