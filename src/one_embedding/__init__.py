@@ -3,7 +3,11 @@
 Numpy is the CPU backend and the reference; CuPy the GPU backend. ``import one_embedding`` never
 imports cupy.
 """
-from . import metrics, models, nn, optim, serving
+from ._numba_cache import ensure_writable_numba_cache
+
+ensure_writable_numba_cache()   # before numba is imported: it reads NUMBA_CACHE_DIR once
+
+from . import metrics, models, nn, optim, serving  # noqa: E402
 from .embedding import MultiTableEmbedding, MultiTableMultiColumnEmbedding
 from .errors import (
     CapacityError,
