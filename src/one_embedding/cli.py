@@ -285,6 +285,9 @@ def cmd_serve(args) -> int:
         except ImportError as e:
             raise ConfigError(f"--grpc-port needs the serve extra ({e.name} is missing): pip "
                               "install 'one_embedding[serve]'") from None
+        except RuntimeError as e:   # tritonclient's generated code checks grpcio's version
+            raise ConfigError(f"--grpc-port: {e}; upgrade them together: pip install -U "
+                              "'one_embedding[serve]'") from None
     if args.wait_for_checkpoint and args.poll_seconds == 0:
         raise ConfigError("--wait-for-checkpoint with --poll-seconds 0 would wait for ever: the "
                           "first checkpoint is found by polling (give --poll-seconds > 0)")
@@ -520,7 +523,11 @@ def _end_job(code: int) -> int:
         from .parallel.comm import default_comm
 
         sys.stderr.flush()
-        default_comm().abort(code)
+        try:
+            comm = default_comm()
+        except OneEmbeddingError:   # no MPI to end the job with (its absence was the error)
+            return code
+        comm.abort(code)
     return code
 
 

@@ -4,6 +4,7 @@ negative --rows was taken, and a bad line's advice named only the Python argumen
 import pytest
 
 from one_embedding import cli
+from one_embedding.errors import ConfigError
 
 
 @pytest.mark.parametrize("kind", ["missing", "file"])
@@ -46,3 +47,19 @@ def test_a_bad_line_names_the_cli_flag_that_skips_it(tmp_path, capsys):
     bad.write_text("x\ty\n")
     assert cli.main(["train", "--data", str(bad), "--steps", "1", "--no-progress"]) == 2
     assert "(--on-bad-line skip)" in capsys.readouterr().err
+
+
+def test_a_launched_job_without_mpi4py_says_so_once_and_exits_2(monkeypatch, capsys):
+    """Under a system mpiexec with no mpi4py the clear message was followed by a traceback of
+    the same error and exit status 1: ending the job tried to build the MPI communicator again
+    (found by a fault campaign)."""
+    from one_embedding.parallel import comm
+
+    def no_mpi():
+        raise ConfigError("several ranks need mpi4py: pip install 'one_embedding[mpi]'")
+
+    monkeypatch.setattr(comm, "launched_world_size", lambda: 2)
+    monkeypatch.setattr(comm, "default_comm", no_mpi)
+    assert cli.main(["train", "--steps", "2", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "several ranks need mpi4py" in err and "Traceback" not in err
