@@ -78,12 +78,15 @@ def _inspect_one(root: str, snaps: SnapshotDirectory, snap: str, rows: int, quic
     stored = line + int(manifest.get("lifecycle_columns", 0))  # + last-seen step, frequency
     with lease(folder), tempfile.TemporaryDirectory() as scratch:
         store = open_store_for_snapshot(manifest["engine"], stored, scratch)
+        legacy = _legacy_slots(manifest, folder)
         try:
-            store.verify_snapshot(folder, full=not quick)
+            if not legacy:
+                store.verify_snapshot(folder, full=not quick)
             store.load_snapshot(folder)
             keys, lines = next(store.export_batches(max(1, rows)),
                                (np.empty(0, np.uint64), np.empty((0, stored))))
-            referenced = store.referenced_bytes(folder)
+            # a format-1 slots snapshot shares nothing: its rows are in its folder
+            referenced = 0 if legacy else store.referenced_bytes(folder)
         finally:
             store.close()
     sample = [{"key": int(k), "embedding": np.round(v[:e], 6).tolist(),
@@ -97,9 +100,22 @@ def _inspect_one(root: str, snaps: SnapshotDirectory, snap: str, rows: int, quic
                                         "embedding_dims", "line_size", "row_count",
                                         "created_unix", "store_stats", "lifecycle")},
         "lifecycle_columns": stored - line,
+        **({"slots_format": 1} if legacy else {}),  # read as loads read it
         "bytes_on_disk": _tree_bytes(folder) + referenced,
         "rows": sample,
     }
+
+
+def _legacy_slots(manifest: dict, folder: str) -> bool:
+    """Whether ``folder`` holds a slots snapshot of format 1 (``layout.json``, ``keys.npy``,
+    ``slots.npy`` and a copy of ``rows.bin``; no ``slots.json``), which loads read (copying its
+    rows into segments). It shares no segment, so the manifest's CRC32s of its own files (checked
+    by ``SnapshotDirectory.open``) cover all its data, and the engine's own checks of shared
+    segments (``verify_snapshot``, ``referenced_bytes``, which read slots.json) have nothing to
+    check."""
+    return manifest.get("engine") == "ssd.slots" and \
+        not os.path.isfile(os.path.join(folder, "slots.json")) and \
+        os.path.isfile(os.path.join(folder, "layout.json"))
 
 
 def _tree_bytes(folder: str) -> int:

@@ -206,3 +206,64 @@ def test_a_checkpoint_of_a_newer_version_is_called_newer_never_damaged_or_absent
         Predictor(path, cache_mb=1, scratch=str(tmp_path / "scratch"))
     (found,) = inspect_path(path)
     assert found["status"] == "newer" and "upgrade" in found["error"]
+
+
+def _format1_slots_run(tmp_path):
+    """A slots run whose snapshot 's' has the format-1 layout (2bf9b1a and before): layout.json,
+    keys.npy, slots.npy and a copy of rows.bin in the snapshot folder, no slots.json."""
+    import one_embedding as oe
+    from one_embedding.store.snapshots import MANIFEST, _manifest_crc
+
+    path = tmp_path / "run"
+    tables = [oe.make_table_options(oe.make_uniform_initializer(-0.05, 0.05))]
+    store = oe.make_cached_ssd_store_options(0.01, str(path), size_factor=2, engine="slots")
+    emb = oe.MultiTableEmbedding("r", 4, np.float32, np.int64, tables, store)
+    emb.save_snapshot("s")
+    emb.close()
+    folder = path / "0-1" / "snapshots" / "s"
+    with open(folder / MANIFEST) as f:
+        m = json.load(f)
+    line, n, block = m["line_size"], 40, 4096
+    rpb = block // (4 * line)
+    keys = np.arange(100, 100 + n, dtype=np.uint64)
+    slots = np.arange(n, dtype=np.uint64)[::-1].copy()  # rows stored out of key order
+    lines = np.random.default_rng(0).standard_normal((n, line)).astype(np.float32)
+    rows = np.zeros((-(-n // rpb) * rpb, line), np.float32)
+    rows[slots.astype(np.int64)] = lines
+    os.remove(folder / "slots.json")
+    np.save(folder / "keys.npy", keys)
+    np.save(folder / "slots.npy", slots)
+    rows.tofile(folder / "rows.bin")
+    with open(folder / "layout.json", "w") as f:
+        json.dump({"engine": "slots", "line_size": line, "rows": n, "rows_per_block": rpb,
+                   "block_bytes": block}, f)
+    import zlib
+    m["files"] = {}
+    for name in ("keys.npy", "layout.json", "rows.bin", "slots.npy"):
+        data = (folder / name).read_bytes()
+        m["files"][name] = {"bytes": len(data), "crc32": zlib.crc32(data)}
+    m["row_count"] = n
+    m.pop("manifest_crc32", None)
+    m["manifest_crc32"] = _manifest_crc(m)
+    with open(folder / MANIFEST, "w") as f:
+        json.dump(m, f)
+    return str(path), keys, lines
+
+
+@pytest.mark.parametrize("quick", [False, True])
+def test_inspect_reads_a_format_1_slots_snapshot_as_load_does(tmp_path, quick):
+    from one_embedding.inspect_snapshot import inspect_path
+
+    path, keys, lines = _format1_slots_run(tmp_path)
+    (found,) = inspect_path(path, rows=5, quick=quick)
+    assert found["status"] == "ok", found.get("error")
+    assert found["row_count"] == len(keys)
+    assert [r["key"] for r in found["rows"]] == keys[:5].tolist()
+    np.testing.assert_allclose([r["embedding"] + r["state"] for r in found["rows"]],
+                               np.round(lines[:5], 6), atol=1e-6)
+    # damage to the format-1 files is still found (the manifest's CRC32s of the folder's files)
+    with open(os.path.join(path, "0-1", "snapshots", "s", "rows.bin"), "r+b") as f:
+        f.seek(8)
+        f.write(b"\xff\xff\xff\xff")
+    (found,) = inspect_path(path, quick=quick)
+    assert found["status"] == "damaged" and "rows.bin" in found["error"]
