@@ -192,10 +192,13 @@ def cmd_inspect(args) -> int:
     found = inspect_path(args.path, args.name, 3 if args.rows is None else args.rows,
                          quick=args.quick)
     print(json.dumps(found, indent=1, default=str) if args.json else format_inspection(found))
-    damaged = [s for s in found if s["status"] == "damaged"]
-    for s in damaged:
-        print(f"one-embedding inspect: damaged: {s['error']}", file=sys.stderr)
-    return 1 if damaged else 0
+    # a snapshot this version cannot read (damaged, or written by a newer one_embedding) is
+    # named on stderr, and the exit status says so
+    unreadable = [s for s in found if s["status"] in ("damaged", "newer")]
+    for s in unreadable:
+        what = "damaged" if s["status"] == "damaged" else "written by a newer version"
+        print(f"one-embedding inspect: {what}: {s['error']}", file=sys.stderr)
+    return 1 if unreadable else 0
 
 
 def _sample_rows(text: str) -> int:

@@ -267,3 +267,12 @@ def test_inspect_reads_a_format_1_slots_snapshot_as_load_does(tmp_path, quick):
         f.write(b"\xff\xff\xff\xff")
     (found,) = inspect_path(path, quick=quick)
     assert found["status"] == "damaged" and "rows.bin" in found["error"]
+
+
+def test_inspect_names_a_newer_versions_checkpoint_on_stderr_and_exits_1(tmp_path, capsys):
+    from one_embedding import cli
+
+    path = _run_with_newer_checkpoint(tmp_path)
+    assert cli.main(["inspect", path]) == 1   # a script sees it cannot be read here
+    err = capsys.readouterr().err
+    assert "inspect: written by a newer version:" in err and "upgrade" in err
