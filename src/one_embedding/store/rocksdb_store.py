@@ -96,8 +96,16 @@ def _keys_options(rd, direct: bool, cache):
     return opts
 
 
+#: RocksDB's info LOG (one_embedding does not read it): rolled at this size, with
+#: INFO_LOG_KEEP old ones kept; unbounded, it grew ~31 KB per snapshot for as long as a run went
+INFO_LOG_BYTES = 1 << 20
+INFO_LOG_KEEP = 2
+
+
 def _db_options(rd, write_buffer_mb: int, cache, direct: bool):
     opts = rd.Options(raw_mode=True)
+    opts.set_max_log_file_size(INFO_LOG_BYTES)
+    opts.set_keep_log_file_num(INFO_LOG_KEEP)
     opts.create_missing_column_families(True)
     opts.create_if_missing(True)
     opts.set_compression_type(rd.DBCompressionType.none())
