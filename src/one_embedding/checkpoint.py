@@ -52,15 +52,18 @@ def _split(state_dict: dict, prefix: str) -> tuple[dict, dict]:
 
 
 def save_checkpoint(name: str, embedding, *, model=None, optimizer=None, lr_schedule=None,
-                    state: dict | None = None, config: dict | None = None) -> None:
+                    state: dict | None = None, config: dict | None = None,
+                    state_arrays: dict | None = None) -> None:
     """Save snapshot ``name`` of ``embedding`` with the training state beside its rows.
 
     model / optimizer / lr_schedule: objects with ``state_dict()`` (``nn.Module``,
     ``one_embedding.Optimizer``, an ``optim.lr_schedules`` schedule), each optional; state: JSON
-    values of the caller's own (``state["step"]`` names the checkpoint's step); config: the run's
-    configuration, kept for comparison on resume. Durable and complete when it returns.
+    values of the caller's own (``state["step"]`` names the checkpoint's step); state_arrays:
+    numpy arrays of the caller's own, kept binary beside the model's (a run's per-step losses:
+    in JSON they made every checkpoint grow with the run); config: the run's configuration,
+    kept for comparison on resume. Durable and complete when it returns.
     """
-    arrays, scalars = {}, {}
+    arrays, scalars = {f"state/{k}": np.asarray(v) for k, v in (state_arrays or {}).items()}, {}
     for key, obj in (("model", model), ("optimizer", optimizer), ("lr_schedule", lr_schedule)):
         if obj is not None:
             a, s = _split(obj.state_dict(), key)
@@ -92,7 +95,7 @@ def load_checkpoint(name: str, embedding, *, model=None, optimizer=None, lr_sche
     """Load checkpoint ``name``: the embedding's rows, and the state of whichever of model /
     optimizer / lr_schedule is given; ``world``: of the set saved by that many ranks (default:
     this world's, else the newest other set holding it). Returns ``{"state": ..., "config":
-    ...}`` as saved."""
+    ..., "state_arrays": ...}`` as saved."""
     manifest = embedding.load_snapshot(name) if world is None else \
         embedding.load_snapshot(name, saved_by=world)
     if "checkpoint" not in manifest:
@@ -115,7 +118,9 @@ def load_checkpoint(name: str, embedding, *, model=None, optimizer=None, lr_sche
         prefix = f"{key}/"
         obj.load_state_dict({**record[key], **{k[len(prefix):]: v for k, v in arrays.items()
                                                if k.startswith(prefix)}})
-    return {"state": record.get("state", {}), "config": record.get("config")}
+    return {"state": record.get("state", {}), "config": record.get("config"),
+            "state_arrays": {k[len("state/"):]: v for k, v in arrays.items()
+                             if k.startswith("state/")}}
 
 
 def checkpoints(rank_folder: str, damaged: list | None = None) -> list[tuple[int, str]]:

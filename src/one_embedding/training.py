@@ -332,8 +332,11 @@ class Trainer:
     def save_checkpoint(self, name: str) -> None:
         """The embedding's rows and everything the run needs to continue bit-identically."""
         p = self.progress
+        # the per-step losses go binary beside the model's arrays: as JSON they made each
+        # checkpoint grow with the run (18 MB and 5 s a save at a million steps)
+        progress = {k: v for k, v in asdict(p).items() if k != "losses"}
         state = {"step": p.step, "epoch": p.epoch, "batches_in_epoch": p.batches_in_epoch,
-                 "progress": asdict(p), "world_size": self.comm.world,
+                 "progress": progress, "world_size": self.comm.world,
                  "train_loader": self._loader_state(),
                  # this rank's exchange bytes so far: a resumed run's totals go on from them
                  "traffic": asdict(self.embedding.traffic),
@@ -343,7 +346,8 @@ class Trainer:
                  # raw features -> model inputs, for serving (one_embedding.serving)
                  "features": FeatureTransform.for_config(self.cfg).as_dict()}
         save_checkpoint(name, self.embedding, model=self.model, optimizer=self.optimizer,
-                        lr_schedule=self.lr_schedule, state=state, config=asdict(self.cfg))
+                        lr_schedule=self.lr_schedule, state=state, config=asdict(self.cfg),
+                        state_arrays={"losses": np.asarray(p.losses, np.float64)})
 
     def _loader_state(self):
         state_dict = getattr(self.train_loader, "state_dict", None)
@@ -388,7 +392,11 @@ class Trainer:
                                  lr_schedule=self.lr_schedule, world=saved_by)
         state = record["state"]
         saved = state["progress"]
-        self.progress = TrainProgress(**{**saved, "phase_seconds": dict(saved["phase_seconds"])})
+        # the losses are binary (older checkpoints: a JSON list in the progress)
+        losses = record.get("state_arrays", {}).get("losses")
+        self.progress = TrainProgress(**{**saved, "phase_seconds": dict(saved["phase_seconds"]),
+                                         "losses": saved.get("losses") if losses is None
+                                         else losses.tolist()})
         loader = state.get("train_loader")
         if loader is not None and hasattr(self.train_loader, "load_state_dict"):
             self.train_loader.load_state_dict(loader)

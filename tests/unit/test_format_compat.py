@@ -276,3 +276,45 @@ def test_inspect_names_a_newer_versions_checkpoint_on_stderr_and_exits_1(tmp_pat
     assert cli.main(["inspect", path]) == 1   # a script sees it cannot be read here
     err = capsys.readouterr().err
     assert "inspect: written by a newer version:" in err and "upgrade" in err
+
+
+def test_a_checkpoint_with_its_losses_in_json_resumes_as_one_with_them_binary(tmp_path):
+    """Checkpoints before the losses went binary (state/losses in arrays.npz) kept them as a JSON
+    list in state.json's progress: such a run resumes to the same final record."""
+    import io
+    import os
+
+    from one_embedding.config import TrainConfig
+    from one_embedding.store.durable import file_crc32
+    from one_embedding.store.snapshots import MANIFEST, _manifest_crc
+    from one_embedding.training import Trainer
+
+    tiny = dict(batch_size=128, synthetic_rows=4_000, synthetic_scale=0.001, eval_batches=2,
+                snapshot_interval=4)
+
+    def run(path, steps, resume=False):
+        cfg = TrainConfig(steps=steps, persistent_path=str(path), resume=resume, **tiny)
+        return Trainer(cfg, metrics_path=os.devnull, progress=False).run()
+
+    want = run(tmp_path / "whole", 8)
+    run(tmp_path / "old", 4)
+    folder = tmp_path / "old" / "0-1" / "snapshots" / "final"
+    trainer = folder / "trainer"
+    state = json.loads((trainer / "state.json").read_text())
+    with np.load(trainer / "arrays.npz") as npz:
+        arrays = {k: npz[k] for k in npz.files}
+    state["state"]["progress"]["losses"] = arrays.pop("state/losses").tolist()
+    (trainer / "state.json").write_text(json.dumps(state))
+    buffer = io.BytesIO()
+    np.savez(buffer, **arrays)
+    (trainer / "arrays.npz").write_bytes(buffer.getvalue())
+    with open(folder / MANIFEST) as f:
+        m = json.load(f)
+    for rel in ("trainer/state.json", "trainer/arrays.npz"):
+        m["files"][rel] = {"bytes": os.path.getsize(folder / rel),
+                           "crc32": file_crc32(str(folder / rel))}
+    m["manifest_crc32"] = _manifest_crc(m)
+    (folder / MANIFEST).write_text(json.dumps(m))
+    got = run(tmp_path / "old", 8, resume=True)
+    for key in ("loss_first_10pct", "loss_last_10pct", "auc", "logloss", "samples"):
+        assert got[key] == want[key], key
