@@ -37,7 +37,6 @@ from .backend import array_namespace, embedding_device, to_numpy
 from .errors import ConfigError
 from .interrupts import CtrlC, interrupt_of, iterating
 from . import host_sync
-from .metrics import check_labels, log_loss, roc_auc
 from .nn import amp
 from .optim.loss_scale import LossScaler
 from .resume_config import resumed_config
@@ -67,6 +66,7 @@ from .training_setup import (
     build_model,
     check_same_config,
     device_namespace,
+    evaluate,
     make_loaders,
     make_lr_schedule,
     rank_block,
@@ -79,33 +79,6 @@ __all__ = ["TrainConfig", "Trainer", "TrainingInterrupted", "train", "evaluate",
 
 #: a "train" record every this many steps (and after the first)
 TRAIN_RECORD_EVERY = 10  # the default of --log-interval
-
-
-def evaluate(model, loader, max_batches: int, comm=None) -> dict:
-    """AUC and log loss of ``model`` over ``loader`` (at most ``max_batches``; 0: all).
-
-    With several ranks each scores its block of every batch and the predictions are gathered,
-    so every rank returns the metrics of the whole evaluation set."""
-    rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
-    model.eval()
-    labels, logits = [], []
-    with iterating(loader) as batches:
-        for i, batch in enumerate(batches):
-            if max_batches and i >= max_batches:
-                break
-            batch = rank_block(batch, rank, world)
-            check_labels(to_numpy(batch.labels), f"evaluation batch {i}")
-            dense = array_namespace(next(model.parameters()).data).asarray(batch.dense)
-            logits.append(to_numpy(model(dense, batch.ids)).astype(np.float64))
-            labels.append(batch.labels)
-    model.train()
-    if world > 1:
-        labels = [comm.allgather(np.concatenate(labels) if labels else np.empty(0, np.float32))]
-        logits = [comm.allgather(np.concatenate(logits) if logits else np.empty(0, np.float64))]
-    if not labels or not labels[0].size:
-        return {"auc": float("nan"), "logloss": float("nan"), "eval_samples": 0}
-    y, z = np.concatenate(labels), np.concatenate(logits)
-    return {"auc": roc_auc(y, z), "logloss": log_loss(y, z), "eval_samples": int(y.size)}
 
 
 #: the feature lifecycle's counters in the final record, summed over the ranks

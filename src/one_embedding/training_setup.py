@@ -8,10 +8,12 @@ from dataclasses import asdict
 
 import numpy as np
 
-from .backend import cupy_available
+from .backend import array_namespace, cupy_available, to_numpy
 from .config import TrainConfig
 from .data import BatchLoader, SyntheticCriteo
 from .errors import ConfigError
+from .interrupts import iterating
+from .metrics import check_labels, log_loss, roc_auc
 from .models import DCN, DLRM, DeepFM
 from .optim.lr_schedules import LinearWarmup, LRSchedule, WarmupPolynomialDecay
 from .options import (
@@ -156,3 +158,29 @@ def check_same_config(cfg: TrainConfig, comm) -> None:
                           "every rank with the same flags and environment (mpiexec -n P "
                           "one-embedding train ...)")
 
+
+def evaluate(model, loader, max_batches: int, comm=None) -> dict:
+    """AUC and log loss of ``model`` over ``loader`` (at most ``max_batches``; 0: all).
+
+    With several ranks each scores its block of every batch and the predictions are gathered,
+    so every rank returns the metrics of the whole evaluation set."""
+    rank, world = (comm.rank, comm.world) if comm is not None else (0, 1)
+    model.eval()
+    labels, logits = [], []
+    with iterating(loader) as batches:
+        for i, batch in enumerate(batches):
+            if max_batches and i >= max_batches:
+                break
+            batch = rank_block(batch, rank, world)
+            check_labels(to_numpy(batch.labels), f"evaluation batch {i}")
+            dense = array_namespace(next(model.parameters()).data).asarray(batch.dense)
+            logits.append(to_numpy(model(dense, batch.ids)).astype(np.float64))
+            labels.append(batch.labels)
+    model.train()
+    if world > 1:
+        labels = [comm.allgather(np.concatenate(labels) if labels else np.empty(0, np.float32))]
+        logits = [comm.allgather(np.concatenate(logits) if logits else np.empty(0, np.float64))]
+    if not labels or not labels[0].size:
+        return {"auc": float("nan"), "logloss": float("nan"), "eval_samples": 0}
+    y, z = np.concatenate(labels), np.concatenate(logits)
+    return {"auc": roc_auc(y, z), "logloss": log_loss(y, z), "eval_samples": int(y.size)}
