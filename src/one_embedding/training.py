@@ -33,7 +33,7 @@ import numpy as np
 from .cuda_graph import StepGraph
 from .kernels.layout_ops import InteractionInput
 from .config import MODELS, OPTIMIZERS, STORES, TrainConfig, make_row_optimizer
-from .backend import array_namespace, embedding_device, to_numpy
+from .backend import embedding_device
 from .errors import ConfigError
 from .interrupts import CtrlC, interrupt_of, iterating
 from . import host_sync
