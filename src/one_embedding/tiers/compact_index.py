@@ -17,7 +17,14 @@ keys again: ``keys_of`` is asked for every location, in location order (key file
 sequentially). A small stash takes the rare entry that 500 kicks cannot place.
 
 Arrays: ``tags`` (n_buckets * 4 + STASH,) uint8 and ``locs`` (same,) uint32, ``EMPTY`` = free;
-positions ``>= n_buckets * 4`` are the stash. Kernels are numba ``nogil`` functions.
+positions ``>= n_buckets * 4`` are the stash, its last position the *reserve* (below). Kernels are
+numba ``nogil`` functions.
+
+Interrupt safety (a KeyboardInterrupt lands between any two Python statements, never inside a
+kernel): the whole state is one tuple ``(n_buckets, tags, locs, meta)`` swapped in one
+assignment; ``meta[SIZE]``, the entry count, is kept by the kernels that change the table, in the
+same call. An insert that finds no room never holds an entry outside the table: the one in hand
+goes to the reserve, and the table grows (a new one built aside) before the next insert.
 """
 from __future__ import annotations
 
@@ -131,16 +138,33 @@ def _positions_of(tags, locs, n_buckets, keys, want, out_pos):
         out_pos[i] = found
 
 
-@njit(cache=True, nogil=True)
-def _insert(tags, locs, n_buckets, keys, new_locs, seed):
-    """Place (tag of keys[i], new_locs[i]) for every i (the keys are not in the table).
+#: ``meta``: the counters, a (1,) int64 array the kernels update with the table
+SIZE = 0
 
-    Returns (placed, in-hand tag, in-hand location): ``placed < n`` when an entry found no room
-    (the stash full too); entries 0..placed-1 are in and the in-hand one must be re-inserted
-    (it is a displaced entry, or entry ``placed`` itself) after the table grows."""
+
+@njit(cache=True, nogil=True)
+def _check_shape(tags, locs, n_buckets, meta):
+    if tags.shape[0] != locs.shape[0] or locs.shape[0] != n_buckets * WAYS + STASH \
+            or meta[SIZE] < 0 or meta[SIZE] > locs.shape[0]:
+        raise RuntimeError("compact index: its arrays and counters disagree (inconsistent state)")
+
+
+@njit(cache=True, nogil=True)
+def _insert(tags, locs, n_buckets, keys, new_locs, seed, meta):
+    """Place (tag of keys[i], new_locs[i]) for i = 0, 1, ... (the keys are not in the table);
+    ``meta[SIZE]`` counts them. Returns how many are in: fewer than n when the table is full
+    (the stash too): the entry then in hand (a displaced one, or keys[i]'s own) went to the
+    reserve, the last stash position, so no entry is ever outside the table, and the caller
+    grows the table before it inserts more. Nothing is placed while the reserve is taken."""
+    _check_shape(tags, locs, n_buckets, meta)
+    n = min(keys.shape[0], new_locs.shape[0])
+    reserve = locs.shape[0] - 1
+    if locs[reserve] != EMPTY:
+        return 0
     state = np.uint64(seed) | np.uint64(1)
     stash0 = n_buckets * WAYS
-    for i in range(keys.shape[0]):
+    done = n
+    for i in range(n):
         b, tag = _parts(keys[i], n_buckets)
         loc = np.uint32(new_locs[i])
         for kick in range(MAX_KICKS + 1):
@@ -158,15 +182,13 @@ def _insert(tags, locs, n_buckets, keys, new_locs, seed):
                     break
             if placed:
                 break
-            if kick == MAX_KICKS:  # no room within the kicks: the stash, or give up
-                for p in range(stash0, locs.shape[0]):
+            if kick == MAX_KICKS:  # no room within the kicks: the stash, else the reserve
+                for p in range(stash0, reserve + 1):
                     if locs[p] == EMPTY:
                         tags[p] = tag
                         locs[p] = loc
                         placed = True
                         break
-                if not placed:
-                    return i, tag, loc
                 break
             # evict a pseudo-random entry of one of the two buckets and carry it to its other one
             state ^= state << np.uint64(13)
@@ -177,21 +199,57 @@ def _insert(tags, locs, n_buckets, keys, new_locs, seed):
             tags[p], tag = tag, tags[p]
             locs[p], loc = loc, locs[p]
             b = _alt(victim_bucket, tag, n_buckets)
-    return keys.shape[0], np.uint8(0), EMPTY
+        meta[SIZE] += 1
+        if locs[reserve] != EMPTY:  # the reserve is taken: grow before anything more
+            done = i + 1
+            break
+    return done
 
 
 @njit(cache=True, nogil=True)
 def _occupied(locs, out):
+    """Copies the occupied positions into ``out``, as many as fit; returns how many positions
+    are occupied (more than ``out`` holds: the caller's count was wrong, nothing written past
+    its end)."""
+    room = out.shape[0]
     n = 0
     for p in range(locs.shape[0]):
         if locs[p] != EMPTY:
-            out[n] = p
+            if n < room:
+                out[n] = p
             n += 1
     return n
 
 
+@njit(cache=True, nogil=True)
+def _erase_at(locs, pos, meta):
+    """Free the entries at ``pos`` (-1, a position out of range or one already free: ignored)."""
+    for i in range(pos.shape[0]):
+        p = pos[i]
+        if 0 <= p < locs.shape[0] and locs[p] != EMPTY:
+            locs[p] = EMPTY
+            meta[SIZE] -= 1
+
+
+@njit(cache=True, nogil=True)
+def _set_at(locs, pos, new_locs):
+    """Move the entries at ``pos`` to ``new_locs`` (free or out-of-range positions ignored: an
+    entry is never made here, so the count stays right)."""
+    for i in range(min(pos.shape[0], new_locs.shape[0])):
+        p = pos[i]
+        if 0 <= p < locs.shape[0] and locs[p] != EMPTY:
+            locs[p] = np.uint32(new_locs[i])
+
+
 def _buckets_for(n_keys: int) -> int:
     return max(_MIN_BUCKETS, -(-int(n_keys / MAX_LOAD) // WAYS))
+
+
+def _fresh(n_buckets: int) -> tuple:
+    """A new, empty state tuple ``(n_buckets, tags, locs, meta)``."""
+    n_buckets = int(n_buckets)
+    return (n_buckets, np.zeros(n_buckets * WAYS + STASH, np.uint8),
+            np.full(n_buckets * WAYS + STASH, EMPTY, np.uint32), np.zeros(1, np.int64))
 
 
 class CompactIndex:
@@ -199,47 +257,65 @@ class CompactIndex:
 
     ``keys_of(locations (m,) int64) -> keys (m,) uint64`` must answer for every location held,
     and for the new locations of an ``upsert`` before the call (the rows are written first).
+
+    Interrupt safety: the state is one tuple ``_st = (n_buckets, tags, locs, meta)``; a kernel
+    changes the table and ``meta[SIZE]`` together, growth and clear build a new tuple aside and
+    swap it in one assignment. After a KeyboardInterrupt anywhere, every entry held before the
+    call is held (at its old location or the new one) and the count agrees with the table; an
+    interrupted ``insert_new`` / ``upsert`` has placed a prefix of its keys (the retry places
+    the rest).
     """
 
     def __init__(self, expected_keys: int = 0):
-        self._allocate(_buckets_for(expected_keys))
-        self._size = 0
+        self._st = _fresh(_buckets_for(expected_keys))
         self._seed = 0x2545F4914F6CDD1D
 
-    def _allocate(self, n_buckets: int) -> None:
-        self.n_buckets = int(n_buckets)
-        self._tags = np.zeros(self.n_buckets * WAYS + STASH, np.uint8)
-        self._locs = np.full(self.n_buckets * WAYS + STASH, EMPTY, np.uint32)
+    # the parts of the current state (read-only use)
+    @property
+    def n_buckets(self) -> int:
+        return self._st[0]
+
+    @property
+    def _tags(self) -> np.ndarray:
+        return self._st[1]
+
+    @property
+    def _locs(self) -> np.ndarray:
+        return self._st[2]
 
     def __len__(self) -> int:
-        return self._size
+        return int(self._st[3][SIZE])
 
     @property
     def nbytes(self) -> int:
-        return self._tags.nbytes + self._locs.nbytes
+        st = self._st
+        return st[1].nbytes + st[2].nbytes
 
     @property
     def load(self) -> float:
-        return self._size / (self.n_buckets * WAYS)
+        st = self._st
+        return int(st[3][SIZE]) / (st[0] * WAYS)
 
     # -- reads ----------------------------------------------------------------------------
-    def _candidates(self, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def _candidates(self, st: tuple, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """(owner (c,) int64, positions (c,) int64): every entry whose tag matches a key."""
+        n_buckets, tags, locs, _ = st
         counts = np.empty(keys.shape[0], np.int64)
-        _count_candidates(self._tags, self._locs, self.n_buckets, keys, counts)
+        _count_candidates(tags, locs, n_buckets, keys, counts)
         starts = np.zeros(keys.shape[0], np.int64)
         np.cumsum(counts[:-1], out=starts[1:])
         pos = np.empty(int(counts.sum()), np.int64)
-        _fill_candidates(self._tags, self._locs, self.n_buckets, keys, starts, pos)
+        _fill_candidates(tags, locs, n_buckets, keys, starts, pos)
         return np.repeat(np.arange(keys.shape[0], dtype=np.int64), counts), pos
 
     def positions(self, keys: np.ndarray, keys_of: KeysOf) -> np.ndarray:
         """keys: (n,) uint64 -> (n,) int64 position of each key's entry, -1 where absent."""
         keys = np.ascontiguousarray(keys, np.uint64)
+        st = self._st
         out = np.full(keys.shape[0], -1, np.int64)
-        owner, pos = self._candidates(keys)
+        owner, pos = self._candidates(st, keys)
         if pos.shape[0]:
-            match = keys_of(self._locs[pos].astype(np.int64)) == keys[owner]
+            match = keys_of(st[2][pos].astype(np.int64)) == keys[owner]
             out[owner[match]] = pos[match]
         return out
 
@@ -250,7 +326,7 @@ class CompactIndex:
 
     def locations_at(self, pos: np.ndarray) -> np.ndarray:
         """pos: (n,) int64 from ``positions`` -> locations (n,) int64 (-1 where pos is -1)."""
-        out = self._locs[np.maximum(pos, 0)].astype(np.int64)
+        out = self._st[2][np.maximum(pos, 0)].astype(np.int64)
         out[pos < 0] = -1
         return out
 
@@ -258,27 +334,41 @@ class CompactIndex:
         """keys: (n,) uint64, locations: (n,) int64 -> position (n,) int64 of the entry of
         ``keys[i]`` that holds ``locations[i]``, -1 where that row is no longer current."""
         keys = np.ascontiguousarray(keys, np.uint64)
+        locations = np.ascontiguousarray(locations, np.int64)
+        if locations.shape[0] != keys.shape[0]:
+            raise ValueError(f"{keys.shape[0]} keys but {locations.shape[0]} locations")
+        n_buckets, tags, locs, _ = self._st
         out = np.empty(keys.shape[0], np.int64)
-        _positions_of(self._tags, self._locs, self.n_buckets, keys,
-                      np.ascontiguousarray(locations, np.int64), out)
+        _positions_of(tags, locs, n_buckets, keys, locations, out)
         return out
 
     def locations(self) -> np.ndarray:
         """Every held location (n,) int64, in table order."""
-        pos = np.empty(self._size, np.int64)
-        n = _occupied(self._locs, pos)
-        return self._locs[pos[:n]].astype(np.int64)
+        _, _, locs, meta = self._st
+        size = int(meta[SIZE])
+        pos = np.empty(size, np.int64)
+        n = _occupied(locs, pos)
+        if n != size:
+            raise RuntimeError(f"compact index: {n} entries are held but its size is {size} "
+                               "(inconsistent state); load a snapshot")
+        return locs[pos].astype(np.int64)
 
     # -- writes ---------------------------------------------------------------------------
     def set_locations(self, pos: np.ndarray, locations: np.ndarray) -> None:
         """Move existing entries (pos from ``positions``) to new locations."""
-        self._locs[pos] = np.asarray(locations, np.int64).astype(np.uint32)
+        pos = np.ascontiguousarray(pos, np.int64)
+        locations = np.ascontiguousarray(locations, np.int64)
+        if locations.shape[0] != pos.shape[0]:
+            raise ValueError(f"{pos.shape[0]} positions but {locations.shape[0]} locations")
+        if locations.shape[0] and locations.max() > MAX_LOCATION:
+            raise OverflowError(f"location {int(locations.max())} exceeds {MAX_LOCATION}")
+        _set_at(self._st[2], pos, locations)
 
     def erase_at(self, pos: np.ndarray) -> None:
-        """Remove the entries at ``pos`` (from ``positions``; -1 ignored)."""
-        pos = pos[pos >= 0]
-        self._locs[pos] = EMPTY
-        self._size -= int(pos.shape[0])
+        """Remove the entries at ``pos`` (from ``positions``; -1 ignored): all of them, in one
+        kernel that keeps the count with the table."""
+        _, _, locs, meta = self._st
+        _erase_at(locs, np.ascontiguousarray(pos, np.int64), meta)
 
     def insert_new(self, keys: np.ndarray, locations: np.ndarray, keys_of: KeysOf) -> None:
         """Add keys (n,) uint64 that are not in the index, at locations (n,) int64."""
@@ -286,24 +376,22 @@ class CompactIndex:
         locations = np.ascontiguousarray(locations, np.int64)
         if keys.shape[0] == 0:
             return
+        if locations.shape[0] != keys.shape[0]:
+            raise ValueError(f"{keys.shape[0]} keys but {locations.shape[0]} locations")
         if locations.max() > MAX_LOCATION:
             raise OverflowError(f"location {int(locations.max())} exceeds {MAX_LOCATION}")
-        if (self._size + keys.shape[0]) > MAX_LOAD * self.n_buckets * WAYS:
-            self._grow(self._size + keys.shape[0], keys_of)
+        st = self._st
+        if int(st[3][SIZE]) + keys.shape[0] > MAX_LOAD * st[0] * WAYS:
+            st = self._grow(int(st[3][SIZE]) + keys.shape[0], keys_of)
         start = 0
         while start < keys.shape[0]:
+            n_buckets, tags, locs, meta = st
+            if locs[-1] != EMPTY:  # the reserve is taken: the table is full
+                st = self._grow(int(meta[SIZE]) + keys.shape[0] - start, keys_of)
+                continue
             self._seed += 1
-            placed, tag, loc = _insert(self._tags, self._locs, self.n_buckets, keys[start:],
-                                       locations[start:], self._seed)
-            self._size += int(placed)
-            start += int(placed)
-            if start < keys.shape[0]:
-                # the stash is full: key ``start`` is either in the table (it displaced the
-                # entry in hand) or is itself in hand; a rebuild with the entry in hand (its key
-                # comes from keys_of) holds it either way
-                hand = np.array([int(loc)], np.int64)
-                self._grow(self._size + keys.shape[0] - start, keys_of, extra=hand)
-                start += 1
+            start += int(_insert(tags, locs, n_buckets, keys[start:], locations[start:],
+                                 self._seed, meta))
 
     def upsert(self, keys: np.ndarray, locations: np.ndarray, keys_of: KeysOf) -> np.ndarray:
         """keys: (n,) uint64 unique -> their entries now hold ``locations`` (n,) int64; returns
@@ -317,31 +405,33 @@ class CompactIndex:
         self.insert_new(keys[~known], locations[~known], keys_of)
         return old
 
-    def _grow(self, need: int, keys_of: KeysOf, extra: np.ndarray | None = None) -> None:
-        """Rebuild with room for ``need`` keys at MAX_LOAD / GROWTH; ``extra``: locations not in
-        the table yet (an entry in hand) to place too."""
+    def _grow(self, need: int, keys_of: KeysOf) -> tuple:
+        """Rebuild with room for ``need`` keys at MAX_LOAD / GROWTH: a new state built aside
+        (every held entry, the reserve's included) and swapped in whole. Returns it."""
+        st = self._st
         held = self.locations()
-        if extra is not None:
-            held = np.concatenate([held, extra])
-        n_buckets = max(_buckets_for(need * GROWTH), int(self.n_buckets * GROWTH) + 1)
+        n_buckets = max(_buckets_for(need * GROWTH), int(st[0] * GROWTH) + 1)
         while True:
-            self._allocate(n_buckets)
-            if self._refill(held, keys_of):
-                return
+            new = self._refill(n_buckets, held, keys_of)
+            if new is not None:
+                self._st = new
+                return new
             n_buckets = int(n_buckets * GROWTH) + 1  # pathological: grow more
 
-    def _refill(self, held: np.ndarray, keys_of: KeysOf, chunk: int = 1 << 20) -> bool:
+    def _refill(self, n_buckets: int, held: np.ndarray, keys_of: KeysOf,
+                chunk: int = 1 << 20) -> tuple | None:
+        """A new state of ``n_buckets`` holding the locations ``held``, or None if they did not
+        fit (the reserve was needed)."""
+        new = _fresh(n_buckets)
+        _, tags, locs, meta = new
         held = np.sort(held)  # location order: the key files are read near sequentially
         for start in range(0, held.shape[0], chunk):
-            locs = held[start:start + chunk]
+            part = held[start:start + chunk]
             self._seed += 1
-            placed, _, _ = _insert(self._tags, self._locs, self.n_buckets, keys_of(locs), locs,
-                                   self._seed)
-            if placed < locs.shape[0]:
-                return False
-        self._size = int(held.shape[0])
-        return True
+            placed = _insert(tags, locs, n_buckets, keys_of(part), part, self._seed, meta)
+            if placed < part.shape[0] or locs[-1] != EMPTY:
+                return None
+        return new
 
     def clear(self) -> None:
-        self._allocate(_MIN_BUCKETS)
-        self._size = 0
+        self._st = _fresh(_MIN_BUCKETS)
