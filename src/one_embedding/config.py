@@ -201,6 +201,10 @@ class TrainConfig:
                                    "backward; fixed shapes) once as a CUDA graph and replay it "
                                    "(same results, bit for bit); --no-cuda-graph launches every "
                                    "kernel each step. Nothing changes on the CPU")
+    blas_threads: int = option(0, group="training", at_least=0,
+                               help="BLAS threads per rank for the dense layers (0: half of the "
+                                    "rank's share of the cores, at least 1; the other half runs "
+                                    "the prefetch, the loader and the synthetic generator)")
     prefetch_depth: int = option(1, group="training", at_least=0,
                                  help="batches whose ID shuffle and row lookups run ahead on a "
                                       "background thread while the current batch computes "

@@ -17,7 +17,7 @@ LEGACY_CONFIG = {"ftrl_convention": "tensorflow"}
 RESUME_MAY_CHANGE = {"steps", "epochs", "log_interval", "eval_interval", "eval_batches",
                      "snapshot_interval", "snapshot_name", "keep_snapshots", "prefetch_depth",
                      "read_ahead", "cache_mb", "host_cache_mb", "capacity", "resume", "overwrite",
-                     "persistent_path", "cuda_graph", "comm"}
+                     "persistent_path", "cuda_graph", "comm", "blas_threads"}
 
 
 def resumed_config(cfg: TrainConfig, saved: dict | None, name: str) -> TrainConfig:

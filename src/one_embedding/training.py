@@ -104,7 +104,8 @@ class Trainer:
         self.cfg = cfg
         self.xp = device_namespace(cfg.device)      # no GPU for --device cuda: refused here
         self.comm = training_comm(cfg.comm, self.xp is not np)
-        share_cores(self.comm.local_size)
+        # this run's BLAS threads, given back at close (a program goes on with its own)
+        self._blas_limits = share_cores(self.comm.local_size, cfg.blas_threads)
         check_same_config(cfg, self.comm)
         if cfg.batch_size % self.comm.world:
             raise ConfigError(f"batch_size={cfg.batch_size} (--batch-size, the global batch) does "
@@ -575,6 +576,9 @@ class Trainer:
         if self.writer is not None:
             self.writer.close()
         self.embedding.close()
+        limits, self._blas_limits = getattr(self, "_blas_limits", None), None
+        if limits is not None:
+            limits.restore_original_limits()
 
 
 def train(cfg: TrainConfig, metrics_path: str | None = None, progress: bool = True,

@@ -118,13 +118,25 @@ def device_namespace(device: str):
     return cupy
 
 
-def share_cores(local_ranks: int) -> None:
-    """Ranks on one machine share its cores: give each one BLAS threads for its share, so that
-    P ranks do not run P x (all cores) threads against each other."""
-    if local_ranks > 1:
-        from threadpoolctl import threadpool_limits
+def blas_threads_for(local_ranks: int, blas_threads: int = 0) -> int:
+    """BLAS threads per rank: ``blas_threads`` when given, else half of the rank's share of the
+    machine's cores (at least 1). The other half runs what overlaps the step: the prefetch
+    thread's lookups, the loader's decode threads, the synthetic generator's pool. OpenBLAS's
+    idle workers spin: on the 2-core VM two BLAS threads beside those took twice the CPU per
+    step of one (39 ms against 19 at the README's shapes, 42.7-64k against 58-71k samples/s),
+    and 7-9x the time on a busy machine (fault campaign of 2026-12-07)."""
+    if blas_threads:
+        return int(blas_threads)
+    return max(1, (os.cpu_count() or 1) // max(1, local_ranks) // 2)
 
-        threadpool_limits(max(1, (os.cpu_count() or 1) // local_ranks), user_api="blas")
+
+def share_cores(local_ranks: int, blas_threads: int = 0):
+    """Limit this process's BLAS threads to ``blas_threads_for(local_ranks, blas_threads)``
+    (ranks on one machine share its cores: P ranks do not run P x (all cores) threads against
+    each other). Returns the limiter, whose ``restore_original_limits()`` undoes it."""
+    from threadpoolctl import threadpool_limits
+
+    return threadpool_limits(blas_threads_for(local_ranks, blas_threads), user_api="blas")
 
 
 def rank_block(batch, rank: int, world: int):
