@@ -55,6 +55,7 @@ import atexit
 import contextlib
 import queue
 import threading
+import time
 import weakref
 from typing import Callable, Iterable, Iterator
 
@@ -132,6 +133,9 @@ class Prefetcher:
         self._prepared = 0          # batches whose prepare the thread began
         # after close: the thread stops once it has begun this many (see the module docstring)
         self._stop_after = 0
+        #: seconds the consumer's thread spent preparing (depth 0: every lookup runs inside the
+        #: iteration), which a caller timing its wait for the next item counts as lookup work
+        self.inline_prepare_seconds = 0.0
 
     def _prepare(self, batch):
         return self.embedding.prepare(self._ids(batch), self._table_ids(batch))
@@ -139,7 +143,10 @@ class Prefetcher:
     def __iter__(self) -> Iterator:
         if self.depth == 0:
             for batch in self._batches:
-                yield batch, self._prepare(batch)
+                started = time.perf_counter()
+                state = self._prepare(batch)
+                self.inline_prepare_seconds += time.perf_counter() - started
+                yield batch, state
             return
         self._queue = queue.Queue(maxsize=self.depth)
         self._thread = threading.Thread(target=self._work, name="one_embedding-prefetch",

@@ -443,7 +443,11 @@ class Trainer:
                 t0 = time.perf_counter()
                 wait = t0
                 for (epoch, batch), state in prefetcher:
-                    progress.phase_seconds["wait"] += time.perf_counter() - wait
+                    # a lookup made inside the iteration (depth 0) is embedding work, not wait
+                    looked_up, prefetcher.inline_prepare_seconds = \
+                        prefetcher.inline_prepare_seconds, 0.0
+                    progress.phase_seconds["wait"] += time.perf_counter() - wait - looked_up
+                    progress.phase_seconds["embedding"] += looked_up
                     ctrl_c.check()
                     if self.checks is not None:
                         self.checks.step = progress.step + 1
