@@ -50,8 +50,19 @@ class MemoryStore(StoreTier):
         self._warned = False
         self._writes = 0  # changes so far (puts, erases, clears, loads)
         self._saved = None  # (writes, snapshots root, {file: inode}) of the last snapshot written
+        #: keys (m,) uint64 an insert found absent, while its new keys may point at rows not yet
+        #: written (an interrupt there: ``_settle`` erases them, the insert did not happen)
+        self._pending = None
+
+    def _settle(self) -> None:
+        """Undo the new keys of an insert that an interrupt stopped before its rows were
+        written (erasing absent keys is a no-op: safe to run again)."""
+        if self._pending is not None:
+            self._index.erase(self._pending)
+            self._pending = None
 
     def __len__(self) -> int:
+        self._settle()
         return len(self._index)
 
     @property
@@ -82,16 +93,27 @@ class MemoryStore(StoreTier):
         self._rows = grown
 
     def find(self, keys, out, out_rows):
+        self._settle()
         return copy_found_rows(self._rows, self._index.find(keys), out, out_rows)
 
     def insert_or_assign(self, keys, lines):
+        """Interrupt safety: a new key must never point at a row not yet written (zeros, or an
+        erased key's row): the keys not yet held are recorded first (``_pending``) and erased
+        again by the next call if an interrupt stops this one before its rows are written."""
+        self._settle()
         self._writes += 1
+        keys = np.ascontiguousarray(keys, np.uint64)
+        absent = self._index.find(keys) < 0
+        if absent.any():
+            self._pending = keys[absent]
         slots, _ = self._index.find_or_insert(keys)
         self._ensure_rows(self._index.slot_limit)
         self._rows[slots] = lines
+        self._pending = None
         return empty_lines(self.line_size)
 
     def _sorted_items(self) -> tuple[np.ndarray, np.ndarray]:
+        self._settle()
         keys, slots = self._index.items()
         order = np.argsort(keys, kind="stable")  # deterministic export order
         return keys[order], slots[order]
@@ -105,9 +127,11 @@ class MemoryStore(StoreTier):
     def clear(self) -> None:
         self._writes += 1
         self._index.clear()
+        self._pending = None
 
     def erase(self, keys) -> int:
         """Drop keys (n,) uint64; their rows are reused by later keys."""
+        self._settle()
         self._writes += 1
         return int((self._index.erase(keys) >= 0).sum())
 
