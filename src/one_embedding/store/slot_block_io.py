@@ -87,6 +87,7 @@ class SlotBlockIO:
 
         Each distinct block is read once, in file order, ``io_threads`` reads in flight."""
         self._check()
+        self._settle_write()  # (a block an interrupted write left on disk is put back)
         n = locs.shape[0]
         if out is None:
             out = np.empty((n, self.line_size), np.float32)
@@ -177,11 +178,67 @@ class SlotBlockIO:
                 self._legacy[index] = seg.checksum == seg_files.LEGACY_BLOCK_CHECKSUM
         return self._legacy
 
+    #: a block write not yet settled (interrupt safety): None, or (segment, redo). ``redo`` is
+    #: None while the blocks are written (the segment's state is the one before the write, but
+    #: its partly filled last block may hold a newer image on disk), else the segment's state
+    #: after the write: (n_slots, rows written, first block, block checksums from it, rows CRC,
+    #: CRC blocks, tail), applied by ``_settle_write`` (again, after an interrupt: idempotent)
+    _unsettled = None
+
+    def _settle_write(self, recovering: bool = True) -> None:
+        """Finish what a write an interrupt stopped left: its new state is applied if its blocks
+        were all written, else the image of the partly filled last block it may have
+        overwritten on disk goes back (the retry writes the rows again). Every read, write,
+        erase and seal calls it first."""
+        pending = self._unsettled
+        if pending is None:
+            return
+        seg, redo = pending
+        live = self._segments.get(seg.index) is seg and seg.info is None and not seg.sealed
+        if live and redo is not None:
+            s1, m, first_block, sums, rows_crc, crc_blocks, tail = redo
+            seg.sums[first_block:first_block + sums.shape[0]] = sums
+            seg.rows_crc, seg.crc_blocks, seg.tail = rows_crc, crc_blocks, tail
+            if recovering:  # (an interrupt may have stopped the count between the two)
+                seg.n_slots = s1
+                self._slots_total = sum(s.n_slots for s in self._segments.values())
+            else:
+                seg.n_slots = s1
+                self._slots_total += m
+        elif live and seg.tail is not None:
+            self._write_blocks(seg, seg.n_slots // self.pool.rows_per_block, [seg.tail])
+        self._unsettled = None
+
+    def _write_blocks(self, seg, first: int, images) -> None:
+        """Write whole block images (bytes) to blocks first.. of ``seg``'s rows file."""
+        buf, _, raw = self._staging(self._write_buffer, len(images))
+        for i, image in enumerate(images):
+            raw[i] = np.frombuffer(image, np.uint8)
+        self._io_write(seg, np.arange(first, first + len(images), dtype=np.int64), buf)
+
+    def _io_write(self, seg, blocks: np.ndarray, buf) -> None:
+        try:
+            self._io.write(seg.fd(), blocks, self.pool.block_bytes, buf)
+        except OSError as e:
+            # (rows files are preallocated: a file system that still refuses a write, such
+            # as a copy-on-write one that is full) the rewritten last block may be half
+            # written: its earlier rows are suspect
+            self._broken = write_failed(
+                "writing the rows of", self.pool.path(seg.id, "rows"), e,
+                "load_snapshot restores the last snapshot (the live table is inconsistent)")
+            raise StoreError(f"{self.name}: {self._broken}") from None
+
     def _write_into(self, seg, keys: np.ndarray, lines: np.ndarray) -> None:
         """Rows go to slots seg.n_slots.. of ``seg``: whole blocks, the partly filled last block
         rewritten with the rows it held. The block images pass through the write buffer, where
-        the CRC32 of each block that is final (full) is taken."""
-        rpb, bb = self.pool.rows_per_block, self.pool.block_bytes
+        the CRC32 of each block that is final (full) is taken.
+
+        Interrupt safety: the segment's state (slots, block checksums, rows CRC, tail) changes
+        only once every block is written, from one record (``_unsettled``) set in one
+        assignment; an interrupt before it leaves the segment as it was (``_settle_write``
+        puts back the image of the partly filled block), after it the record is applied."""
+        self._settle_write()
+        rpb = self.pool.rows_per_block
         m = keys.shape[0]
         s0, s1 = seg.n_slots, seg.n_slots + m
         first_block, end_block = s0 // rpb, -(-s1 // rpb)
@@ -191,7 +248,10 @@ class SlotBlockIO:
         line_rows = np.arange(m, dtype=np.int64)
         chunk = self._chunk_blocks()
         final_blocks = s1 // rpb  # blocks below this are full after the write
+        rows_crc, crc_blocks, tail = seg.rows_crc, seg.crc_blocks, seg.tail
+        sums = np.empty(end_block - first_block, np.uint64)
         seg.append_keys(keys)  # first: a failure (StoreError) changes nothing of the segment
+        self._unsettled = (seg, None)
         for b0 in range(first_block, end_block, chunk):
             b1 = min(b0 + chunk, end_block)
             r0, r1 = np.searchsorted(block, [b0, b1])
@@ -206,22 +266,13 @@ class SlotBlockIO:
             if b1 == end_block and s1 % rpb:
                 view[-1, s1 % rpb:] = 0
             self._copy(_scatter, view, block[r0:r1] - b0, within[r0:r1], lines, line_rows[r0:r1])
-            seg.sums[b0:b1] = block_checksums(raw, seg.checksum)
-            try:
-                self._io.write(seg.fd(), np.arange(b0, b1, dtype=np.int64), bb, buf)
-            except OSError as e:
-                # (rows files are preallocated: a file system that still refuses a write, such
-                # as a copy-on-write one that is full) the rewritten last block may be half
-                # written: its earlier rows are suspect
-                self._broken = write_failed(
-                    "writing the rows of", self.pool.path(seg.id, "rows"), e,
-                    "load_snapshot restores the last snapshot (the live table is inconsistent)")
-                raise StoreError(f"{self.name}: {self._broken}") from None
-            for b in range(max(b0, seg.crc_blocks), min(b1, final_blocks)):
-                seg.rows_crc = zlib.crc32(raw[b - b0], seg.rows_crc)
-                seg.crc_blocks = b + 1
+            sums[b0 - first_block:b1 - first_block] = block_checksums(raw, seg.checksum)
+            self._io_write(seg, np.arange(b0, b1, dtype=np.int64), buf)
+            for b in range(max(b0, crc_blocks), min(b1, final_blocks)):
+                rows_crc = zlib.crc32(raw[b - b0], rows_crc)
+                crc_blocks = b + 1
             if b1 == end_block:
-                seg.tail = raw[-1].tobytes() if s1 % rpb else None
+                tail = raw[-1].tobytes() if s1 % rpb else None
+        self._unsettled = (seg, (s1, m, first_block, sums, rows_crc, crc_blocks, tail))
+        self._settle_write(recovering=False)
         self.io_counts["written_blocks"] += end_block - first_block
-        seg.n_slots = s1
-        self._slots_total += m

@@ -115,6 +115,12 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         self._slots_total = 0          # slots of every live segment, garbage included
         self._legacy = None            # index -> legacy block checksums?, rebuilt on changes
         self._broken = None            # why the live table can no longer be trusted
+        #: an erase an interrupt stopped: (segment, tombstones before, tombstones, keys,
+        #: locations), finished by ``_settle`` (``_unsettled``: the same for a block write)
+        self._pending_erase = None
+        #: the locations (n,) int64 of an insert's rows (-1: not placed yet) until the
+        #: directory points at them: an interrupt between the two is finished by ``_settle``
+        self._pending_upsert = None
         #: blocks read by finds, blocks written, rows copied by compaction, segments deleted
         self.io_counts = {"read_blocks": 0, "written_blocks": 0, "compacted_rows": 0,
                           "compactions": 0, "deleted_segments": 0}
@@ -197,24 +203,27 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         return index
 
     # -- appends and the live segments --------------------------------------------------------
-    def _append(self, keys: np.ndarray, lines: np.ndarray) -> np.ndarray:
+    def _append(self, keys: np.ndarray, lines: np.ndarray,
+                locs: np.ndarray | None = None) -> np.ndarray:
         """Append rows (keys (n,) uint64, lines (n, line_size) float32) to the active segment,
-        sealing it and starting another when it is full. Returns their locations (n,) int64.
-        The directory is not touched."""
+        sealing it and starting another when it is full. Returns their locations (n,) int64
+        (``locs``, if given, is filled: each row's before it is written). The directory is not
+        touched."""
         n = keys.shape[0]
-        locs = np.empty(n, np.int64)
+        if locs is None:
+            locs = np.empty(n, np.int64)
         done = 0
         while done < n:
-            seg = self._writable_active()
+            seg = self._writable_active(settle=False)
             if seg is None:
                 seg = self._new_segment()
             take = min(seg.capacity - seg.n_slots, n - done)
             if take == 0:
-                self._seal_active()
+                self._seal_active(settle=False)
                 continue
             start = seg.n_slots
-            self._write_into(seg, keys[done:done + take], lines[done:done + take])
             locs[done:done + take] = seg.base + np.arange(start, start + take)
+            self._write_into(seg, keys[done:done + take], lines[done:done + take])
             done += take
         return locs
 
@@ -240,10 +249,12 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         self._add(seg)
         return seg
 
-    def _writable_active(self):
+    def _writable_active(self, settle: bool = True):
         """The active segment, or None: what an interrupt left half done is finished first (a
         seal whose files are written is completed; a segment that is not in the live table, or
         no longer, is dropped)."""
+        if settle:
+            self._settle()
         seg = self._active
         if seg is None:
             return None
@@ -251,7 +262,7 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
             self._drop_stray_active(seg)
             return None
         if seg.info is not None:  # sealed on disk: no row may go there any more
-            self._seal_active()
+            self._seal_active(settle=settle)
             return None
         return seg
 
@@ -267,10 +278,12 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         self._slots_total += seg.n_slots
         self._legacy = None
 
-    def _seal_active(self) -> None:
+    def _seal_active(self, settle: bool = True) -> None:
         """Seal the active segment (an empty one just leaves). It stays the active one until
         the seal is complete: whatever stops it (a full disk, a KeyboardInterrupt), the next
         save (or write) seals it again, or finishes the seal (``SegmentPool.seal``)."""
+        if settle:
+            self._settle()
         seg = self._active
         if seg is None:
             return
@@ -292,11 +305,58 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         """Take ``seg`` out of the live table and close it (its files stay until GC). Leaving
         the live table is the first step: an interrupt after it costs a directory index at
         most (``_take_index`` does not trust the free list)."""
+        self._pending_upsert = None  # (its locations may name this segment's index again)
         del self._segments[seg.index]
         self._slots_total -= seg.n_slots
         self._free_indices.append(seg.index)
         self._legacy = None
         seg.close()
+
+    def _settle(self) -> None:
+        """Finish what an interrupt stopped: a block write (``_settle_write``), then an erase
+        (``_finish_erase``). Every write, erase, seal and save calls it first."""
+        self._settle_write()
+        if self._pending_upsert is not None:
+            self._finish_upsert()
+        if self._pending_erase is not None:
+            self._finish_erase()
+
+    def _finish_upsert(self, keys: np.ndarray | None = None,
+                       locs: np.ndarray | None = None) -> None:
+        """Point the directory at the rows ``locs`` of an insert (default: the one recorded in
+        ``_pending_upsert``); ``keys``: theirs; None: an interrupt stopped the insert, so the
+        rows written, those below their segment's slot count, are taken with their keys from
+        the key files. Safe to run again: the same keys at the same locations."""
+        if locs is None:
+            locs = self._pending_upsert
+        if keys is None:
+            seg, slot = self._split(locs)
+            ok = locs >= 0
+            for index in np.unique(seg[ok]).tolist():
+                s = self._segments.get(index)
+                written = 0 if s is None else s.n_slots
+                ok &= (seg != index) | (slot < written)
+            locs = locs[ok]
+            keys = self._keys_of(locs)
+        old = self._index.upsert(keys, locs, self._keys_of)
+        self._count_live(locs, 1)
+        self._count_live(old[old >= 0], -1)
+        self._pending_upsert = None
+
+    def _finish_erase(self) -> None:
+        """Complete the erase recorded in ``_pending_erase``, each step once whatever stopped an
+        earlier run: the tombstones go into the active segment first (the snapshot replay erases
+        the keys), then the entries that still hold the erased locations leave the directory."""
+        pending = self._pending_erase
+        seg, n_dead, tombstones, keys, locs = pending
+        if self._segments.get(seg.index) is seg and seg.info is None and not seg.sealed:
+            if len(seg.dead) == n_dead:  # (a list's extend by a list is one step)
+                seg.dead.extend(tombstones)
+            pos = self._index.positions_of_locations(keys, locs)
+            held = pos >= 0
+            self._index.erase_at(pos)
+            self._count_live(locs[held], -1)
+        self._pending_erase = None
 
     def _count_live(self, locs: np.ndarray, step: int) -> None:
         if locs.shape[0] == 0:
@@ -346,12 +406,18 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         self._check()
         keys = np.ascontiguousarray(keys, np.uint64)
         lines = np.ascontiguousarray(lines, np.float32)
+        self._settle()
         if keys.shape[0] == 0:
             return empty_lines(self.line_size)
-        locs = self._append(keys, lines)  # a full disk fails here, the directory untouched
-        old = self._index.upsert(keys, locs, self._keys_of)
-        self._count_live(locs, 1)
-        self._count_live(old[old >= 0], -1)
+        # the rows, then the directory; an interrupt between: the record finishes the insert
+        locs = np.full(keys.shape[0], -1, np.int64)
+        self._pending_upsert = locs
+        try:
+            self._append(keys, lines, locs)
+        except StoreError:  # a full disk: the directory untouched, the rows are garbage
+            self._pending_upsert = None
+            raise
+        self._finish_upsert(keys, locs)
         self._maybe_compact()
         return empty_lines(self.line_size)
 
@@ -361,21 +427,25 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         snapshot is replayed."""
         self._check()
         keys = np.ascontiguousarray(keys, np.uint64)
+        active = self._writable_active()  # (finishes what an interrupt stopped)
         pos = self._index.positions(keys, self._keys_of)
         held = pos >= 0
         if not held.any():
             return 0
-        active = self._writable_active()
         if active is None:  # first: a full disk fails here, before a key goes
             active = self._new_segment()
-        self._count_live(self._index.locations_at(pos[held]), -1)
-        self._index.erase_at(pos[held])
+        gone = keys[held]
         at = active.n_slots
-        active.dead.extend((int(k), at) for k in keys[held])
+        # one record, then its steps (``_finish_erase``): an interrupt anywhere leaves the erase
+        # undone (no record yet) or recorded, finished by the next call (a snapshot included)
+        self._pending_erase = (active, len(active.dead), [(k, at) for k in gone.tolist()],
+                               gone, self._index.locations_at(pos[held]))
+        self._finish_erase()
         self._maybe_compact()
         return int(held.sum())
 
     def export_batches(self, batch_rows: int = 1 << 16) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+        self._settle()
         locs = self._index.locations()
         keys = self._keys_of(locs)
         order = np.argsort(keys, kind="stable")
@@ -389,9 +459,11 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
         directory goes first: after an interrupt anywhere here the rows still live are garbage
         no key points at."""
         self._index.clear()
+        self._pending_erase = self._pending_upsert = None  # (nothing to finish: every row goes)
         for seg in list(self._segments.values()):
             self._forget(seg)
         self._active = None
+        self._unsettled = None
         self._broken = None
         self.collect_garbage()
 
@@ -456,7 +528,7 @@ class SlotFileStore(SlotBlockIO, SlotSnapshots, StoreTier):
                 if active is None:
                     active = self._new_segment()
                 at = active.n_slots
-                active.dead.extend((int(k), at) for k in dead[gone, 0])
+                active.dead.extend([(k, at) for k in dead[gone, 0].tolist()])
         self.io_counts["compactions"] += 1
         self._forget(seg)
 
