@@ -21,6 +21,7 @@ O_DIRECT after one warning: the code path stays the same, the bytes go through t
 """
 from __future__ import annotations
 
+import concurrent.futures
 import errno
 import mmap
 import os
@@ -230,9 +231,19 @@ class IOPool:
         if n_shares == 1:
             _run_share(kernel, op, buffer, base, *shares[0])
             return
-        futures = [self._pool.submit(_run_share, kernel, op, buffer, base, *share)
-                   for share in shares]
-        errors = [f.exception() for f in futures]
+        futures = []
+        try:
+            for share in shares:
+                futures.append(self._pool.submit(_run_share, kernel, op, buffer, base, *share))
+            errors = [f.exception() for f in futures]
+        except BaseException:
+            # a Ctrl-C while the shares run: their kernels still read or write ``buffer``
+            # through its address, so it must outlive them (freed under them, the memory
+            # corrupts); what has not started is cancelled, what has is waited for
+            for f in futures:
+                f.cancel()
+            concurrent.futures.wait(futures)
+            raise
         del pinned
         for e in errors:
             if e is not None:
