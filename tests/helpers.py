@@ -198,3 +198,22 @@ class LineCopies:
         """The ``vector`` values chosen for the launches that copy lines (line_size > 0), or for
         those that copy none."""
         return {vector for _, size, vector in self.seen if (size > 0) == with_lines}
+
+
+def check_slot_snapshot(open_store, path, model: dict, name: str = "s") -> None:
+    """A fresh slot store ``open_store(path)`` loads snapshot ``name`` (fully verified) to
+    exactly ``model`` ({key: line})."""
+    from one_embedding.store.snapshots import SnapshotDirectory
+
+    store = open_store(path)
+    try:
+        folder = SnapshotDirectory(str(path)).path(name)
+        store.verify_snapshot(folder, full=True)
+        store.load_snapshot(folder)
+        assert len(store) == len(model)
+        keys = np.array(sorted(model), np.uint64)
+        out = np.zeros((keys.shape[0], store.line_size), np.float32)
+        assert store.find(keys, out, np.arange(keys.shape[0])).shape[0] == 0
+        np.testing.assert_array_equal(out, np.stack([model[k] for k in keys.tolist()]))
+    finally:
+        store.close()

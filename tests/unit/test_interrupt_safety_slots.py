@@ -11,6 +11,8 @@ import signal
 import numpy as np
 import pytest
 
+import helpers
+
 from one_embedding.store import segments
 from one_embedding.store.segments import SegmentPool
 from one_embedding.store.slot_file import SlotFileStore
@@ -33,20 +35,7 @@ def save(store, path, name="s"):
 
 
 def check_snapshot(path, model, name="s"):
-    """A fresh store on ``path`` loads snapshot ``name`` (fully verified) to exactly ``model``."""
-    store = open_store(path)
-    try:
-        folder = SnapshotDirectory(str(path)).path(name)
-        store.verify_snapshot(folder, full=True)
-        store.load_snapshot(folder)
-        assert len(store) == len(model)
-        keys = np.array(sorted(model), np.uint64)
-        out = np.zeros((keys.shape[0], LINE), np.float32)
-        missing = store.find(keys, out, np.arange(keys.shape[0]))
-        assert missing.shape[0] == 0
-        np.testing.assert_array_equal(out, np.stack([model[k] for k in keys.tolist()]))
-    finally:
-        store.close()
+    helpers.check_slot_snapshot(open_store, path, model, name)
 
 
 def write(store, model, keys, salt):
