@@ -217,3 +217,23 @@ def check_slot_snapshot(open_store, path, model: dict, name: str = "s") -> None:
         np.testing.assert_array_equal(out, np.stack([model[k] for k in keys.tolist()]))
     finally:
         store.close()
+
+
+def slot_lines(keys, line: int, salt: float = 0.0) -> np.ndarray:
+    """(n, line) float32 lines that tell their key (and ``salt``) apart: keys (n,) uint64."""
+    k = (np.asarray(keys, np.uint64) % np.uint64(1 << 20)).astype(np.float64)[:, None]
+    return (k * 0.001 + np.arange(line) + salt).astype(np.float32)
+
+
+def save_slot_snapshot(store, path, name: str = "s") -> None:
+    """Snapshot ``name`` of a slot store under ``path``, as the shard saves one."""
+    from one_embedding.store.snapshots import SnapshotDirectory
+
+    SnapshotDirectory(str(path)).save(name, store.save_snapshot, {})
+
+
+def write_slot_lines(store, model: dict, keys, salt: float = 0.0) -> None:
+    """``slot_lines`` of ``keys`` into ``store`` and into ``model`` ({key: line})."""
+    lines = slot_lines(keys, store.line_size, salt)
+    store.insert_or_assign(keys, lines)
+    model.update(zip(np.asarray(keys).tolist(), lines))

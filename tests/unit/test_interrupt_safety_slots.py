@@ -22,26 +22,21 @@ LINE = 8
 
 
 def lines_for(keys, salt=0.0):
-    k = (keys % np.uint64(1 << 20)).astype(np.float64)[:, None]
-    return (k * 0.001 + np.arange(LINE) + salt).astype(np.float32)
+    return helpers.slot_lines(keys, LINE, salt)
 
 
 def open_store(path):
     return SlotFileStore(LINE, str(path), direct_io=False, segment_rows=1024)
 
 
-def save(store, path, name="s"):
-    SnapshotDirectory(str(path)).save(name, store.save_snapshot, {})
+save = helpers.save_slot_snapshot
 
 
 def check_snapshot(path, model, name="s"):
     helpers.check_slot_snapshot(open_store, path, model, name)
 
 
-def write(store, model, keys, salt):
-    lines = lines_for(keys, salt)
-    store.insert_or_assign(keys, lines)
-    model.update(zip(keys.tolist(), lines))
+write = helpers.write_slot_lines
 
 
 def once(monkeypatch, owner, name, after=False):
