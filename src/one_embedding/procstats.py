@@ -41,12 +41,25 @@ def rss_anon() -> int:
 def trim_heap() -> None:
     """Collect garbage and ask glibc to return free heap pages to the kernel."""
     gc.collect()
-    name = ctypes.util.find_library("c")
-    if name:
+    return_free_heap()
+
+
+_LIBC = []
+
+
+def return_free_heap() -> None:
+    """Ask glibc (``malloc_trim``) to return the free pages of its heap to the kernel; nothing
+    where there is no glibc. After a rebuild that freed large temporaries (a slot directory
+    rebuilt on load: 123 MB of RssAnon for 10 M keys, against the directory's own 60 MB), the
+    process's RSS is then what it holds."""
+    if not _LIBC:
+        name = ctypes.util.find_library("c")
         try:
-            ctypes.CDLL(name).malloc_trim(0)
+            _LIBC.append(ctypes.CDLL(name).malloc_trim if name else None)
         except (OSError, AttributeError):
-            pass
+            _LIBC.append(None)
+    if _LIBC[0] is not None:
+        _LIBC[0](0)
 
 
 def bytes_written() -> int:

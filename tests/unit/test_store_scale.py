@@ -436,3 +436,20 @@ def test_a_table_of_more_segments_than_the_file_limit_works(tmp_path):
                        capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert int(r.stdout.split()[0]) > 200
+
+
+def test_a_slot_load_gives_the_replays_free_heap_back(tmp_path, monkeypatch):
+    """After a load the free heap of the directory's rebuild stayed with the process: RssAnon
+    grew 12.6 B a key at 10 M keys against the directory's 5.95 (8.7 against 6.5 at 1 M keys,
+    measured; found by a soak campaign). The load now hands it back (``malloc_trim``)."""
+    from one_embedding.store import slot_snapshots
+
+    calls = []
+    monkeypatch.setattr(slot_snapshots, "return_free_heap", lambda: calls.append(1))
+    store = oe.make_cached_ssd_store_options(0.01, str(tmp_path / "t"), engine="slots")
+    emb = oe.MultiTableEmbedding("e", 4, np.float32, np.int64, None, store)
+    emb(np.arange(100))
+    emb.save_snapshot("s")
+    emb.load_snapshot("s")
+    emb.close()
+    assert calls == [1]
