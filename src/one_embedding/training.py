@@ -104,8 +104,6 @@ class Trainer:
         self.cfg = cfg
         self.xp = device_namespace(cfg.device)      # no GPU for --device cuda: refused here
         self.comm = training_comm(cfg.comm, self.xp is not np)
-        # this run's BLAS threads, given back at close (a program goes on with its own)
-        self._blas_limits = share_cores(self.comm.local_size, cfg.blas_threads)
         check_same_config(cfg, self.comm)
         if cfg.batch_size % self.comm.world:
             raise ConfigError(f"batch_size={cfg.batch_size} (--batch-size, the global batch) does "
@@ -390,7 +388,8 @@ class Trainer:
         """Train as configured, evaluate, snapshot; returns the final record (also written).
         Ctrl-C raises ``TrainingInterrupted``, naming the checkpoint a resume continues from
         (one that a compiled extension lost is raised at the next step: ``interrupts``)."""
-        with CtrlC() as ctrl_c:
+        # the run's BLAS threads, given back when it ends (a program goes on with its own)
+        with CtrlC() as ctrl_c, share_cores(self.comm.local_size, self.cfg.blas_threads):
             try:
                 return self._run(ctrl_c)
             except BaseException as e:
@@ -580,9 +579,6 @@ class Trainer:
         if self.writer is not None:
             self.writer.close()
         self.embedding.close()
-        limits, self._blas_limits = getattr(self, "_blas_limits", None), None
-        if limits is not None:
-            limits.restore_original_limits()
 
 
 def train(cfg: TrainConfig, metrics_path: str | None = None, progress: bool = True,

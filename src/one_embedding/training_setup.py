@@ -133,7 +133,8 @@ def blas_threads_for(local_ranks: int, blas_threads: int = 0) -> int:
 def share_cores(local_ranks: int, blas_threads: int = 0):
     """Limit this process's BLAS threads to ``blas_threads_for(local_ranks, blas_threads)``
     (ranks on one machine share its cores: P ranks do not run P x (all cores) threads against
-    each other). Returns the limiter, whose ``restore_original_limits()`` undoes it."""
+    each other). Returns the limiter: a context manager whose exit (or
+    ``restore_original_limits()``) undoes it."""
     from threadpoolctl import threadpool_limits
 
     return threadpool_limits(blas_threads_for(local_ranks, blas_threads), user_api="blas")
