@@ -299,6 +299,7 @@ def test_an_interrupted_block_write_then_another_write(tmp_path, monkeypatch):
     check_snapshot(tmp_path, model)
 
 
+@pytest.mark.slow  # an interrupt at every 7th bytecode of the call: ~10 s each
 @pytest.mark.parametrize("op", ["write", "erase"])
 def test_an_interrupt_anywhere_in_a_slot_write_or_erase(tmp_path, op):
     from one_embedding.store import slot_file
