@@ -446,10 +446,17 @@ def test_a_slot_load_gives_the_replays_free_heap_back(tmp_path, monkeypatch):
 
     calls = []
     monkeypatch.setattr(slot_snapshots, "return_free_heap", lambda: calls.append(1))
+    monkeypatch.setattr(slot_snapshots, "TRIM_AFTER_ROWS", 50)   # large, for this test
     store = oe.make_cached_ssd_store_options(0.01, str(tmp_path / "t"), engine="slots")
     emb = oe.MultiTableEmbedding("e", 4, np.float32, np.int64, None, store)
-    emb(np.arange(100))
-    emb.save_snapshot("s")
-    emb.load_snapshot("s")
+    opt = oe.Optimizer(oe.optim.SGD(lr=0.1), embeddings=[emb])
+    for n in (40, 100):   # a load of 40 rows, then of 100
+        out = emb(np.arange(n))
+        emb.backward(np.ones_like(out))
+        opt.step()
+        emb.save_snapshot(f"s{n}")
+    emb.load_snapshot("s40")
+    assert calls == []
+    emb.load_snapshot("s100")
     emb.close()
     assert calls == [1]

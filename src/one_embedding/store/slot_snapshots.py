@@ -24,6 +24,9 @@ from ..procstats import return_free_heap
 from .durable import read_array, write_bytes_atomic, write_failed
 from .segments import LEGACY_BLOCK_CHECKSUM, SegmentInfo
 
+#: a load of at least this many rows hands its rebuild's free heap back (``return_free_heap``)
+TRIM_AFTER_ROWS = 1 << 20
+
 LAYOUT_FILE = "slots.json"
 #: the format written: 3 names each segment's block checksum
 FORMAT = 3
@@ -172,8 +175,10 @@ class SlotSnapshots:
         self._next_id = max(self._next_id, 1 + max((i.id for i in infos), default=0))
         self.collect_garbage()
         # the replay's temporaries (unique keys, positions per segment) are freed by now: give
-        # their pages back, so that RSS after a load is the directory's ~6 B a key, not twice
-        return_free_heap()
+        # their pages back, so that RSS after a load is the directory's ~6 B a key, not twice.
+        # Only after a large load: malloc_trim walks the whole heap (6-100 ms a call measured)
+        if layout["rows"] >= TRIM_AFTER_ROWS:
+            return_free_heap()
 
     def _replay(self, seg, dead: np.ndarray) -> None:
         """Apply the rows of ``seg`` to the directory in slot order (the last row of a key wins)
