@@ -397,8 +397,7 @@ class Trainer:
                 # lock) and threads too: a resume in this process (a notebook, where the last
                 # error keeps this Trainer alive) found the path locked by nobody it could reach
                 self.close()
-                if isinstance(e, TrainingInterrupted) or not isinstance(
-                        e, (KeyboardInterrupt, SystemError)) or interrupt_of(e) is None:
+                if isinstance(e, TrainingInterrupted) or interrupt_of(e) is None:
                     raise
                 # the disk says what is saved: an interrupted save published nothing, and a
                 # finished one may have pruned older checkpoints already
